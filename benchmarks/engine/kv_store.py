@@ -2,8 +2,8 @@
 
 `python -m benchmarks.engine.kv_store --family llama --hidden_size 64` builds a random span of `--layers` blocks
 (float32, CPU, one thread), prefills `--prefix_tokens` tokens, then times single-token steps three ways, alternated
-in rounds in one process: "contiguous" (`SpanBackend.inference_step` on one K and one V tensor per block, what the
-deleted plain executor ran), "eager" (the engine running the blocks over its paged pool) and "fused" (the engine's
+in rounds in one process: "contiguous" (`benchmarks.common.contiguous_steps`: one K and one V tensor per block,
+what the deleted plain executor ran), "eager" (the engine running the blocks over its paged pool) and "fused" (the engine's
 fused span, where the family has one). Prints p10 and median microseconds per step.
 """
 
@@ -16,6 +16,7 @@ import time
 import torch
 import transformers as tf
 
+from benchmarks.common.contiguous_steps import contiguous_step
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     caches = [
         [torch.zeros(tuple(d.shape)) for d in per] for per in backend.cache_descriptors(span, 1, MAX_LENGTH_TOKENS)
     ]
-    backend.inference_step(span, prefix, caches, prefix_length=0, max_length=MAX_LENGTH_TOKENS)
+    contiguous_step(backend, prefix, caches, 0)
     sessions = {name: engine.open_session(1, MAX_LENGTH_TOKENS) for name, engine in engines.items()}
     for name, engine in engines.items():
         engine.step(sessions[name], prefix, 0)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 hidden, position = torch.randn(1, 1, args.hidden_size), args.prefix_tokens + i
                 started = time.perf_counter()
                 if name == "contiguous":
-                    backend.inference_step(span, hidden, caches, prefix_length=position, max_length=MAX_LENGTH_TOKENS)
+                    contiguous_step(backend, hidden, caches, position)
                 else:
                     engines[name].step(sessions[name], hidden, position)
                 times[name].append(time.perf_counter() - started)

@@ -6,7 +6,7 @@ merged decode step (CUDA graphs, inputs on the GPU, host-timed median) of: 1 ses
 on an adapter, 8 sessions on one adapter, 8 sessions on 8 different adapters and 8 base sessions; the torch ops one
 decode step adds per layer for an adapted row (the CPU profiler on the same engine, eager); the same span's engine
 without adapters at 1 and 8 sessions (what base rows should cost); each step's floor (weights + the distinct adapters' bytes + the KV prefix, / copy
-bandwidth); and the plain path a user with adapters gets today (`SpanBackend.inference_step` per session with
+bandwidth); and the plain path a user with adapters gets today (`benchmarks.common.contiguous_steps` per session with
 peft-style `LoraLinear`s under `using_adapter`: sessions one after another, nothing merged). Also the engine's
 output against the plain path's on the same prompt and token. `--shape tiny --device cpu` dry-runs the code."""
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from benchmarks.common.contiguous_steps import contiguous_step
 from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms
 from benchmarks.common.model import NAMED_SHAPES, random_blocks
@@ -149,16 +150,14 @@ def plain_round_ms(backend: SpanBackend, adapters: list[str], prefix: int, steps
     for name in adapters:
         cache = [[d.make_zeros() for d in per] for per in backend.cache_descriptors(indices, 1, length)]
         x = torch.randn(1, prefix, h, device=dev, generator=gen).to(dt)
-        backend.inference_step(indices, x, cache, prefix_length=0, max_length=length, adapter=name)
+        contiguous_step(backend, x, cache, 0, name)
         caches.append(cache)
     tokens = iter([torch.randn(1, 1, h, device=dev, generator=gen).to(dt) for _ in range((steps + 1) * len(adapters))])
     position = [prefix]
 
     def one_round() -> None:
         for name, cache in zip(adapters, caches, strict=True):
-            backend.inference_step(
-                indices, next(tokens), cache, prefix_length=position[0], max_length=length, adapter=name
-            )
+            contiguous_step(backend, next(tokens), cache, position[0], name)
         position[0] += 1
 
     return host_median_ms(one_round, steps, dev)
@@ -172,8 +171,8 @@ def agreement(engine: SpanEngine, backend: SpanBackend, name: str, prefix: int, 
     prompt = torch.randn(1, prefix, h, device=dev, generator=gen).to(dt)
     token = torch.randn(1, 1, h, device=dev, generator=gen).to(dt)
     cache = [[d.make_zeros() for d in per] for per in backend.cache_descriptors(indices, 1, prefix + 8)]
-    backend.inference_step(indices, prompt, cache, prefix_length=0, max_length=prefix + 8, adapter=name)
-    expected = backend.inference_step(indices, token, cache, prefix_length=prefix, max_length=prefix + 8, adapter=name)
+    contiguous_step(backend, prompt, cache, 0, name)
+    expected = contiguous_step(backend, token, cache, prefix, name)
     with engine.open_session(1, prefix + 8, adapter=name) as session:
         engine.step(session, prompt, 0)
         got = engine.step(session, token, prefix)
