@@ -3,11 +3,20 @@ crosses the network is checked once (the server's decoder, a KV import, the clie
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
 # 16-bit floats: (mask of every bit but the sign, +inf's bit pattern: it and every magnitude above are inf or NaN)
 _HALF_NONFINITE = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00)}
+# the high byte of every non-finite 16-bit float is one of these (its exponent's high bits all set: bfloat16's
+# 0x7F/0xFF also hold finite values of magnitude >= 2**127, float16's only inf and NaN)
+_HALF_HIGH_BYTES = {
+    torch.bfloat16: (b"\x7f", b"\xff"),
+    torch.float16: tuple(bytes([b]) for b in b"\x7c\x7d\x7e\x7f\xfc\xfd\xfe\xff"),
+}
+_HIGH_BYTE_AT = 1 if sys.byteorder == "little" else 0  # where a 16-bit value's high byte sits, native order
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -35,6 +44,16 @@ def bytes_finite(data: bytes | memoryview, dtype: torch.dtype) -> bool:
     from the bytes (no tensor): 16-bit floats on their bits, the others with `isfinite`."""
     half = _HALF_NONFINITE.get(dtype)
     if half is not None:
+        # usual hidden states: no value's high byte could be non-finite's, told by a strided copy of the high bytes
+        # and a memchr per candidate byte, with the GIL held (numpy's ufuncs release it for arrays of this size, and
+        # the serving loop then waits for it to come back from the device thread); else the exact check below
+        if isinstance(data, bytes):  # (a memoryview's strided copy is slow: numpy then)
+            high = data[_HIGH_BYTE_AT::2]
+            for candidate in _HALF_HIGH_BYTES[dtype]:
+                if candidate in high:
+                    break
+            else:
+                return True
         bits = np.frombuffer(data, dtype=np.uint16)  # [numel] the raw 16-bit patterns
         if bits.size == 0:
             return True

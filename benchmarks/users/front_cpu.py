@@ -1,0 +1,272 @@
+"""The one front's host CPU per decode step at many sessions, without a GPU (issue 31: one front at 64 sessions is
+bound by its serving loop's Python, docs/decisions/0049): `python -m benchmarks.users.front_cpu`.
+
+The server's own one-front path runs in this process as in a one-process server: the same-host socket
+(`front.local_endpoint.LocalEndpoint`, `front.stream_endpoint`), the RPC handler (`front.handler`'s
+`rpc_inference`: the stream's session, step iterator, the one decoder, the reply), the core (`core.span_core.SpanCore`)
+and the device path of `benchmarks.users.device_cpu` (the server's `Runtime` and `EngineExecutor` over one
+Llama-3-8B-wide layer whose CUDA-graph forward is a timed no-op on a simulated device, `--forward_ms` each).
+
+The clients are one forked process driving `--sessions` unix-socket streams as corolla's socket client does (the
+hello, an opening step of `--prompt` tokens with `max_length`, then one decode step each as soon as the last reply
+came: Petals' args structure, `session_id`, a fresh `step_id`, `start_from_position`); its requests are built with
+protobuf per step, its replies read and dropped. It is not the server's CPU and is not counted.
+
+Timed over the decode phase (from all sessions' prefill done to the last reply), `--repeats` runs after one untimed
+warm-up, each run a fresh server and client process: the serving loop thread's and the runtime thread's own CPU clocks,
+per step (and the runtime's per merged forward), forwards per step, the wall time per step; medians over runs.
+`--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
+printed. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import selectors
+import socket
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+from unittest import mock
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from benchmarks.field.verify_cost import standin_backend
+from benchmarks.users.device_cpu import SPEC, simulated_engine
+from corolla.protocol import local_stream as ls
+from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.limits import PeerLimits, SessionTimeouts
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.span_core import SpanCore
+from corolla.server.front.block_functions import PETALS_STEP_STRUCTURE, ServingLimits
+from corolla.server.front.handler import TransformerConnectionHandler
+from corolla.server.front.local_endpoint import LocalEndpoint
+from corolla.server.metrics import ServerMetrics
+
+PEER = PeerID(b"\x12\x20" + bytes(range(32)))
+DHT_PREFIX = "bench"
+MAX_REPLY_BYTES = 1 << 24
+
+
+def _request(record: runtime_pb2.Tensor, empty: runtime_pb2.Tensor, metadata: dict) -> bytes:
+    return runtime_pb2.ExpertRequest(
+        uid=f"{DHT_PREFIX}.0", tensors=[record, empty, empty], metadata=encode_metadata(metadata)
+    ).SerializeToString()
+
+
+class _Session:
+    """One client stream: its socket, what it has read, its position and the steps it has left."""
+
+    def __init__(self, sock: socket.socket, session_id: str, steps: int, position: int):
+        self.sock, self.session_id, self.left, self.position = sock, session_id, steps, position
+        self.buf = bytearray()
+
+    def reply(self) -> int | None:
+        """The kind of the next whole frame read (None: not whole yet)."""
+        if len(self.buf) < ls.HEADER_BYTES:
+            return None
+        kind, length = ls.parse_header(bytes(self.buf[: ls.HEADER_BYTES]), MAX_REPLY_BYTES)
+        if len(self.buf) < ls.HEADER_BYTES + length:
+            return None
+        if kind == ls.ERROR:
+            raise RuntimeError(f"the server refused: {bytes(self.buf[ls.HEADER_BYTES : ls.HEADER_BYTES + length])!r}")
+        del self.buf[: ls.HEADER_BYTES + length]
+        return kind
+
+
+def _send(sock: socket.socket, kind: int, payload: bytes) -> None:
+    sock.setblocking(True)
+    sock.sendall(b"".join(ls.frame(kind, payload)))
+    sock.setblocking(False)
+
+
+def _run_until_replied(sel: selectors.BaseSelector, sessions: list[_Session], on_reply) -> None:
+    """Reads every session's replies, calling `on_reply(session)` for each, until no session waits for one."""
+    waiting = len(sessions)
+    while waiting:
+        for key, _ in sel.select():
+            s: _Session = key.data
+            chunk = s.sock.recv(1 << 20)
+            if not chunk:
+                raise RuntimeError("the server closed a stream")
+            s.buf += chunk
+            while s.reply() is not None:
+                if not on_reply(s):
+                    waiting -= 1
+
+
+def client(path: str, sessions: int, prompt: int, steps: int, hidden: bytes, control: int) -> None:
+    """The forked client process (the module docstring); writes b"S" to `control` when every session has prefilled
+    and b"E" after the last decode reply."""
+    row = SPEC.hidden_size * 2
+    empty = serialize_tensor(torch.empty(0))
+    prefill = runtime_pb2.Tensor(
+        compression=0, buffer=hidden[: prompt * row], size=(1, prompt, SPEC.hidden_size), dtype="bfloat16"
+    )
+    decode = runtime_pb2.Tensor(compression=0, buffer=hidden[:row], size=(1, 1, SPEC.hidden_size), dtype="bfloat16")
+    common = {"points": 0.0, "active_adapter": "", "args_structure": PETALS_STEP_STRUCTURE}
+    sel = selectors.DefaultSelector()
+    streams = []
+    for _ in range(sessions):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        s = _Session(sock, str(uuid.uuid4()), steps, prompt)
+        _send(sock, ls.HELLO, ls.LocalHello(rpc="rpc_inference", peer_id=PEER.to_base58()).to_bytes())
+        streams.append(s)
+        sel.register(sock, selectors.EVENT_READ, s)
+    _run_until_replied(sel, streams, lambda s: False)  # every ACCEPT
+    for s in streams:
+        md = {"session_id": s.session_id, "step_id": str(uuid.uuid4()), "start_from_position": 0,
+              "max_length": prompt + steps + 1, **common}  # fmt: skip
+        _send(s.sock, ls.MESSAGE, _request(prefill, empty, md))
+    _run_until_replied(sel, streams, lambda s: False)  # every prefill's reply
+    os.write(control, b"S")
+
+    def step(s: _Session) -> None:
+        md = {"session_id": s.session_id, "step_id": str(uuid.uuid4()), "start_from_position": s.position, **common}
+        _send(s.sock, ls.MESSAGE, _request(decode, empty, md))
+        s.position += 1
+        s.left -= 1
+
+    def replied(s: _Session) -> bool:
+        if s.left == 0:
+            return False
+        step(s)
+        return True
+
+    for s in streams:
+        step(s)
+    _run_until_replied(sel, streams, replied)
+    os.write(control, b"E")
+    for s in streams:
+        _send(s.sock, ls.END, b"")
+        s.sock.close()
+
+
+def _thread_cpu_s(thread: threading.Thread | None) -> float:
+    assert thread is not None and thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def run_once(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict:
+    """One fresh server and client process; the decode phase's figures (the module docstring)."""
+    engine = simulated_engine(args.sessions, args.prompt + args.steps + 1, args.forward_ms / 1e3)
+    backend = standin_backend(SPEC, 1, torch.device("cpu"))
+    hidden = (torch.randn(args.prompt, SPEC.hidden_size, generator=torch.Generator().manual_seed(1)) / 4).to(
+        torch.bfloat16
+    )
+    hidden_bytes = hidden.view(torch.int16).numpy().tobytes()
+    limits = ServingLimits(DHT_PREFIX, 0, 1, SPEC.hidden_size, torch.bfloat16, 4096, 4096)
+    timeouts = SessionTimeouts(step_timeout_s=300.0, session_timeout_s=3600.0, request_timeout_s=300.0)
+    stream = engine.graphs.stream  # type: ignore[union-attr]
+    with (
+        tempfile.TemporaryDirectory(prefix="front-cpu-") as directory,
+        contextlib.ExitStack() as stack,
+    ):
+        os.chmod(directory, 0o700)
+        # (as device_cpu: the simulated stream stands in for CUDA's)
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda device=None: stream))
+        runtime = stack.enter_context(Runtime(max_batch_size_tokens=4096, device="cpu"))
+        executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
+        # every session comes from one peer here (the same host's): no per-peer share of sessions or KV
+        core = SpanCore(executor, PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
+        handler = TransformerConnectionHandler(limits=limits, core=core, timeouts=timeouts, metrics=ServerMetrics())
+
+        async def main() -> dict:
+            loop = asyncio.get_running_loop()
+            endpoint = LocalEndpoint(handler, PEER, directory=Path(directory))
+            assert await endpoint.start() and endpoint.path is not None
+            control_r, control_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the client process
+                os.close(control_r)
+                try:
+                    client(str(endpoint.path), args.sessions, args.prompt, args.steps, hidden_bytes, control_w)
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    os._exit(0)
+            os.close(control_w)
+            marks: dict[bytes, tuple[float, float, float, int, int]] = {}
+            ended = loop.create_future()
+
+            def on_control() -> None:
+                mark = os.read(control_r, 1)
+                if mark == b"S" and profile is not None:
+                    profile.enable()
+                if mark == b"E" and profile is not None:
+                    profile.disable()
+                batches = sum(s.batches for s in runtime.stats().values())
+                marks[mark] = (time.thread_time(), _thread_cpu_s(runtime.thread), time.perf_counter(),
+                               batches, executor.inference_tokens)  # fmt: skip
+                if mark in (b"E", b"") and not ended.done():
+                    ended.set_result(None)
+
+            loop.add_reader(control_r, on_control)
+            await ended
+            loop.remove_reader(control_r)
+            os.close(control_r)
+            await asyncio.sleep(0.2)  # the client's END frames
+            await endpoint.stop()
+            await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+            if b"S" not in marks or b"E" not in marks:
+                raise RuntimeError("the client process ended before its decode phase did")
+            (l0, r0, w0, b0, t0), (l1, r1, w1, b1, t1) = marks[b"S"], marks[b"E"]
+            steps = args.sessions * args.steps
+            if t1 - t0 != steps:
+                raise RuntimeError(f"{t1 - t0} decode rows ran, {steps} expected")
+            forwards = b1 - b0
+            return {
+                "loop_us_per_step": 1e6 * (l1 - l0) / steps, "runtime_us_per_step": 1e6 * (r1 - r0) / steps,
+                "runtime_us_per_forward": 1e6 * (r1 - r0) / max(1, forwards), "forwards_per_step": forwards / args.steps,
+                "wall_ms_per_step": 1e3 * (w1 - w0) / args.steps,
+            }  # fmt: skip
+
+        return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--forward_ms", type=float, default=6.0, help="the simulated device's time per forward")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", type=Path, default=None, help="cProfile of the serving loop (last run) to FILE")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    run_once(args, None)  # warm-up
+    profile = None if args.profile is None else cProfile.Profile(time.thread_time)
+    runs = [run_once(args, profile if i == args.repeats - 1 else None) for i in range(args.repeats)]
+    if profile is not None:
+        profile.dump_stats(str(args.profile))
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue())
+    result = {"sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
+              **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
+              "runs": {k: [round(r[k], 1) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step")}}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "front_cpu.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
