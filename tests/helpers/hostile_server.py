@@ -91,12 +91,12 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     generator = torch.Generator().manual_seed(1234)
     original_serialize = TransformerConnectionHandler._serialize_output
 
-    def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None) -> Any:
+    def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None, into: Any = None) -> Any:
         lie = getattr(self, "_hostile_lie", "honest")  # decided when the request came in (see below)
         if tensor.numel() > 0 and lie in ("nan", "garbage", "shape", "dtype"):
             tensor = corrupt(tensor.to(self.limits.dtype), lie, generator)
-            return serialize_tensor(tensor, self.compression if compression is None else compression)
-        return original_serialize(self, tensor, compression)
+            return serialize_tensor(tensor, self.compression if compression is None else compression, into)
+        return original_serialize(self, tensor, compression, into)
 
     TransformerConnectionHandler._serialize_output = _serialize_output
     for name in ("_inference_step", "_forward", "_backward"):

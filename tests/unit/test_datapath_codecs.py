@@ -88,6 +88,12 @@ def test_a_launched_steps_bytes_serialize_as_its_tensor_would(
     output = TensorBytes(memoryview(bytearray(tensor.view(torch.uint8).numpy().tobytes())), dtype, shape)
     none = serialize_tensor_bytes(output).SerializeToString()
     assert none == serialize_tensor(tensor).SerializeToString() == serialize_torch_tensor(tensor).SerializeToString()
+    # built in place in a reply (`into`: a step's response): the message hivemind writes around the same record
+    reply = runtime_pb2.ExpertResponse(tensors=[serialize_torch_tensor(tensor)]).SerializeToString()
+    for serialize, value in ((serialize_tensor_bytes, output), (serialize_tensor, tensor)):
+        response = runtime_pb2.ExpertResponse()
+        added = serialize(value, runtime_pb2.CompressionType.NONE, response.tensors)  # type: ignore[operator]
+        assert response.SerializeToString() == reply and added.SerializeToString() == none
     meanstd = runtime_pb2.CompressionType.MEANSTD_16BIT
     try:
         reference = serialize_tensor(tensor, meanstd).SerializeToString()
@@ -96,6 +102,12 @@ def test_a_launched_steps_bytes_serialize_as_its_tensor_would(
             serialize_tensor_bytes(output, meanstd)
     else:
         assert serialize_tensor_bytes(output, meanstd).SerializeToString() == reference
+        response = runtime_pb2.ExpertResponse()
+        assert serialize_tensor_bytes(output, meanstd, response.tensors).SerializeToString() == reference
+        assert (
+            response.SerializeToString()
+            == runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor.FromString(reference)]).SerializeToString()
+        )
 
 
 def test_decoded_tensor_is_writable_and_owns_its_memory() -> None:

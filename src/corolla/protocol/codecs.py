@@ -98,8 +98,12 @@ def compression_from_name(name: str) -> int:
         raise ValueError(f"unknown compression {name!r}, expected one of {list(CompressionType.keys())}") from e
 
 
-def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NONE) -> runtime_pb2.Tensor:
-    """Serializes one tensor (moved to CPU if needed). Non-float tensors always go uncompressed, as in Petals."""
+def serialize_tensor(
+    tensor: torch.Tensor, compression: int = CompressionType.NONE, into: Any = None
+) -> runtime_pb2.Tensor:
+    """Serializes one tensor (moved to CPU if needed). Non-float tensors always go uncompressed, as in Petals.
+    `into`: a message's repeated `tensors` field; the record is added to it (the NONE codec's built there in place:
+    no second copy of it into the message) and returned."""
     if compression not in _COMPRESSION_VALUES:
         raise ValueError(f"unknown compression type {compression!r}")
     if not tensor.dtype.is_floating_point:
@@ -109,24 +113,35 @@ def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NO
     if not tensor.is_cpu:  # (is_cpu: a flag; device.type builds a device object, ~1 us per step)
         tensor = tensor.cpu()
     if compression == _NONE and tensor.dtype in _RAW_VIEWS:
-        return _serialize_raw(tensor)
-    return serialize_torch_tensor(tensor, compression)
+        return _serialize_raw(tensor, into)
+    return _added(serialize_torch_tensor(tensor, compression), into)
 
 
-def serialize_tensor_bytes(output: TensorBytes, compression: int = CompressionType.NONE) -> runtime_pb2.Tensor:
+def _added(record: runtime_pb2.Tensor, into: Any) -> runtime_pb2.Tensor:
+    """`record`, or its copy added to `into` (a repeated `tensors` field) where given."""
+    if into is None:
+        return record
+    into.append(record)
+    return into[-1]
+
+
+def serialize_tensor_bytes(
+    output: TensorBytes, compression: int = CompressionType.NONE, into: Any = None
+) -> runtime_pb2.Tensor:
     """`serialize_tensor(output.tensor(), compression)` without building the tensor where the NONE codec writes the
-    bytes as they are (a launched decode step's reply: its bytes copied once into the message, no torch call)."""
+    bytes as they are (a launched decode step's reply: its bytes copied once into the message, no torch call).
+    `into`: as `serialize_tensor`'s."""
     dtype = output.dtype
     if (
         compression == _NONE
         and dtype in _RAW_VIEWS
         and not (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16)
     ):
-        return _raw_message(bytes(output.data), output.shape, dtype, requires_grad=False)
-    return serialize_tensor(output.tensor(), compression)
+        return _raw_message(bytes(output.data), output.shape, dtype, requires_grad=False, into=into)
+    return serialize_tensor(output.tensor(), compression, into)
 
 
-def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+def _serialize_raw(tensor: torch.Tensor, into: Any = None) -> runtime_pb2.Tensor:
     """The bytes hivemind's NONE codec writes (raw bf16 unless legacy mode), built directly: one copy, no registry
     lookups (the per-step output path)."""
     requires_grad = tensor.requires_grad
@@ -135,14 +150,16 @@ def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
         data = data.float()
     elif data.dtype == torch.bfloat16:
         data = data.view(torch.int16)  # numpy has no bfloat16: same bytes as a 2-byte integer type
-    return _raw_message(data.numpy().tobytes(), tensor.shape, tensor.dtype, requires_grad=requires_grad)
+    return _raw_message(data.numpy().tobytes(), tensor.shape, tensor.dtype, requires_grad=requires_grad, into=into)
 
 
-def _raw_message(buffer: bytes, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool) -> runtime_pb2.Tensor:
-    """The NONE codec's message around bytes already in their wire form (both raw serializers)."""
-    return runtime_pb2.Tensor(
-        compression=_NONE, buffer=buffer, size=shape, dtype=_DTYPE_NAMES[dtype], requires_grad=requires_grad
-    )
+def _raw_message(
+    buffer: bytes, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool, into: Any = None
+) -> runtime_pb2.Tensor:
+    """The NONE codec's message around bytes already in their wire form (both raw serializers); added to `into` (a
+    repeated `tensors` field) where given."""
+    make = runtime_pb2.Tensor if into is None else into.add
+    return make(compression=_NONE, buffer=buffer, size=shape, dtype=_DTYPE_NAMES[dtype], requires_grad=requires_grad)
 
 
 def _int64_at(buffer: bytes, offset: int) -> int:

@@ -52,13 +52,14 @@ class DrainNotice:
         return cls(max(0.0, float(deadline)))
 
 
-def step_response(output: runtime_pb2.Tensor, seconds_left: float | None) -> runtime_pb2.ExpertResponse:
-    """An inference step's response; from a draining server (`seconds_left` before it ends the session, None while
-    it does not drain) with its `DrainNotice`."""
+def step_response(seconds_left: float | None) -> runtime_pb2.ExpertResponse:
+    """An inference step's response, its output not yet in it (the caller adds the record in place, to its `tensors`:
+    no copy of it); from a draining server (`seconds_left` before it ends the session, None while it does not
+    drain) with its `DrainNotice`."""
     if seconds_left is None:
-        return runtime_pb2.ExpertResponse(tensors=[output])
+        return runtime_pb2.ExpertResponse()
     notice = DrainNotice(seconds_left)
-    return runtime_pb2.ExpertResponse(tensors=[output], metadata=encode_metadata({DRAINING_KEY: notice.to_dict()}))
+    return runtime_pb2.ExpertResponse(metadata=encode_metadata({DRAINING_KEY: notice.to_dict()}))
 
 
 def _nonneg_int(source: Mapping[str, Any], key: str, *, low: int = 0) -> int:

@@ -12,7 +12,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -558,7 +558,7 @@ class InferenceStreams:
                         yield runtime_pb2.ExpertResponse(tensors=[session.resend_output(step_metadata.step_id)])
                         continue
                     try:
-                        output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                        response, can_push = await self._inference_step(session, request, step_metadata, deadline)
                     except ValueError as e:
                         if not step_metadata.pushed:
                             raise
@@ -566,13 +566,11 @@ class InferenceStreams:
                         logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
                         session.seen_step_ids.discard(step_metadata.step_id or "")
                         continue
+                    output = response.tensors[0]
                     session.record_output(step_metadata, output)
                     # (the guard learnt from a step of the session's own client when it was screened)
                     if can_push and step_metadata.next_servers and push_guard.may_push_on(step_metadata):
                         self._schedule_push(request, output, step_metadata)
-                    drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
-                    seconds_left = None if drain_deadline is None else drain_deadline - time.monotonic()
-                    response = hw.step_response(output, seconds_left)
                     if step_metadata.pushed:
                         response = mark_pushed_reply(response)
                     yield response if hit is None else with_hit(response, hit)
@@ -608,7 +606,9 @@ class InferenceStreams:
         request: runtime_pb2.ExpertRequest,
         metadata: InferenceRequestMetadata,
         deadline: float,
-    ) -> tuple[runtime_pb2.Tensor, bool]:
+    ) -> tuple[runtime_pb2.ExpertResponse, bool]:
+        """The step's response (its output's record built in it: `_serialize_output`'s `into`) and whether its
+        output may be pushed on."""
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
         inputs = bf.decode_step(
             request.tensors,
@@ -624,8 +624,9 @@ class InferenceStreams:
         )  # the session changes only once the step is valid
         meta = inputs.hidden_meta  # the usual step's record of its bytes (no tensor built), else the tensor's shape
         batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
+        output: torch.Tensor | TensorBytes
         if length == 0 or session.cache is None:
-            output = self._serialize_output(inputs.tensor())  # zero tokens: nothing to compute, [B, 0, H] back
+            output = inputs.tensor()  # zero tokens: nothing to compute, [B, 0, H] back
         else:
             assert session.cache is not None
             remaining = deadline - time.monotonic()
@@ -633,15 +634,18 @@ class InferenceStreams:
                 raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
             try:
                 step = self.core.step(session.cache, inputs)
-                output = self._serialize_output(await self._step_within(session, step, remaining))
+                output = await self._step_within(session, step, remaining)
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
+        drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
+        response = hw.step_response(None if drain_deadline is None else drain_deadline - time.monotonic())
+        self._serialize_output(output, into=response.tensors)
         session.prefix_length = inputs.prefix_length + length
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
-        return output, inputs.prompts is None
+        return response, inputs.prompts is None
 
     async def _step_within(self, session: SessionState, step: Awaitable[_T], remaining_s: float) -> _T:
         """The executor's `step` under the session's deadline: the session's `TaskDeadline` (one lazily moved timer
@@ -665,18 +669,18 @@ class InferenceStreams:
             self.core.add_prefix_keys(session.cache, namespace, keys)
 
     def _serialize_output(
-        self, output: torch.Tensor | TensorBytes, compression: int | None = None
+        self, output: torch.Tensor | TensorBytes, compression: int | None = None, into: Any = None
     ) -> runtime_pb2.Tensor:
         """The reply's tensor in the span's dtype: a launched step's bytes as they are (`TensorBytes`: one pass, no
-        torch call), else the tensor's."""
+        torch call), else the tensor's; added to `into` (a response's `tensors`: built there in place) where given."""
         compression = self.compression if compression is None else compression
         if isinstance(output, TensorBytes):
             if output.dtype == self.limits.dtype:
-                return serialize_tensor_bytes(output, compression)
+                return serialize_tensor_bytes(output, compression, into)
             output = output.tensor()
         if output.dtype != self.limits.dtype:
             output = output.to(self.limits.dtype)
-        return serialize_tensor(output, compression)
+        return serialize_tensor(output, compression, into)
 
     def _schedule_push(
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
