@@ -16,14 +16,20 @@ Timed over the decode phase (from all sessions' prefill done to the last reply),
 warm-up, each run a fresh server and client process: the serving loop thread's and the runtime thread's own CPU clocks,
 per step (and the runtime's per merged forward), forwards per step, the wall time per step; medians over runs.
 `--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
-printed. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated."""
+printed. `--split`: one more run whose loop CPU is split by what the loop ran (each handle's callback timed with the
+thread's CPU clock: a session task woken by its step's output, another wake-up of a task, a socket's read, the rest)
+and timed in a few functions on a step's way (`SPLIT_FUNCTIONS`); the timers add ~1 us a call, so that run is
+reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import cProfile
+import functools
+import importlib
 import io
 import json
 import os
@@ -56,7 +62,19 @@ from corolla.server.front.block_functions import PETALS_STEP_STRUCTURE, ServingL
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.metrics import ServerMetrics
+from corolla.utils.tensor_bytes import TensorBytes
 
+# (module, owner attribute or "", function): timed by `--split` where the tree has them
+SPLIT_FUNCTIONS = (
+    ("corolla.server.front.block_functions", "", "decode_step"),
+    ("corolla.server.front.block_functions", "", "bytes_finite"),
+    ("corolla.protocol.metadata", "InferenceRequestMetadata", "from_bytes"),
+    ("corolla.server.front.inference_stream", "InferenceStreams", "_serialize_output"),
+    ("corolla.protocol.handoff", "", "step_response"),
+    ("corolla.server.core.engine_executor", "EngineExecutor", "prepare_step"),
+    ("corolla.server.core.engine_executor", "EngineExecutor", "step_task"),
+    ("corolla.server.core.runtime", "Runtime", "queue"),
+)
 PEER = PeerID(b"\x12\x20" + bytes(range(32)))
 DHT_PREFIX = "bench"
 MAX_REPLY_BYTES = 1 << 24
@@ -162,7 +180,89 @@ def _thread_cpu_s(thread: threading.Thread | None) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def run_once(args: argparse.Namespace, profile: cProfile.Profile | None) -> dict:
+class Split:
+    """`--split`'s timers (the module docstring): thread CPU nanoseconds by handle kind and by function, counted
+    while `on`. Installed by patching `asyncio.events.Handle._run` and the functions; `remove` puts them back."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.handles: collections.Counter[str] = collections.Counter()
+        self.functions: collections.Counter[str] = collections.Counter()
+        self._undo: list[tuple[object, str, object]] = []
+        run = asyncio.events.Handle._run
+        split = self
+
+        def timed_run(handle: asyncio.Handle) -> None:
+            if not split.on:
+                return run(handle)
+            began = time.thread_time_ns()
+            try:
+                return run(handle)
+            finally:
+                split.handles[_handle_kind(handle)] += time.thread_time_ns() - began
+
+        self._patch(asyncio.events.Handle, "_run", timed_run)
+        for module_name, owner_name, name in SPLIT_FUNCTIONS:
+            owner = importlib.import_module(module_name)
+            owner = getattr(owner, owner_name) if owner_name else owner
+            if name in vars(owner):
+                self._patch(owner, name, self._timed(owner, name, f"{owner_name or module_name}.{name}"))
+
+    def _patch(self, owner: object, name: str, value: object) -> None:
+        self._undo.append((owner, name, vars(owner)[name]))
+        setattr(owner, name, value)
+
+    def _timed(self, owner: object, name: str, label: str) -> object:
+        original = vars(owner)[name]
+        is_class = isinstance(original, classmethod)
+        function = original.__func__ if is_class else original
+        split = self
+
+        @functools.wraps(function)
+        def timed(*args: object, **kwargs: object) -> object:
+            if not split.on:
+                return function(*args, **kwargs)
+            began = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                split.functions[label] += time.thread_time_ns() - began
+
+        return classmethod(timed) if is_class else timed
+
+    def remove(self) -> None:
+        for owner, name, value in reversed(self._undo):
+            setattr(owner, name, value)
+
+    def enable(self) -> None:
+        self.on = True
+
+    def disable(self) -> None:
+        self.on = False
+
+    def report(self, steps: int) -> dict:
+        def per_step(counter: collections.Counter[str]) -> dict[str, float]:
+            return {k: round(v / steps / 1e3, 2) for k, v in counter.most_common()}
+
+        return {"handles_us_per_step": per_step(self.handles), "functions_us_per_step": per_step(self.functions)}
+
+
+def _handle_kind(handle: asyncio.Handle) -> str:
+    """What a loop callback is, for `Split`: a task's wake-up by a step's output, another task wake-up, a socket read,
+    else the callback's own name."""
+    callback = handle._callback  # type: ignore[attr-defined]
+    name = getattr(callback, "__qualname__", type(callback).__name__)
+    if "wakeup" not in name:
+        return "socket read" if name.endswith("_read_ready") else name
+    args = handle._args
+    future = args[0] if args else None
+    if isinstance(future, asyncio.Future) and future.done() and not future.cancelled() and not future.exception():
+        if isinstance(future.result(), (TensorBytes, torch.Tensor)):
+            return "task woken by its step's output"
+    return "task woken otherwise (a frame, ...)"
+
+
+def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None) -> dict:
     """One fresh server and client process; the decode phase's figures (the module docstring)."""
     engine = simulated_engine(args.sessions, args.prompt + args.steps + 1, args.forward_ms / 1e3)
     backend = standin_backend(SPEC, 1, torch.device("cpu"))
@@ -247,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward_ms", type=float, default=6.0, help="the simulated device's time per forward")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", type=Path, default=None, help="cProfile of the serving loop (last run) to FILE")
+    p.add_argument("--split", action="store_true", help="one more run, its loop CPU split (the module docstring)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -258,9 +359,18 @@ def main(argv: list[str] | None = None) -> int:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
         print(text.getvalue())
+    split = None
+    if args.split:
+        timers = Split()
+        try:
+            split = {"loop_us_per_step": round(run_once(args, timers)["loop_us_per_step"], 2),
+                     **timers.report(args.sessions * args.steps)}  # fmt: skip
+        finally:
+            timers.remove()
     result = {"sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
               **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
-              "runs": {k: [round(r[k], 1) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step")}}  # fmt: skip
+              "runs": {k: [round(r[k], 1) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step")},
+              "split": split}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
