@@ -1,5 +1,8 @@
 """What verification by shadow sessions costs a replica's throughput, on the built path (issue 37's target: <= 5%):
-`python -m benchmarks.field.verify_cost --graphs --out DIR` on a GPU (`--tiny` dry-runs the code on the CPU).
+`python -m benchmarks.field.verify_cost --graphs --out DIR` on a GPU (`--tiny` dry-runs the code on the CPU, where the
+CPU's own forward is most of the time; `--simulated_forward_ms MS` measures the replica's host work alone on the CPU:
+one Llama-3-8B-wide layer on the launched CUDA-graph path, each graph a timed no-op on a simulated device,
+`benchmarks.users.device_cpu`). None of the client's shadow code runs here (its cost: `verify_client_cost`).
 
 A span of random Llama-3-8B-shaped bf16 layers is served by the server's own device path: its `Runtime` (the device
 thread, the priority queue that merges steps, the gather rule, launch-ahead and held launches) and `EngineExecutor`
@@ -39,20 +42,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from unittest import mock
 
 import torch
-from transformers import LlamaConfig
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
-from benchmarks.field.verify_tolerance import engine_over
+from benchmarks.field.verify_tolerance import engine_over, standin_backend
+from benchmarks.users.device_cpu import SPEC as SIMULATED_SPEC
+from benchmarks.users.device_cpu import simulated_engine
 from corolla.client.calls.output_checks import verify_rtol
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_BATCH_ROWS, SHADOW_CHUNK_TOKENS
 from corolla.client.verification.stretches import position_errors
@@ -69,18 +75,6 @@ BUCKET_ROWS = 16  # the graph buckets' step: rows, rows + 16, ... (a server's bu
 def shadow_rows(rows: int, fraction: float) -> int:
     """Shadows of `rows` sessions sampled whole with probability `fraction` (the expected number, rounded; >= 1)."""
     return max(1, round(fraction * rows))
-
-
-def standin_backend(spec: LlamaSpec, layers: int, device: torch.device) -> SimpleNamespace:
-    """What `EngineExecutor` reads of a `SpanBackend` beside the engine (its training batcher's sizing): block indices
-    and (no) blocks, device, the model's config. No training runs here."""
-    config = LlamaConfig(
-        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_hidden_layers=layers,
-    )  # fmt: skip
-    return SimpleNamespace(
-        block_indices=tuple(range(layers)), blocks={}, device=device, config=config, dtype=torch.bfloat16
-    )
 
 
 class Progress:
@@ -185,13 +179,22 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     # their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
     room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
     buckets = tuple(rows + k for k in range(0, room + BUCKET_ROWS, BUCKET_ROWS))
-    engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
-                         graphs=args.graphs, buckets=buckets)  # fmt: skip
+    if args.simulated_forward_ms is None:
+        engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
+                             graphs=args.graphs, buckets=buckets)  # fmt: skip
+        on_device: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    else:  # the CUDA-graph path, each forward a timed no-op on a simulated device (`benchmarks.users.device_cpu`)
+        engine = simulated_engine(buckets[-1], total, args.simulated_forward_ms / 1e3)
+        stream = engine.graphs.stream  # type: ignore[union-attr]
+
+        def on_device() -> contextlib.AbstractContextManager:
+            return mock.patch.object(torch.cuda, "current_stream", lambda device=None: stream)
+
     backend = standin_backend(spec, len(layers), device)
 
     def run(with_shadows: bool) -> dict:
         gc.collect()  # (not inside the timed window)
-        with Runtime(max_batch_size_tokens=4096, device=device) as runtime:
+        with on_device(), Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
             tokens_before = executor.inference_tokens
             result = asyncio.run(_run(runtime, executor, with_shadows))
@@ -294,16 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="64:160,16:160,1:160", help="rows:steps, comma-separated")
     p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--graphs", action="store_true", help="decode steps replay CUDA graphs")
+    p.add_argument("--simulated_forward_ms", type=float, default=None,
+                   help="on the CPU, the replica's host work alone: one Llama-3-8B-wide layer whose decode forwards "
+                        "take the CUDA-graph path with the graph a timed no-op of this many ms on a simulated device "
+                        "(benchmarks.users.device_cpu); the GIL switch interval a GPU server's")  # fmt: skip
     p.add_argument("--repeats", type=int, default=7, help="timed runs with and without shadows (median; pairs' spread)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    device = torch.device("cpu" if args.tiny else "cuda")
-    if device.type == "cuda":
+    simulated = args.simulated_forward_ms is not None
+    device = torch.device("cpu" if args.tiny or simulated else "cuda")
+    if device.type == "cuda" or simulated:
         shorten_gil_switch_interval()  # as a server serving a GPU span does (`build_engine_executor`)
-    spec = TINY if args.tiny else LLAMA3_8B
+    if simulated:
+        torch.set_num_threads(1)  # (only the prefills compute, on one layer)
+        args.layers = 1
+    spec = SIMULATED_SPEC if simulated else TINY if args.tiny else LLAMA3_8B
     gen = torch.Generator(device=device).manual_seed(0)
     layers = [random_layer(spec, device, gen) for _ in range(args.layers)]
-    name = platform.processor() or "cpu" if args.tiny else torch.cuda.get_device_name(device)
+    name = platform.processor() or "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    if simulated:
+        name += f" (simulated device, {args.simulated_forward_ms} ms a forward)"
     print(f"{args.layers} bf16 layers of {'tiny' if args.tiny else 'Llama-3-8B'} shape on {name}", flush=True)
     results = []
     for case in args.cases.split(","):

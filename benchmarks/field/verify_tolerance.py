@@ -18,8 +18,10 @@ import json
 import platform
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+from transformers import LlamaConfig
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, kv_pool_bytes_for, quantized, random_layer
 from corolla.client.calls.output_checks import verify_rtol
@@ -50,6 +52,18 @@ def engine_over(
         max_batch_rows=max(rows, *buckets), graph_buckets=buckets or (rows,), use_cuda_graphs=graphs, tune_gemm=False,
     )  # fmt: skip
     return SpanEngine(model, config)
+
+
+def standin_backend(spec: LlamaSpec, layers: int, device: torch.device) -> SimpleNamespace:
+    """What `EngineExecutor` reads of a `SpanBackend` beside the engine (its training batcher's sizing): block indices
+    and (no) blocks, device, the model's config. No training runs here."""
+    config = LlamaConfig(
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_hidden_layers=layers,
+    )  # fmt: skip
+    return SimpleNamespace(
+        block_indices=tuple(range(layers)), blocks={}, device=device, config=config, dtype=torch.bfloat16
+    )
 
 
 @torch.inference_mode()

@@ -37,8 +37,7 @@ from unittest import mock
 import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, random_layer
-from benchmarks.field.verify_cost import standin_backend
-from benchmarks.field.verify_tolerance import engine_over
+from benchmarks.field.verify_tolerance import engine_over, standin_backend
 from corolla.engine.graph_decode import HostStaging, host_bytes
 from corolla.engine.span_engine import SpanEngine
 from corolla.server.core.engine_executor import EngineExecutor

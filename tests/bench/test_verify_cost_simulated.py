@@ -1,0 +1,37 @@
+"""`benchmarks.field.verify_cost --simulated_forward_ms`: the replica's host work on the CPU, its decode forwards on the
+launched CUDA-graph path of a simulated device (`benchmarks.users.device_cpu`): the shadows' multi-position requests
+take that path as rows, every shadowed position is compared, and `torch.cuda` is left as
+it was."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.field import verify_cost
+from benchmarks.users import device_cpu
+from corolla.client.session.shadows import SHADOW_BATCH_ROWS
+
+
+def test_shadow_requests_ride_launched_forwards_on_the_simulated_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current_stream = torch.cuda.current_stream
+    launched: list[int] = []
+    run = device_cpu.NoopGraphs.run
+
+    def counted(self, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launched.append(rows)
+        return run(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(device_cpu.NoopGraphs, "run", counted)
+    argv = ["--simulated_forward_ms", "2", "--cases", "4:40", "--prompt", "4", "--repeats", "1", "--out", str(tmp_path)]
+    assert verify_cost.main(argv) == 0
+    (result,) = json.loads((tmp_path / "verify_cost.json").read_text())
+    assert torch.cuda.current_stream is current_stream
+    # the shadows' requests of SHADOW_BATCH_ROWS positions took the launched path as rows (whether with real rows
+    # is the runtime's rule, tests/unit/test_shadow_rows.py)
+    assert launched and max(launched) >= SHADOW_BATCH_ROWS
+    assert result["shadows"] == 3 and result["positions_compared"] == 3 * 40 and not result["honest_server_banned"]
+    assert result["on"]["device_s"] > 0 and result["off"]["device_s"] > 0  # the simulated device's timed forwards
