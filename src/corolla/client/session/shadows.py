@@ -107,7 +107,6 @@ class Mirrored:
     prompts: torch.Tensor | None = None
 
 
-@dataclass(eq=False)
 class HeldSteps:
     """Mirrored steps of consecutive positions not sent yet, the one request they will make: each step's inputs and
     the server's outputs [B, T, H] (copies), for positions [first, first + length), the first step's beam reorder
@@ -252,7 +251,7 @@ class ShadowVerifier:
         self.rng = rng or random.Random()
         self.referees = StretchReferees(manager, rng=self.rng)
         self._drawn: dict[int, tuple[SpanSession, Shadow | None]] = {}  # id(span session) -> (it, its shadow)
-        self._lock = threading.Lock()  # steps run in the caller's thread or on the client loop
+        self._lock = threading.Lock()  # draws: a span session's first step, in the caller's thread or on the loop
         self.num_sessions = 0  # span sessions drawn
         self.findings: list[Finding] = []
         self.undecided: list[Finding] = []
