@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.hf_steps import hf_step_ms
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
 from benchmarks.common.model import default_dtype
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from benchmarks.common.report import log
 from benchmarks.engine.moe_numerics import three_way
 from corolla.engine.config import EngineConfig

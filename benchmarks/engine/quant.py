@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tests.helpers.quantize import quantize_nf4
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
+from benchmarks.common.quantize import quantize_nf4
 from corolla.engine.kernels import triton_kernels
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.quant import quant_mma, quant_tile_gemv

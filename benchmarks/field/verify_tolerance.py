@@ -7,7 +7,7 @@ recomputes the span's inputs for positions [0, b) in ONE forward with other kern
 engine's torch kernels, `use_triton=False`, a fresh session). Stretch verification compares every position's output
 by its relative L2 error (`stretches.position_errors`) against `output_checks.verify_rtol(dtype, quantized=)`; one
 position over it, outvoted by a second replica, bans the server. For each of bf16 and NF4 weights (corolla's own NF4
-kernels: `tests.helpers.quantize.quantize_nf4`), `--sessions` sessions of `--prompt` + `--steps` tokens (64 x 160 = 10,240
+kernels: `benchmarks.common.quantize.quantize_nf4`), `--sessions` sessions of `--prompt` + `--steps` tokens (64 x 160 = 10,240
 decode positions: more than 10,000 verified steps), random Llama-3-8B-shaped layers (`--layers`), random inputs:
 the largest per-position error, its 99.9th percentile, the tolerance, and whether an honest server would be banned."""
 

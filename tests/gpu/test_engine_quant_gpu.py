@@ -21,7 +21,7 @@ BF16 = torch.bfloat16
 
 
 def _weights(n: int, k: int, seed: int = 0):
-    from tests.helpers.quantize import quantize_int8, quantize_nf4
+    from benchmarks.common.quantize import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(BF16)
@@ -85,8 +85,7 @@ def test_qk_norm_kernel_matches_reference() -> None:
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_engine_graph_step_and_identical_sessions(kind) -> None:
-    from tests.helpers.quantize import quantize_int8, quantize_nf4
-
+    from benchmarks.common.quantize import quantize_int8, quantize_nf4
     from corolla.engine.config import EngineConfig
     from corolla.engine.span_engine import SpanEngine, StepRequest
     from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.moe.moe_nf4_tile import TILE_MAX_TOKENS, tile_experts
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights

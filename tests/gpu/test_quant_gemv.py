@@ -21,7 +21,7 @@ BF16 = torch.bfloat16
 
 
 def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
-    from tests.helpers.quantize import quantize_int8, quantize_nf4
+    from benchmarks.common.quantize import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype)
@@ -77,8 +77,7 @@ def test_gemv_rows_are_batch_invariant(kind) -> None:
 
 
 def test_gemv_refuses_bad_calls() -> None:
-    from tests.helpers.quantize import quantize_nf4
-
+    from benchmarks.common.quantize import quantize_nf4
     from corolla.engine.quant import quant_gemv
 
     nf4 = _weight("nf4", 64, 256, seed=1)

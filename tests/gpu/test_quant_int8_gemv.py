@@ -24,7 +24,7 @@ BF16 = torch.bfloat16
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype = BF16):
-    from tests.helpers.quantize import quantize_int8
+    from benchmarks.common.quantize import quantize_int8
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     return quantize_int8((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
@@ -167,8 +167,7 @@ def test_back_to_back_launches_have_the_bits_of_synchronized_ones() -> None:
 
 
 def test_tuner_gated_choice_is_served_by_decode_ops_and_the_engine_step() -> None:
-    from tests.helpers.quantize import quantize_int8
-
+    from benchmarks.common.quantize import quantize_int8
     from corolla.engine.config import EngineConfig
     from corolla.engine.ops.decode_ops import DecodeOps
     from corolla.engine.quant import quant_choices
@@ -237,8 +236,7 @@ def test_tuner_gated_choice_is_served_by_decode_ops_and_the_engine_step() -> Non
 
 
 def test_row_mma_refuses_bad_calls() -> None:
-    from tests.helpers.quantize import quantize_int8
-
+    from benchmarks.common.quantize import quantize_int8
     from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
 
     config = INT8_MMA_CONFIGS[0]

@@ -25,8 +25,7 @@ CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from tests.helpers.quantize import quantize_nf4
-
+    from benchmarks.common.quantize import quantize_nf4
     from corolla.engine.quant.quant_weights import NF4Weight
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -60,8 +59,7 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
 
 
 def test_random_rows_match_the_dequantized_reference_and_are_batch_invariant() -> None:
-    from tests.helpers.quantize import quantize_nf4
-
+    from benchmarks.common.quantize import quantize_nf4
     from corolla.engine.quant.quant_mma import nf4_mma_matmul
 
     n, k = 200, 2048

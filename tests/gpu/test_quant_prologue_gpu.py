@@ -26,7 +26,7 @@ SHAPES = {"w_qkv": (6144, 4096, "rmsnorm"), "w_gate_up": (28672, 4096, "rmsnorm"
 
 
 def _case(name: str, rows: int, seed: int, kind: str = "int8"):
-    from tests.helpers.quantize import quantize_int8, quantize_nf4
+    from benchmarks.common.quantize import quantize_int8, quantize_nf4
 
     n, k, prologue = SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(seed)

@@ -5,8 +5,8 @@ their pair tables hold it) times its block's absmax."""
 from __future__ import annotations
 
 import torch
-from tests.helpers.quantize import quantize_nf4
 
+from benchmarks.common.quantize import quantize_nf4
 from corolla.engine.quant.quant_weights import NF4Weight
 
 CUDA = torch.device("cuda")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from tests.helpers.quantize import quantize_nf4
 
+from benchmarks.common.quantize import quantize_nf4
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
 from corolla.engine.serving import SpanTraits, unsupported_reason

@@ -11,10 +11,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 from torch import nn
 
 import helpers.tiny_models_fam_a  # noqa: F401  (registers the tiny qwen3_moe config)
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.moe.routed_experts import (

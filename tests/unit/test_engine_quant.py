@@ -9,8 +9,8 @@ import types
 
 import pytest
 import torch
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from corolla.engine.config import EngineConfig
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.quant.quant_weights import (

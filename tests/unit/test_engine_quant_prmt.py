@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 from tests.helpers.kernel_emulation import emulate_decode16
-from tests.helpers.quantize import quantize_nf4
 
+from benchmarks.common.quantize import quantize_nf4
 from corolla.engine.quant import quant_prmt
 from corolla.engine.quant.quant_weights import NF4_LEVELS
 

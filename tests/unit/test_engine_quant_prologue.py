@@ -19,8 +19,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")
 
 
-from tests.helpers.quantize import quantize_int8, quantize_nf4  # noqa: E402
-
+from benchmarks.common.quantize import quantize_int8, quantize_nf4  # noqa: E402
 from corolla.engine.kernels import triton_kernels as tk  # noqa: E402
 from corolla.engine.kernels.quant_splits import PROLOGUES  # noqa: E402
 from corolla.engine.ops import decode_ops as ops_module  # noqa: E402

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.quantize import quantize_int8, quantize_nf4
 
+from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from corolla.engine.quant.quant_weights import (
     SPLIT_COUNTERS,
     counters_for_tiles,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.helpers.kernel_emulation import emulate_tile_gemv, program_row_tiles, warp_units
-from tests.helpers.quantize import quantize_nf4
+
+from benchmarks.common.quantize import quantize_nf4
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:

@@ -2,7 +2,8 @@
 among `src/corolla` modules; no private name (`_x`) imported across modules; `corolla` imported at module level (a
 function-local import of a `corolla` module only where that module needs an optional dependency at its top); the
 folders' import directions (`engine` never imports `server`, `client` never imports `server`, nothing in `src/`
-imports the benchmarks, the engine's folders in layers, ...). A change that breaks one fails here, not in a later review."""
+imports the benchmarks or the tests, the engine's folders in layers, ...); and no benchmark imports test code. A change
+that breaks one fails here, not in a later review."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+BENCHMARKS = SRC.parent / "benchmarks"
+TEST_PACKAGES = ("tests", "helpers")  # how test code is imported (`tests.helpers.x`, or `helpers.x` from tests/)
 
 # Folders still being cleaned by the server/engine/client redesign (issue 31): their modules may still import
 # `corolla` inside functions or take private names from other modules, and cycles wholly inside them are tolerated.
@@ -41,6 +44,7 @@ FORBIDDEN_IMPORTS: tuple[tuple[str, str], ...] = (
     ("models", "corolla.client"),
     ("models", "corolla.swarm"),
     ("*", "benchmarks"),
+    *(("*", package) for package in TEST_PACKAGES),
 )
 
 # The engine's folders stand in layers (docs/design.md, "Layout"): the KV store at the bottom; kernels; quantized
@@ -251,6 +255,24 @@ def test_the_source_tree_keeps_the_layout_rules() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_benchmarks_import_no_test_code() -> None:
+    """A benchmark drives the product's own surfaces and `benchmarks/common`: what benchmarks and tests both need
+    (e.g. `benchmarks.common.quantize`) lives there, where tests may import it; never a benchmark on tests/helpers."""
+    found = []
+    for path in sorted(BENCHMARKS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            where = f"{path.relative_to(SRC.parent)}:{node.lineno}"
+            found += [f"{where}: imports {t}" for t in targets if t.split(".")[0] in TEST_PACKAGES]
+    assert len(list(BENCHMARKS.rglob("*.py"))) > 50, f"expected the benchmarks under {BENCHMARKS}"
+    assert not found, "\n".join(found)
+
+
 def test_every_folder_being_cleaned_exists() -> None:
     """An entry of BEING_CLEANED that names no folder is stale: drop it."""
     assert {p.name for p in (SRC / "corolla").iterdir() if p.is_dir()} >= BEING_CLEANED
@@ -326,6 +348,7 @@ def test_catches_a_function_local_corolla_import_unless_it_needs_an_optional_dep
         ("swarm/a.py", "corolla.server.x"),
         ("models/a.py", "corolla.swarm.x"),
         ("utils/a.py", "benchmarks.x"),
+        ("api/a.py", "tests.helpers.x"),
     ],
 )
 def test_catches_a_forbidden_direction_even_in_a_folder_being_cleaned(

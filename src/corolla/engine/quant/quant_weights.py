@@ -4,7 +4,7 @@ blocks of 64 values along each row, each block's absmax stored as an 8-bit code 
 quantization of 256 absmaxes, i.e. `compress_statistics=True`) and `Int8Weight` (LLM.int8's row-wise int8 codes
 with one fp32 absmax per output row). Each has a pure-PyTorch reference dequantizer (CPU and GPU); the Triton
 kernels in `quant_kernels` read the same tensors. The tests' and benchmarks' own quantizers
-(tests/helpers/quantize.py) build the same formats without bitsandbytes."""
+(`benchmarks/common/quantize.py`) build the same formats without bitsandbytes."""
 
 from __future__ import annotations
 

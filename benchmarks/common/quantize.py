@@ -1,6 +1,7 @@
-"""corolla's own NF4 and INT8 quantizers, for tests and benchmarks that need quantized weights without bitsandbytes:
-the engine's layouts (`engine.quant.quant_weights`: bitsandbytes' NF4 bytes with nested absmaxes; LLM.int8's
-row-wise absmax codes), filled by nearest-level rounding. The server quantizes through bitsandbytes."""
+"""corolla's own NF4 and INT8 quantizers, for benchmarks and tests that need quantized weights without bitsandbytes
+(here, not in tests/helpers: a benchmark imports no test code): the engine's layouts (`engine.quant.quant_weights`:
+bitsandbytes' NF4 bytes with nested absmaxes; LLM.int8's row-wise absmax codes), filled by nearest-level rounding.
+The server quantizes through bitsandbytes."""
 
 from __future__ import annotations
 
