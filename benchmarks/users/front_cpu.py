@@ -12,7 +12,8 @@ hello, an opening step of `--prompt` tokens with `max_length`, then one decode s
 came: Petals' args structure, `session_id`, a fresh `step_id`, `start_from_position`); its requests are built with
 protobuf per step, its replies read and dropped. It is not the server's CPU and is not counted.
 
-Timed over the decode phase (from all sessions' prefill done to the last reply), `--repeats` runs after one untimed
+The process runs with a GPU server's GIL switch interval (`engine_executor.shorten_gil_switch_interval`). Timed
+over the decode phase (from all sessions' prefill done to the last reply), `--repeats` runs after one untimed
 warm-up, each run a fresh server and client process: the serving loop thread's and the runtime thread's own CPU clocks,
 per step (and the runtime's per merged forward), forwards per step, the wall time per step; medians over runs.
 `--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
@@ -54,7 +55,7 @@ from benchmarks.users.device_cpu import SPEC, simulated_engine
 from corolla.protocol import local_stream as ls
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
-from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
@@ -351,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    shorten_gil_switch_interval()  # as a GPU server's process does: the serving loop and the device thread share it
     run_once(args, None)  # warm-up
     profile = None if args.profile is None else cProfile.Profile(time.thread_time)
     runs = [run_once(args, profile if i == args.repeats - 1 else None) for i in range(args.repeats)]
