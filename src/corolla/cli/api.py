@@ -16,7 +16,14 @@ import configargparse
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import default_model_id, load_swarm_backend
 from corolla.api.serving import http_cli_parser, serve_until_signalled
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
+from corolla.cli.errors import (
+    add_common_flags,
+    check_initial_peers,
+    check_model_argument,
+    check_port_free,
+    exit_now,
+    run_cli,
+)
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.models.config import load_config
@@ -74,8 +81,9 @@ def build_parser() -> configargparse.ArgParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """A mistake (taken port, bad peers, missing model directory) ends with one line on stderr and exit code 2 or 1."""
-    return run_cli("corolla-api", lambda: _main(argv), argv)
+    """A mistake (taken port, bad peers, missing model directory) ends with one line on stderr and exit code 2 or 1.
+    Exits at once when done (the model is shut down by then; torch's teardown would delay a swarm's stop by seconds)."""
+    return exit_now(run_cli("corolla-api", lambda: _main(argv), argv))
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

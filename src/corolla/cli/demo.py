@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from corolla.cli.errors import add_common_flags, run_cli
+from corolla.cli.errors import add_common_flags, exit_now, run_cli
 from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM
@@ -271,6 +271,8 @@ def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, urls: Sequ
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the demo, then exits at once: its swarm, client and web tools are stopped by then, and the interpreter's
+    teardown of torch would take seconds more."""
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise SystemExit("corolla-demo: --max_new_tokens must be >= 1")
@@ -285,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\nInterrupted: the swarm has been stopped.", flush=True)
             return 130
 
-    return run_cli("corolla-demo", body, argv)
+    return exit_now(run_cli("corolla-demo", body, argv))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from corolla.cli.demo import demo_swarm_config, wait_for_coverage
-from corolla.cli.errors import add_common_flags, run_cli
+from corolla.cli.errors import add_common_flags, exit_now, run_cli
 from corolla.client.config import ClientConfig
 from corolla.client.models.sequence_classification import AutoDistributedModelForSequenceClassification
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
@@ -109,10 +109,12 @@ def _print_summary(report: FinetuneReport, total_s: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the fine-tuning demo, then exits at once: its swarm is stopped by then, and the interpreter's teardown
+    of torch would take seconds more."""
     args = build_parser().parse_args(argv)
     if not args.verbose:
         logging.getLogger("corolla").setLevel(logging.WARNING)
-    return run_cli("corolla-finetune-demo", lambda: run(args), argv)
+    return exit_now(run_cli("corolla-finetune-demo", lambda: run(args), argv))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 import configargparse
 
 from corolla.api.serving import http_cli_parser, serve_until_signalled
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
+from corolla.cli.errors import (
+    add_common_flags,
+    check_initial_peers,
+    check_model_argument,
+    check_port_free,
+    exit_now,
+    run_cli,
+)
 from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
@@ -79,8 +86,9 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """A mistake (taken port, bad or unreachable peers) ends with one line on stderr and exit code 2 or 1."""
-    return run_cli("corolla-health", lambda: _main(argv), argv)
+    """A mistake (taken port, bad or unreachable peers) ends with one line on stderr and exit code 2 or 1. Exits at
+    once when done (the DHT is shut down by then; torch's teardown would delay a swarm's stop by seconds)."""
+    return exit_now(run_cli("corolla-health", lambda: _main(argv), argv))
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
