@@ -122,15 +122,14 @@ class RecomputingReferees(StretchReferees):
         return self.span.run(finding.inputs, None)[:, finding.first :]  # (these sessions have no deep prompts)
 
 
-class ReplayingShadows(ShadowVerifier):
-    """The shadows' replicas, honest: a replica replaying a pool session's steps over its own KV cache computes what
-    the pool's incremental decode computed for it (the same steps: the prompt, then a position at a time; the same
-    op sequence), so its answers are `Pool.answers`, computed once per pool session instead of once per trial."""
+class HonestReplicas(ShadowVerifier):
+    """The shadows' replicas, honest and without a stream: each answers at once with session `index`'s own outputs
+    for the positions asked (`answers` [S, L, H]), as a replica replaying that session's steps over its own KV cache
+    computes them (the same steps: the prompt, then a position at a time; the same op sequence)."""
 
-    def __init__(self, manager: RemoteSequenceManager, pool: Pool, index: int, rng: random.Random):
+    def __init__(self, manager: RemoteSequenceManager, answers: torch.Tensor, index: int, rng: random.Random):
         super().__init__(manager, rng=rng)
-        self.pool, self.index = pool, index
-        self.referees = RecomputingReferees(manager, pool.span, rng)
+        self.answers, self.index = answers, index
 
     async def open_stream(self, shadow: Shadow) -> None:
         return None
@@ -140,7 +139,16 @@ class ReplayingShadows(ShadowVerifier):
 
     async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
         end = step.first + step.inputs.shape[1]
-        return self.pool.answers[self.index : self.index + 1, step.first : end]
+        return self.answers[self.index : self.index + 1, step.first : end]
+
+
+class ReplayingShadows(HonestReplicas):
+    """A pool session's shadows: the replicas answer from `Pool.answers` (computed once per pool session instead of
+    once per trial), the referees recompute on the pool's span."""
+
+    def __init__(self, manager: RemoteSequenceManager, pool: Pool, index: int, rng: random.Random):
+        super().__init__(manager, pool.answers, index, rng)
+        self.referees = RecomputingReferees(manager, pool.span, rng)
 
 
 @dataclasses.dataclass

@@ -29,30 +29,11 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.field.catch_rate import LocalManager
+from benchmarks.field.catch_rate import HonestReplicas, LocalManager
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
-from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION
 from corolla.utils.logging import quiet_logs
-
-
-class HonestReplicas(ShadowVerifier):
-    """Every shadow's replica answers at once with the server's outputs for those positions (`answers` [S, L, H]) of
-    the verifier's span session (`index`): an honest replica, no stream."""
-
-    def __init__(self, manager: LocalManager, answers: torch.Tensor, index: int, rng: random.Random):
-        super().__init__(manager, rng=rng)
-        self.answers, self.index = answers, index
-
-    async def open_stream(self, shadow: Shadow) -> None:
-        return None
-
-    async def close_stream(self, shadow: Shadow) -> None:
-        return None
-
-    async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
-        end = step.first + step.inputs.shape[1]
-        return self.answers[self.index : self.index + 1, step.first : end]
 
 
 async def _run(
