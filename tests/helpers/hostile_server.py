@@ -84,6 +84,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     from corolla.protocol.codecs import serialize_tensor
     from corolla.server.front.handler import TransformerConnectionHandler
     from corolla.server.server import Server
+    from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"COROLLA_HOSTILE_RATE must be in (0, 1], got {rate}")
@@ -91,12 +92,16 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     generator = torch.Generator().manual_seed(1234)
     original_serialize = TransformerConnectionHandler._serialize_output
 
-    def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None, into: Any = None) -> Any:
+    def _serialize_output(
+        self: Any, output: torch.Tensor | TensorBytes, compression: int | None = None, into: Any = None
+    ) -> Any:
         lie = getattr(self, "_hostile_lie", "honest")  # decided when the request came in (see below)
-        if tensor.numel() > 0 and lie in ("nan", "garbage", "shape", "dtype"):
-            tensor = corrupt(tensor.to(self.limits.dtype), lie, generator)
-            return serialize_tensor(tensor, self.compression if compression is None else compression, into)
-        return original_serialize(self, tensor, compression, into)
+        if lie in ("nan", "garbage", "shape", "dtype"):
+            tensor = as_tensor(output)  # (a launched decode step's output is its bytes: no numel, no .to)
+            if tensor.numel() > 0:
+                tensor = corrupt(tensor.to(self.limits.dtype), lie, generator)
+                return serialize_tensor(tensor, self.compression if compression is None else compression, into)
+        return original_serialize(self, output, compression, into)
 
     TransformerConnectionHandler._serialize_output = _serialize_output
     for name in ("_inference_step", "_forward", "_backward"):
