@@ -8,20 +8,14 @@ import pytest
 import torch
 
 from benchmarks.users import device_cpu
+from helpers.graph_runs import count_graph_runs
 
 
 def test_lockstep_sessions_share_launched_forwards_and_the_cuda_stream_is_restored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     current_stream = torch.cuda.current_stream
-    launched: list[int] = []
-    run = device_cpu.NoopGraphs.run
-
-    def counted(self, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
-        launched.append(rows)
-        return run(self, rows, *args, **kwargs)
-
-    monkeypatch.setattr(device_cpu.NoopGraphs, "run", counted)
+    launched = count_graph_runs(monkeypatch)
     argv = ["--sessions", "4", "--steps", "12", "--prompt", "4", "--repeats", "1", "--forward_ms", "3"]
     assert device_cpu.main([*argv, "--out", str(tmp_path)]) == 0
     (result,) = json.loads((tmp_path / "device_cpu.json").read_text())

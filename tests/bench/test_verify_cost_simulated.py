@@ -10,22 +10,15 @@ import pytest
 import torch
 
 from benchmarks.field import verify_cost
-from benchmarks.users import device_cpu
 from corolla.client.session.shadows import SHADOW_BATCH_ROWS
+from helpers.graph_runs import count_graph_runs
 
 
 def test_shadow_requests_ride_launched_forwards_on_the_simulated_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     current_stream = torch.cuda.current_stream
-    launched: list[int] = []
-    run = device_cpu.NoopGraphs.run
-
-    def counted(self, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
-        launched.append(rows)
-        return run(self, rows, *args, **kwargs)
-
-    monkeypatch.setattr(device_cpu.NoopGraphs, "run", counted)
+    launched = count_graph_runs(monkeypatch)
     argv = ["--simulated_forward_ms", "2", "--cases", "4:40", "--prompt", "4", "--repeats", "1", "--out", str(tmp_path)]
     assert verify_cost.main(argv) == 0
     (result,) = json.loads((tmp_path / "verify_cost.json").read_text())
