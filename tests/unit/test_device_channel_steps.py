@@ -416,7 +416,7 @@ def test_the_loops_deferred_wake_short_of_what_the_runtime_waits_for_does_not_wa
     # (before, every loop iteration with a step woke the gathering device thread: a futex wake for the loop and a
     # GIL hand-off for both threads per iteration, ~12% of one front's loop at 16 sessions on the dev VM)
     queue = TaskQueue()
-    condition = queue._cond = _CountingCondition()
+    condition = queue._cond = _CountingCondition(queue._lock)  # (the queue holds its lock with `with queue._lock`)
 
     waiter = threading.Thread(target=queue.wait_for_pushes, args=(3, 10.0))
     waiter.start()

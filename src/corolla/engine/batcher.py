@@ -131,6 +131,11 @@ class PendingSteps:
         """The forward's device seconds once waited for (`PendingDecode.device_s`); None where nothing launched."""
         return self._pending.device_s if self._pending is not None else None
 
+    @property
+    def rows(self) -> int:
+        """The rows of the launched forward (its requests' B x T summed; 0 where nothing launched)."""
+        return self._pending.rows if self._pending is not None else 0
+
     def wait(self) -> list[StepResult]:
         results = self._results
         pending = self._pending
@@ -139,12 +144,13 @@ class PendingSteps:
         try:
             data = pending.output_bytes()  # [rows, H]: each launched request's output bytes, in row order
             row_bytes, dtype, requests = len(data) // pending.rows, pending.dtype, self._requests
+            new = tuple.__new__  # `TensorBytes(out, dtype, shape)` without the NamedTuple's Python `__new__` per row
             start = 0
             for i in self._launched:
                 req = requests[i]
                 end = start + req.rows * req.num_tokens * row_bytes
                 out = req.output_bytes = data[start:end]  # its [B, T, H] (the engine's dtype)
-                results[i] = TensorBytes(out, dtype, req.shape)
+                results[i] = new(TensorBytes, (out, dtype, req.shape, True))
                 start = end
         except Exception as e:  # a device failure fails this forward's steps only
             logger.warning(f"batcher.decode_failed(steps={len(self._launched)}, error={e!r})")

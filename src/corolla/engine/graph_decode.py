@@ -277,29 +277,35 @@ class MergedRows:
 def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
     """The rows of `group` in request order: a request of B rows and T tokens (`StepRequest.is_decode`) gives B x T
     rows, row (b, t) at position + t over row b's block table (the hidden states' C order)."""
-    merged = MergedRows([], [], [], [], True, True, True)
-    for i, r in enumerate(group):  # one pass over the merged batch
-        merged.same_dtype = merged.same_dtype and r.dtype == dtype
-        merged.all_cpu = merged.all_cpu and r.on_cpu
-        merged.all_bytes = merged.all_bytes and r.hidden_bytes is not None
+    positions: list[int] = []
+    table_rows: list[memoryview] = []
+    adapter_ids: list[int] = []
+    splits: list[int] = []
+    shapes: dict[int, tuple[int, ...]] | None = None
+    same_dtype = all_cpu = all_bytes = True
+    for i, r in enumerate(group):  # one pass over the merged batch (its flags and lists in locals: once per row)
+        same_dtype = same_dtype and r.dtype == dtype
+        all_cpu = all_cpu and r.on_cpu
+        all_bytes = all_bytes and r.hidden_bytes is not None
         session = r.session
-        tokens = r.num_tokens
-        merged.splits.append(r.rows * tokens)
-        if tokens == 1 and r.rows == 1:  # the usual step: one row
-            merged.positions.append(r.position)
-            merged.table_rows.append(session.table_rows[0])
-            merged.adapter_ids.append(session.adapter_index)
+        tokens, rows = r.num_tokens, r.rows
+        if tokens == 1 and rows == 1:  # the usual step: one row
+            splits.append(1)
+            positions.append(r.position)
+            table_rows.append(session.table_rows[0])
+            adapter_ids.append(session.adapter_index)
             continue
+        splits.append(rows * tokens)
         if tokens > 1:
-            if merged.shapes is None:
-                merged.shapes = {}
-            merged.shapes[i] = r.shape
+            if shapes is None:
+                shapes = {}
+            shapes[i] = r.shape
         span = range(r.position, r.position + tokens)
         for table in session.table_rows:
-            merged.positions.extend(span)
-            merged.table_rows.extend([table] * tokens)
-        merged.adapter_ids.extend([session.adapter_index] * (r.rows * tokens))
-    return merged
+            positions.extend(span)
+            table_rows.extend([table] * tokens)
+        adapter_ids.extend([session.adapter_index] * (rows * tokens))
+    return MergedRows(positions, table_rows, adapter_ids, splits, same_dtype, all_cpu, all_bytes, shapes)
 
 
 def stage_hidden_bytes(dst: memoryview, group: Sequence[StepRequest]) -> None:

@@ -330,13 +330,16 @@ class SpanEngine:
         if not req.inputs_checked:
             self.check_inputs(req)
         session, position = req.session, req.position
-        if session.closed:
+        slots = session.slots
+        first = slots[0]  # (`session.closed` and `length_tokens` read from it here: no property call per row)
+        if first.freed:
             raise ValueError("The inference session is closed")
-        if position < 0 or position > session.length_tokens:
+        if position < 0 or position > first.length_tokens:
             raise ValueError(
-                f"start position {position} must lie in [0, {session.length_tokens}] (tokens already processed)"
+                f"start position {position} must lie in [0, {first.length_tokens}] (tokens already processed)"
             )
-        if position + req.num_tokens > session.max_length_tokens:
+        end = position + req.num_tokens
+        if end > session.max_length_tokens:
             raise ValueError(
                 f"Maximum length exceeded: prefix {position} + current {req.num_tokens} exceeds pre-allocated "
                 f"maximum {session.max_length_tokens}"
@@ -348,15 +351,15 @@ class SpanEngine:
         if prefix is not None:  # pages filled by earlier steps are published before this step may rewrite any
             self.publish_prefix(session)
             prefix.rewind(position)
-        page_tokens = self.pool.page_size_tokens
-        end = position + req.num_tokens
+        pool = self.pool
+        page_tokens = pool.page_size_tokens
         pages, grow = -(-end // page_tokens), False
-        for slot in session.slots:  # (the tests `prepare_write` and `grow` start with, inlined: every decode step)
+        for slot in slots:  # (the tests `prepare_write` and `grow` start with, inlined: every decode step)
             if position < slot.length_tokens or position < slot.shared_pages * page_tokens:
-                self.pool.prepare_write(slot, position)
+                pool.prepare_write(slot, position)
             grow = grow or len(slot.pages) < pages
         if grow:  # a page fills
-            self.pool.grow(session.slots, end)
+            pool.grow(slots, end)
 
     def check_inputs(self, req: StepRequest) -> None:
         """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its
@@ -486,11 +489,14 @@ class SpanEngine:
             return False
         layers = reqs[0].session.layers
         rows = 0
+        sessions = []
         for r in reqs:
-            if not r.is_decode or r.session.layers != layers or not r.on_cpu:
+            session = r.session
+            if not r.is_decode or session.layers != layers or not r.on_cpu:
                 return False
             rows += r.rows * r.num_tokens
-        return rows <= graphs.max_rows and len({id(r.session) for r in reqs}) == len(reqs)
+            sessions.append(session)
+        return rows <= graphs.max_rows and len(set(map(id, sessions))) == len(reqs)
 
     def launch_decode(
         self, reqs: Sequence[StepRequest], *, validated: bool = False, launchable: bool = False

@@ -306,7 +306,7 @@ class EngineExecutor:
         requests, sizes = _requests(tasks)
         pending = launch_steps(self.engine, requests)
         if pending is not None:  # (else the executor runs them: counted there)
-            self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
+            self.inference_tokens += pending.rows
         return None if pending is None else PendingUnits(pending, sizes)
 
     async def forward(
@@ -504,7 +504,7 @@ def flatten_units(units: Sequence[StepRequest | StepGroup]) -> tuple[list[StepRe
 def regroup(results: Sequence[StepResult], sizes: UnitSizes | None) -> list[StepResult | list[StepResult]]:
     """One result per unit from one per request (`flatten_units`' order): a lone request's own, a group's list."""
     if sizes is None:
-        return list(results)
+        return results if isinstance(results, list) else list(results)  # (a batch's own list: no copy)
     expected = sum(max(size, 1) for size in sizes)
     if expected != len(results):
         raise RuntimeError(f"{len(results)} step results for units of {expected} requests")

@@ -186,7 +186,7 @@ class LaunchedBatch:
     error: BaseException | None
     started_s: float  # perf_counter at the launch
     queued_s: float = 0.0  # perf_counter once its launcher returned (the device has it queued)
-    results: list[tuple[Any, BaseException | None]] | None = None  # once waited for
+    outputs: list[Any] | None = None  # once waited for: one per task (an exception instance fails its task)
     elapsed_s: float = 0.0  # its busy seconds, once waited for
 
 
@@ -204,7 +204,9 @@ class TaskQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, float, int, Task]] = []
-        self._cond = threading.Condition()
+        # held with `with self._lock` (a C call), not `with self._cond` (two Python frames per hold: every push and pop)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._seq = 0  # tasks pushed (their order)
         self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
@@ -219,18 +221,18 @@ class TaskQueue:
         self.num_wakeups = 0  # notifications sent by pushes (tests, profiling)
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._heap)
 
     def head_kind(self) -> str | None:
         """The kind of the most urgent queued task (None: none queued)."""
-        with self._cond:
+        with self._lock:
             return self._heap[0][-1].kind if self._heap else None
 
     def push(self, task: Task, *, notify: bool = True) -> None:
         """Queues `task`; `notify=False` leaves waking the consumer to a later `wake()` (the runtime wakes it once
         per event-loop iteration, so the steps submitted in one iteration are popped together)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
             self._seq += 1
@@ -247,7 +249,7 @@ class TaskQueue:
 
     def push_many(self, tasks: list[Task]) -> None:
         """Queues `tasks` in order under one hold of the lock, then wakes the consumer once (all or none queued)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
             heap, seq, steps = self._heap, self._seq, self._steps
@@ -268,7 +270,7 @@ class TaskQueue:
     def wake(self) -> None:
         """The notification that pushes with `notify=False` left out, under the same rule as `push`'s: a consumer
         waiting in `wait_for_pushes` is woken only once the steps it waits for are all there."""
-        with self._cond:
+        with self._lock:
             if self._steps >= self._wanted:
                 self.num_wakeups += 1
                 self._cond.notify()
@@ -290,7 +292,7 @@ class TaskQueue:
         (`take_returns`); past `MAX_WATCHES` the oldest is dropped (its sessions ended, or come back later than that
         many forwards: how long it waited is a lower bound of their return). Called by the device thread before it
         hands the forward's results back: none of them is back before."""
-        with self._cond:
+        with self._lock:
             self._watches.append(_Watch(sessions, min(count, len(sessions)), finished_s))
             if len(self._watches) > MAX_WATCHES:
                 waited_s = finished_s - self._watches.popleft().finished_s
@@ -299,7 +301,7 @@ class TaskQueue:
     def take_returns(self) -> tuple[list[tuple[float, float]], float | None]:
         """The watched forwards back since the last call, as (finished, back) times (`time.monotonic`), and the
         longest that a watch dropped since then waited (None: none dropped)."""
-        with self._cond:
+        with self._lock:
             returns, self._returns = self._returns, []
             unreturned_s, self._unreturned_s = self._unreturned_s, None
             return returns, unreturned_s
@@ -317,7 +319,7 @@ class TaskQueue:
         """Waits up to `timeout_s` until `count` steps were pushed in all (or the queue closed); pushes short of
         `count` don't wake it (`close()` does)."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             self._wanted = count
             try:
                 while self._steps < count and not self._closed:
@@ -330,7 +332,7 @@ class TaskQueue:
 
     def close(self) -> list[Task]:
         """Stops accepting tasks, wakes the waiting consumer and returns the tasks that never ran."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             remaining = [item[-1] for item in sorted(self._heap)]
             self._heap.clear()
@@ -387,7 +389,7 @@ class TaskQueue:
         room is left (a shadow's ageing takes one request's rows of a full forward, never all of them).
         Returns None once the queue is closed, or an empty list on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             while True:
                 if self._closed:
                     return None
@@ -415,12 +417,13 @@ class TaskQueue:
             # steps, so a burst of aged shadows never takes a saturated replica's every row, and they still advance
             ahead = not first.lead_after
             spare: list[tuple[float, float, int, Task]] = []
+            kind, merge_key = first.kind, first.merge_key
             for item in sorted(self._heap):
                 task = item[-1]
                 future = task.future
                 if future is not None and future.done():  # abandoned (`Task.abandoned`, inlined: once per row)
                     continue
-                if task.kind != first.kind or task.merge_key != first.merge_key:
+                if task.kind != kind or (task.merge_key is not merge_key and task.merge_key != merge_key):
                     kept.append(item)
                 elif task.lead_after and not ahead:
                     spare.append(item)
@@ -445,14 +448,21 @@ class TaskQueue:
 # ---- delivery: how the runtime hands results back
 
 
-def call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
-    """Runs each callback task's `on_done`, then each distinct `flush` once (a failing callback is logged: it must
-    not stop the device thread or the other callers' replies)."""
+# A batch's outcome is one output per task, as its executor or launcher gives them: an exception instance fails only
+# its task (no (result, error) pair is built per task on the device thread; each is told apart where it is delivered).
+
+
+def call_back(tasks: list[Task], outputs: Sequence[Any]) -> None:
+    """Runs each callback task's `on_done` with its output (or its error), then each distinct `flush` once (a failing
+    callback is logged: it must not stop the device thread or the other callers' replies)."""
     flushes: dict[Callable[[], None], None] = {}  # keyed by the callable: equal bound methods flush once
-    for task, (result, error) in zip(tasks, results, strict=True):
+    for task, output in zip(tasks, outputs, strict=True):
         try:
             if task.on_done is not None:
-                task.on_done(result, error)
+                if isinstance(output, BaseException):
+                    task.on_done(None, output)
+                else:
+                    task.on_done(output, None)
         except Exception as e:
             logger.warning(f"runtime.callback_failed(kind={task.kind}, error={e!r})")
         if task.flush is not None:
@@ -464,13 +474,14 @@ def call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]
             logger.warning(f"runtime.flush_failed(error={e!r})")
 
 
-def deliver(task: Task, result: Any, error: BaseException | None) -> None:
-    """Resolves the task's future inside its own event loop (thread-safe), or runs its callback here."""
+def deliver(task: Task, output: Any) -> None:
+    """Resolves the task's future with `output` (an exception instance: its error) inside its own event loop
+    (thread-safe), or runs its callback here."""
     if task.future is None or task.loop is None:
-        call_back([task], [(result, error)])
+        call_back([task], [output])
         return
     try:
-        task.loop.call_soon_threadsafe(resolve, task.future, result, error)
+        task.loop.call_soon_threadsafe(resolve_output, task.future, output)
     except RuntimeError:  # the loop is closed: nobody is waiting any more
         logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
 
@@ -484,9 +495,20 @@ def resolve(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
-def resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
-    for future, result, error in items:
-        resolve(future, result, error)
+def resolve_output(future: asyncio.Future, output: Any) -> None:
+    """`resolve` with a task's output (an exception instance: its error)."""
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if isinstance(output, BaseException):
+        future.set_exception(output)
+    else:
+        future.set_result(output)
+
+
+def resolve_all(tasks: list[Task], outputs: Sequence[Any]) -> None:
+    """Resolves the futures of `tasks` (of one event loop, in it) with their outputs."""
+    for task, output in zip(tasks, outputs, strict=True):
+        resolve_output(task.future, output)  # type: ignore[arg-type]  # (tasks with a future only)
 
 
 # Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
@@ -608,7 +630,7 @@ class Runtime:
         pending = self._queue.close()
         error = RuntimeStopped("The server's runtime stopped before this task ran (server shutting down)")
         for task in pending:
-            deliver(task, None, error)
+            deliver(task, error)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.stop_timeout_s)
             if self._thread.is_alive():
@@ -790,16 +812,16 @@ class Runtime:
             if not getattr(self._inline_threads, "set", 0):
                 self._set_device()
                 self._inline_threads.set = 1
-            results = self._execute([task], task.steps)
+            outputs = self._execute([task], task.steps)
         finally:
             self._executing.release()
         self.num_batches_done += 1
         self.num_tasks_done += task.steps
         self.num_inline_batches += 1
         if task.future is not None:
-            resolve(task.future, *results[0])
+            resolve_output(task.future, outputs[0])
         else:
-            call_back([task], results)
+            call_back([task], outputs)
         if self.after_inline is not None:
             self.after_inline()
         return True
@@ -863,12 +885,12 @@ class Runtime:
                 continue
             with self._executing:
                 started = time.perf_counter()
-                results = self._execute(batch, steps)
+                outputs = self._execute(batch, steps)
                 elapsed_s = time.perf_counter() - started
                 self._last_done_s = time.perf_counter()
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
                 self._gathered(batch, steps, elapsed_s)
-            self._complete(batch, results, steps)
+            self._complete(batch, outputs, steps)
 
     def _paced(self, queue: TaskQueue) -> bool:
         """Whether background work heads the queue (or nothing does) while a session's step is due back, and its
@@ -963,9 +985,9 @@ class Runtime:
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
-        results = self._wait(launched)
+        outputs = self._wait(launched)
         self._gathered(launched.batch, launched.steps, launched.elapsed_s, launched=True)
-        self._complete(launched.batch, results, launched.steps)
+        self._complete(launched.batch, outputs, launched.steps)
 
     def _gathered(self, batch: list[Task], steps: int, forward_s: float, *, launched: bool = False) -> None:
         """The gather rule's bookkeeping once a merged batch finished, before its results go back: what came back of
@@ -983,25 +1005,25 @@ class Runtime:
             self._completed_s = now_s
         self.gather.learn(*queue.take_returns())
         count = self.gather.finished(size=steps, forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
-        sessions = {session for task in batch for session in task.sessions}
+        sessions = set().union(*[task.sessions for task in batch])  # (one C call over the tasks' tuples)
         if count is not None and sessions:
             queue.watch(sessions, count, now_s)
 
-    def _wait(self, launched: LaunchedBatch) -> list[tuple[Any, BaseException | None]]:
-        """A launched batch's results, waited for once, and accounted for."""
-        if launched.results is not None:
-            return launched.results
+    def _wait(self, launched: LaunchedBatch) -> list[Any]:
+        """A launched batch's outputs, waited for once, and accounted for."""
+        if launched.outputs is not None:
+            return launched.outputs
         batch = launched.batch
         with self._executing:
-            results: list[tuple[Any, BaseException | None]]
+            outputs: list[Any]
             try:
                 if launched.handle is None:
                     assert launched.error is not None
                     raise launched.error
-                results = _per_task(batch, launched.handle.wait(), "launcher")
+                outputs = _per_task(batch, launched.handle.wait(), "launcher")
             except Exception as e:
                 logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
-                results = [(None, e)] * len(batch)
+                outputs = [e] * len(batch)
             finally:
                 if launched.handle is not None:
                     self._num_in_flight -= 1
@@ -1014,21 +1036,21 @@ class Runtime:
                 key = _device_key(launched)
                 self._device_s[key] = ewma(self._device_s.get(key), device_s)
             self._account(batch[0].kind, launched.steps, launched.elapsed_s, device_s)
-        launched.results = results
-        return results
+        launched.outputs = outputs
+        return outputs
 
-    def _execute(self, batch: list[Task], steps: int) -> list[tuple[Any, BaseException | None]]:
+    def _execute(self, batch: list[Task], steps: int) -> list[Any]:
         started = time.perf_counter()
         try:
             executor = self._batch_executors.get(batch[0].kind) if batch[0].merge_key is not None else None
-            results = _per_task(batch, [batch[0].fn()] if executor is None else executor(batch), "executor")
+            outputs = _per_task(batch, [batch[0].fn()] if executor is None else executor(batch), "executor")
         except Exception as e:
             logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
             logger.debug("runtime.task_failed traceback", exc_info=True)
-            return [(None, e)] * len(batch)
+            return [e] * len(batch)
         finally:
             self._account(batch[0].kind, steps, time.perf_counter() - started)
-        return results
+        return outputs
 
     def _account(self, kind: str, num_steps: int, elapsed_s: float, device_s: float | None = None) -> None:
         """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
@@ -1046,40 +1068,40 @@ class Runtime:
         if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
             logger.debug(f"runtime.execute(kind={kind}, steps={num_steps}, ms={elapsed_s * 1000:.2f})")
 
-    def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]], steps: int) -> None:
+    def _complete(self, batch: list[Task], outputs: list[Any], steps: int) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += steps
         if len(batch) == 1:
-            deliver(batch[0], *results[0])
+            deliver(batch[0], outputs[0])
             return
         loop = batch[0].loop
         if loop is not None and all(t.loop is loop for t in batch):  # the usual batch: futures of one event loop
-            _resolve_in(loop, [(t.future, r, e) for t, (r, e) in zip(batch, results, strict=True)], batch[0].kind)
+            _resolve_in(loop, batch, outputs)
             return
         if all(t.future is None for t in batch):  # only callback tasks (device channels)
-            call_back(batch, results)
+            call_back(batch, outputs)
             return
         if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
             call_back(
                 [t for t in batch if t.future is None],
-                [r for t, r in zip(batch, results, strict=True) if t.future is None],
+                [out for t, out in zip(batch, outputs, strict=True) if t.future is None],
             )
-            kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
-            batch, results = [t for t, _ in kept], [r for _, r in kept]
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
-        for task, (result, error) in zip(batch, results, strict=True):
-            assert task.loop is not None
-            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
-        for loop, items in by_loop.values():
-            _resolve_in(loop, items, batch[0].kind)
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[Task], list[Any]]] = {}  # one wake-up per loop
+        for task, output in zip(batch, outputs, strict=True):
+            if task.loop is not None:
+                tasks_outputs = by_loop.setdefault(id(task.loop), (task.loop, [], []))
+                tasks_outputs[1].append(task)
+                tasks_outputs[2].append(output)
+        for loop, tasks, loop_outputs in by_loop.values():
+            _resolve_in(loop, tasks, loop_outputs)
 
 
-def _resolve_in(loop: asyncio.AbstractEventLoop, items: list[tuple[Any, Any, BaseException | None]], kind: str) -> None:
+def _resolve_in(loop: asyncio.AbstractEventLoop, tasks: list[Task], outputs: list[Any]) -> None:
     """Resolves a batch's futures of one event loop in one wake-up of that loop (`resolve_all`)."""
     try:
-        loop.call_soon_threadsafe(resolve_all, items)
+        loop.call_soon_threadsafe(resolve_all, tasks, outputs)
     except RuntimeError:  # the loop is closed: nobody is waiting any more
-        logger.debug(f"runtime.deliver_dropped(kind={kind}, tasks={len(items)}): event loop closed")
+        logger.debug(f"runtime.deliver_dropped(kind={tasks[0].kind}, tasks={len(tasks)}): event loop closed")
 
 
 def _device_key(launched: LaunchedBatch) -> tuple[str, int]:
@@ -1092,11 +1114,11 @@ def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`
     return sum(task.steps for task in batch)
 
 
-def _per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[tuple[Any, BaseException | None]]:
-    """(result, error) per task from a batch's outputs (an exception instance fails only its task); RuntimeError
-    if the executor or launcher (`source`) gave another count than the batch's."""
+def _per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[Any]:
+    """A batch's outputs, one per task (an exception instance fails only its task); RuntimeError if the executor or
+    launcher (`source`) gave another count than the batch's."""
     if len(outputs) != len(batch):
         raise RuntimeError(
             f"Batch {source} for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
         )
-    return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+    return outputs if isinstance(outputs, list) else list(outputs)
