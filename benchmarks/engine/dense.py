@@ -177,6 +177,16 @@ def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwid
         if args.timeline and batch == 1 and dev.type == "cuda":
             measured["timeline"] = step_timeline(engine, sessions, args.prefix_tokens, args.layers)
             log_timeline(lines, f"{shape} batch 1", measured["timeline"])
+            tl = measured["timeline"]
+            log(
+                lines,
+                f"  {shape} batch 1 kernels by name (step's first kernel start to last end {tl['step_us']:.0f} us):",
+            )
+            for name, k in sorted(tl["by_name"].items(), key=lambda kv: -kv[1]["per_step"] * kv[1]["us"]):
+                log(
+                    lines,
+                    f"    {k['per_step']:4d} x {k['us']:7.2f} us = {k['per_step'] * k['us']:8.1f} us  {name[:80]}",
+                )
         for s in sessions:
             s.close()
         floor_bytes = result["weight_bytes"] + batch * kv_per_row

@@ -287,8 +287,12 @@ def step_timeline(engine: SpanEngine, sessions: list, prefix: int, layers_n: int
     layers = step[start : start + period * layers_n] or step  # the layers' kernels (their span: no host time)
     busy = sum(e.time_range.elapsed_us() for e in layers)
     span = layers[-1].time_range.end - layers[0].time_range.start
+    by_name: dict[str, list[float]] = {}  # every kernel of the step by name (kernels on two streams fold unevenly)
+    for e in step:
+        by_name.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    names_us = {n: {"per_step": len(v), "us": sum(v) / len(v)} for n, v in by_name.items()}
     return {"kernels": len(step), "per_layer": period, "span_us": span, "busy_us": busy, "gaps_us": span - busy,
-            "layer": rows}  # fmt: skip
+            "layer": rows, "by_name": names_us, "step_us": step[-1].time_range.end - step[0].time_range.start}  # fmt: skip
 
 
 def log_timeline(lines: list[str], kind: str, tl: dict) -> None:

@@ -5,7 +5,8 @@ equals the eager one at ragged lengths, merged sessions equal each session alone
 equals its reference at Falcon-7B (71 query heads, one KV head) and BLOOM (32 heads of 128) widths; the fused
 residual add + LayerNorm kernel equals its torch reference at both widths, cuBLASLt's bias + tanh-GELU epilogue
 equals the projection then GELU where it computes the tanh GELU, and BLOOM's tuning times it and the step agrees
-either way. Skipped without CUDA."""
+either way; Falcon-7B's one-row graphed steps (w_qkv and w_up in one GEMM, the attention branch on a side stream)
+equal the blocks. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -203,3 +204,27 @@ def test_bloom_tune_times_the_gelu_epilogue_and_the_step_stays_equal() -> None:
     engine.graphs.clear()
     other = _prefill_then_tokens(engine, prompt, [token])[1]
     assert rel_err(with_choice, other) < 1e-2
+
+
+@torch.no_grad()
+def test_one_row_graphed_steps_of_falcon_7b_match_blocks() -> None:
+    """One-row CUDA-graph steps of Falcon-7B's parallel layers: w_qkv and w_up in one GEMM, the attention branch on
+    the span's side stream beside GELU + w_down (a fork and a join in the graph); equal to the blocks' forward."""
+    blocks = make_blocks("falcon_7b")
+    engine = make_engine(blocks)
+    span = engine.model
+    assert isinstance(span, FastDenseSpan) and engine.graphs is not None and span.side_stream is not None
+    assert all(w.joined_rows() is not None for w in span.layers)
+    engine.warmup()
+    torch.manual_seed(3)
+    prompt = torch.randn(1, 300, H, dtype=BF16)
+    tokens = [torch.randn(1, 1, H, dtype=BF16) for _ in range(3)]
+    got = _prefill_then_tokens(engine, prompt, tokens)
+    caches = [[d.make_zeros() for d in b.cache_descriptors(1, 320)] for b in blocks]
+    position = 0
+    for x, out in zip([prompt, *tokens], got, strict=True):
+        h = x.to(DEV)
+        for block, cache in zip(blocks, caches, strict=True):
+            h = block(h, cache=cache, position=position)
+        position += x.shape[1]
+        assert rel_err(out, h.cpu()) < 2e-2

@@ -125,6 +125,52 @@ def test_merged_sessions_at_different_lengths_equal_each_alone(name: str) -> Non
         s.close()
 
 
+# parallel layers whose w_qkv and w_up the span joins into one tensor (one shared LayerNorm, no biases)
+JOINED = {"falcon_7b", "falcon_alibi_mq"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_row_steps_match_blocks(name: str) -> None:
+    """One-row decode steps (the parallel layers' joined GEMM, the attention branch apart from the MLP's) equal
+    the blocks, and the span joined w_qkv and w_up where it applies."""
+    blocks = make_blocks(name)
+    engine = make_engine(blocks)
+    span = engine.model
+    assert isinstance(span, FastDenseSpan)
+    assert all((w.joined_rows() is not None) == (name in JOINED) for w in span.layers)
+    steps = [(torch.randn(1, 21, H), 0)] + [(torch.randn(1, 1, H), 21 + i) for i in range(4)]
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
+    with engine.open_session(1, MAX_LEN) as session:
+        got = [engine.step(session, x, position) for x, position in steps]
+    for out_step, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out_step, ref, atol=1e-4, rtol=0)
+
+
+def test_joined_rows_are_views_of_the_blocks_weights_and_keep_their_forward() -> None:
+    """Falcon-7B's w_qkv and w_up move into one tensor without a second copy: the blocks' parameters become its
+    row blocks and compute bit for bit what they computed before; a second span on the same blocks moves nothing;
+    a layer whose projection was swapped since (a quantized or updated weight) runs the two apart again."""
+    blocks = make_blocks("falcon_7b")
+    x = torch.randn(2, 5, H)
+    with torch.no_grad():
+        before = cached_block_steps(blocks, MAX_LEN, [(x, 0)])[0]
+    span = FastDenseSpan.from_blocks(blocks, max_positions=MAX_LEN)
+    with torch.no_grad():
+        after = cached_block_steps(blocks, MAX_LEN, [(x, 0)])[0]
+    assert torch.equal(before, after)
+    again = FastDenseSpan.from_blocks(blocks, max_positions=MAX_LEN)
+    for block, w, w2 in zip(blocks, span.layers, again.layers, strict=True):
+        rows = w.joined_rows()
+        assert rows is not None and rows.shape == (block.attn.qkv.out_features + block.mlp.up.out_features, H)
+        for m in (block.attn.qkv, block.mlp.up):
+            assert m.weight.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+        assert torch.equal(rows, torch.cat([block.attn.qkv.weight, block.mlp.up.weight]))
+        rows2 = w2.joined_rows()
+        assert rows2 is not None and rows2.data_ptr() == rows.data_ptr()
+    span.layers[0].w_up = span.layers[0].w_up.clone()
+    assert span.layers[0].joined_rows() is None and span.layers[1].joined_rows() is not None
+
+
 @pytest.mark.parametrize("name", ["falcon_new_arch", "bloom"])
 def test_deep_prompts_and_chunked_prefill_match_blocks(name: str) -> None:
     blocks = make_blocks(name)

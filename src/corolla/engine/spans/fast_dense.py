@@ -4,10 +4,13 @@ rotary or ALiBi positions, a dense GELU MLP, biases where the checkpoint has the
 MLP (Falcon: one shared LayerNorm, or `ln_attn` + `ln_mlp` in the new decoder architecture) or sequential residuals
 (BLOOM, with `apply_residual_connection_post_layernorm` either way; Falcon-RW). Multi-query and grouped-query
 attention read the paged `KVPool` through the same ops as `fast_llama` (ALiBi: per-head slopes inside the paged
-attention kernel); projections may be bitsandbytes NF4/Int8 layouts read in place."""
+attention kernel); projections may be bitsandbytes NF4/Int8 layouts read in place. A parallel layer with one
+LayerNorm and plain bias-free q/k/v and up projections (Falcon-7B) holds those two in one tensor, read by one GEMM
+per decode step, and runs its attention branch on a side stream beside the MLP (docs/decisions/0088)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +30,7 @@ from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
 from corolla.models.layers import DenseMLP
+from corolla.models.lora import LoraLinear
 from corolla.models.positions import RotaryEmbedding, alibi_slopes
 from corolla.utils.logging import get_logger
 
@@ -105,10 +109,24 @@ class DenseLayerWeights:
     b_up: torch.Tensor | None
     w_down: Weight  # [H, I]
     b_down: torch.Tensor | None
+    # a parallel layer with one LayerNorm and plain bias-free projections (Falcon-7B): w_qkv and w_up are the row
+    # blocks of this tensor (views of it, `_share_rows`), so that a decode step reads both in one GEMM
+    w_qkv_up: torch.Tensor | None = None  # [(nq + 2 nkv) D + I, H]
+
+    def joined_rows(self) -> torch.Tensor | None:
+        """w_qkv_up while w_qkv and w_up are still its blocks (a caller may have replaced one since), else None."""
+        whole = self.w_qkv_up
+        if whole is None:
+            return None
+        ptr = whole.untyped_storage().data_ptr()
+        parts = (self.w_qkv, self.w_up)
+        return (
+            whole if all(isinstance(p, torch.Tensor) and p.untyped_storage().data_ptr() == ptr for p in parts) else None
+        )
 
     def nbytes(self) -> int:
         """Bytes of this layer's weights (quantized ones as stored): what one batch-1 decode step reads."""
-        return tensors_nbytes(vars(self).values())
+        return tensors_nbytes(v for k, v in vars(self).items() if k != "w_qkv_up")  # its blocks are counted
 
 
 class FastDenseSpan(ChunkedPrefill):
@@ -146,6 +164,8 @@ class FastDenseSpan(ChunkedPrefill):
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
         self.dense = DenseOps(self.device, spec.head_dim, use_triton=use_triton)
+        # parallel layers' attention branch runs on it in decode steps (`_parallel_decode`); None on CPU
+        self.side_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     def tune(self) -> dict:
         """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon; a decode step's
@@ -156,12 +176,10 @@ class FastDenseSpan(ChunkedPrefill):
         quantized: dict[tuple[str, int, int], list] = {}
         ups: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.layers:
-            for w, bias in (
-                (layer.w_qkv, layer.b_qkv),
-                (layer.w_o, layer.b_o),
-                (layer.w_up, layer.b_up),
-                (layer.w_down, layer.b_down),
-            ):
+            rows = layer.joined_rows()  # the decode step's one GEMM for w_qkv and w_up
+            pairs: list[tuple[Weight, torch.Tensor | None]] = [(layer.w_o, layer.b_o), (layer.w_down, layer.b_down)]
+            pairs += [(rows, None)] if rows is not None else [(layer.w_qkv, layer.b_qkv), (layer.w_up, layer.b_up)]
+            for w, bias in pairs:
                 if isinstance(w, NF4Weight | Int8Weight):
                     quantized.setdefault(quant_key(w), []).append(w)
                 elif bias is None:
@@ -185,20 +203,20 @@ class FastDenseSpan(ChunkedPrefill):
     @classmethod
     def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastDenseSpan:
         """Uses the tensors of loaded Falcon or BLOOM blocks in place, bitsandbytes NF4/Int8 linears in their packed
-        form (ValueError for adapters, tensor-parallel splits, mixed blocks or other layer types)."""
+        form, a parallel layer's w_qkv and w_up moved into one tensor (`_share_rows`; ValueError for adapters,
+        tensor-parallel splits, mixed blocks or other layer types)."""
         if not blocks:
             raise ValueError("from_blocks needs at least one block")
         spec = DenseSpec.from_block(blocks[0])
-        layers = []
         for block in blocks:
             if DenseSpec.from_block(block) != spec:
                 raise ValueError("A dense span's blocks must share one layer structure")
             if getattr(block, "adapter_names", None):
                 raise ValueError("The fast path does not apply LoRA adapters")
-            layers.append(_layer_weights(block))
         attn = _parts(blocks[0])[0]
         if attn.head_ids != list(range(attn.total_heads)):
             raise ValueError("The fast path serves whole layers, not tensor-parallel head splits")
+        layers = [_layer_weights(block, _share_rows(block)) for block in blocks]  # refused blocks stay untouched
         if spec.alibi:
             falcon = isinstance(blocks[0], FalconBlock)
             if falcon != bool(attn.alibi_bf16_product):
@@ -272,6 +290,11 @@ class FastDenseSpan(ChunkedPrefill):
         for i in range(start, end):
             w = self.layers[i]
             assert x is not None  # each layer but the last returns the next layer's normed input
+            nxt = self.layers[i + 1] if i + 1 < end else None
+            rows = w.joined_rows()
+            if rows is not None:
+                h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, seq_lens, pool, nxt)
+                continue
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
@@ -280,9 +303,51 @@ class FastDenseSpan(ChunkedPrefill):
             attn = self.ops.paged_decode_attention(
                 q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
             )  # [B, nq, D]
-            nxt = self.layers[i + 1] if i + 1 < end else None
             h, x = self._tail(w, h, x, attn.reshape(b, s.q_size), nxt)
         return h
+
+    def _parallel_decode(
+        self,
+        w: DenseLayerWeights,
+        w_qkv_up: torch.Tensor,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        i: int,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pool: KVPool,
+        nxt: DenseLayerWeights | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # one decode layer of a parallel layer over w_qkv_up: h [B, H] input, x [B, H] its LayerNorm -> (output
+        # [B, H], its LayerNorm by nxt's ln1 or None), rounded as `_tail` rounds. On CUDA the attention branch (RoPE
+        # + KV store, attention, w_o) runs on the span's side stream while the MLP branch (GELU, w_down) runs on the
+        # caller's, so the attention's few programs and w_o's reads hide under w_down's (a fork and a join in a
+        # captured graph). No reuse race: side-stream tensors go back to the side stream's pool, and the side
+        # stream's next work waits for the caller's stream first.
+        s, b = self.spec, x.shape[0]
+        qkv_up = self.ops.linear(x, w_qkv_up, None)  # [B, (nq + 2 nkv) D + I]
+        qkv, up = qkv_up.split([qkv_up.shape[1] - s.intermediate_size, s.intermediate_size], dim=1)
+        side = self.side_stream
+        main = torch.cuda.current_stream(self.device) if side is not None else None
+        if side is not None and main is not None:
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
+                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
+            )  # fmt: skip  # [B, nq, D]
+            attn = self.ops.paged_decode_attention(
+                q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
+            )  # [B, nq, D]
+            o = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o)  # [B, H]
+        d = self.ops.linear(F.gelu(up, approximate=s.gelu_approximate), w.w_down, w.b_down)  # [B, H]
+        if side is not None and main is not None:
+            main.wait_stream(side)
+        if nxt is None:
+            return self.dense.add(d, o, h), None
+        return self.dense.add_norm(d, o, h, nxt.ln1_w, nxt.ln1_b, s.layer_norm_eps)
 
     def _prefill_chunk(
         self,
@@ -369,8 +434,44 @@ def _norms(block: torch.nn.Module) -> tuple[torch.nn.LayerNorm, torch.nn.LayerNo
     return ln1, ln2
 
 
-def _layer_weights(block: torch.nn.Module) -> DenseLayerWeights:
-    """The tensors of one loaded block, used in place (quantized linears in their packed form)."""
+def _plain_linear(module: torch.nn.Module) -> torch.nn.Linear | None:
+    """The plain `nn.Linear` of a projection (under a `LoraLinear`, its base layer), None for other layers."""
+    if isinstance(module, LoraLinear):
+        module = module.base
+    return module if type(module) is torch.nn.Linear else None
+
+
+def _share_rows(block: torch.nn.Module) -> torch.Tensor | None:
+    """For a parallel layer with one shared LayerNorm and plain bias-free projections (Falcon-7B): moves w_qkv and
+    w_up into the row blocks of one [(nq + 2 nkv) D + I, H] tensor, the block's two parameters becoming views of it
+    (the same values, no second copy kept: the block's own forward reads the views), and returns it; a block moved
+    so before (a span built earlier on it) keeps its tensor. None for any other layer."""
+    if not (isinstance(block, FalconBlock) and block.parallel and _norms(block)[1] is None):
+        return None
+    attn, mlp = _parts(block)
+    qkv, up = _plain_linear(attn.qkv), _plain_linear(mlp.up)
+    if qkv is None or up is None or qkv.bias is not None or up.bias is not None:
+        return None
+    a, b = qkv.weight.data, up.weight.data  # [nqkv, H], [I, H]
+    rows = a.shape[0] + b.shape[0]
+    if (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.storage_offset() == 0
+        and b.storage_offset() == a.numel()
+        and a.untyped_storage().nbytes() == rows * a.shape[1] * a.element_size()
+    ):
+        return a.as_strided((rows, a.shape[1]), (a.shape[1], 1), 0)
+    with torch.no_grad():
+        joined = torch.cat([a, b], dim=0)  # [(nq + 2 nkv) D + I, H]
+        qkv.weight.data, up.weight.data = joined[: a.shape[0]], joined[a.shape[0] :]
+    return joined
+
+
+def _layer_weights(block: torch.nn.Module, w_qkv_up: torch.Tensor | None) -> DenseLayerWeights:
+    """The tensors of one loaded block, used in place (quantized linears in their packed form); `w_qkv_up`: its
+    joined w_qkv and w_up (`_share_rows`) or None."""
     ln1, ln2 = _norms(block)
     attn, mlp = _parts(block)
     dtype = ln1.weight.dtype
@@ -387,4 +488,5 @@ def _layer_weights(block: torch.nn.Module) -> DenseLayerWeights:
         b_up=linear_bias(mlp.up),
         w_down=projection_weight(mlp.down, dtype),
         b_down=linear_bias(mlp.down),
+        w_qkv_up=w_qkv_up,
     )
