@@ -3,7 +3,7 @@ bound by its serving loop's Python, docs/decisions/0049): `python -m benchmarks.
 
 The server's own one-front path runs in this process as in a one-process server: the same-host socket
 (`front.local_endpoint.LocalEndpoint`, `front.stream_endpoint`), the RPC handler (`front.handler`'s
-`rpc_inference`: the stream's session, step iterator, the one decoder, the reply), the core (`core.span_core.SpanCore`)
+`serve_steps`: the stream's session, its steps' order, the one decoder, the reply), the core (`core.span_core.SpanCore`)
 and the device path of `benchmarks.users.device_cpu` (the server's `Runtime` and `EngineExecutor` over one
 Llama-3-8B-wide layer whose CUDA-graph forward is a timed no-op on a simulated device, `--forward_ms` each).
 
@@ -18,7 +18,8 @@ warm-up, each run a fresh server and client process: the serving loop thread's a
 per step (and the runtime's per merged forward), forwards per step, the wall time per step; medians over runs.
 `--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
 printed. `--split`: one more run whose loop CPU is split by what the loop ran (each handle's callback timed with the
-thread's CPU clock: a session task woken by its step's output, another wake-up of a task, a socket's read, the rest)
+thread's CPU clock: a task woken by its step's output, another wake-up of a task, a socket's read (with callback-driven
+steps: the step's intake), a step's completion callback, the rest)
 and timed in a few functions on a step's way (`SPLIT_FUNCTIONS`); the timers add ~1 us a call, so that run is
 reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated."""
 
@@ -252,6 +253,8 @@ def _handle_kind(handle: asyncio.Handle) -> str:
     """What a loop callback is, for `Split`: a task's wake-up by a step's output, another task wake-up, a socket read,
     else the callback's own name."""
     callback = handle._callback  # type: ignore[attr-defined]
+    if isinstance(callback, functools.partial):  # (a step's completion callback: `SessionSteps._stepped`)
+        callback = callback.func
     name = getattr(callback, "__qualname__", type(callback).__name__)
     if "wakeup" not in name:
         return "socket read" if name.endswith("_read_ready") else name

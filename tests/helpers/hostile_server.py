@@ -104,7 +104,31 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
         return original_serialize(self, output, compression, into)
 
     TransformerConnectionHandler._serialize_output = _serialize_output
-    for name in ("_inference_step", "_forward", "_backward"):
+    # an inference step runs without a task of its own: its lie is decided as it begins (`begin_step`: refused, or
+    # never answered) and applied when its reply is built (`step_reply`), keyed by the step's inputs
+    lies: dict[int, str] = {}
+    original_begin, original_reply = TransformerConnectionHandler.begin_step, TransformerConnectionHandler.step_reply
+
+    def begin_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lie = trigger.lie()
+        if lie == "refuse":
+            raise ValueError("hostile server refuses to compute")
+        inputs, output = original_begin(self, *args, **kwargs)
+        if lie == "hang":
+            return inputs, asyncio.get_running_loop().create_future()  # never resolved
+        lies[id(inputs)] = lie
+        return inputs, output
+
+    def step_reply(self: Any, session: Any, inputs: Any, output: Any) -> Any:
+        self._hostile_lie = lies.pop(id(inputs), "honest")  # one loop thread: read by _serialize_output below
+        try:
+            return original_reply(self, session, inputs, output)
+        finally:
+            self._hostile_lie = "honest"
+
+    TransformerConnectionHandler.begin_step = begin_step
+    TransformerConnectionHandler.step_reply = step_reply
+    for name in ("_forward", "_backward"):
         original = getattr(TransformerConnectionHandler, name)
 
         def _wrap(original: Any = original) -> Any:

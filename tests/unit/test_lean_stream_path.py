@@ -1,7 +1,8 @@
 """The lean per-step stream path without a network: `stream_guard`'s message reads under one re-armed deadline
 (a silent peer is cut off between the parts of a request and inside a message, each after its own timeout; a
-complete message is charged before its body is read), and `iterate_steps`' direct wait for a session no push can
-reach (step timeout ends it, session timeout and eviction raise, a request arriving in time is yielded)."""
+complete message is charged before its body is read), and a session's wait for its next step (`StepOrder`, no task:
+the step timeout ends it, the session timeout and an eviction end it with their errors, a request arriving in time is
+run)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
 from corolla.server.core.push_guard import SessionPushGuard
-from corolla.server.front.inference_stream import SessionState, _may_get_pushes, iterate_steps
+from corolla.server.front.session_state import SessionState
+from corolla.server.front.step_order import StepOrder
 from corolla.server.front.stream_guard import StreamBudget, StreamLease, _read_message
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
@@ -97,7 +99,7 @@ def _step(step_id: str) -> runtime_pb2.ExpertRequest:
 def _session(ticket: SessionTicket | None = None) -> SessionState:
     return SessionState(
         session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
-        args_structure=None, push_queue=asyncio.Queue(8), push_guard=SessionPushGuard(), ticket=ticket,
+        args_structure=None, push_guard=SessionPushGuard(), ticket=ticket,
     )  # fmt: skip
 
 
@@ -109,41 +111,52 @@ async def _client(delays_s: list[float]) -> AsyncIterator[runtime_pb2.ExpertRequ
 
 
 async def _steps(session: SessionState, delays_s: list[float], *, step_s: float, session_s: float) -> list[str]:
+    """The step ids a `StepOrder` runs of a client sending "s0", then "s1"... after `delays_s`, then nothing; raises
+    the error the session ends with."""
     timeouts = SessionTimeouts(step_timeout_s=step_s, session_timeout_s=session_s, request_timeout_s=5)
     deadline = time.monotonic() + session_s
-    seen = []
-    async for _request, metadata in iterate_steps(_step("s0"), _client(delays_s), session, timeouts, deadline):
+    seen: list[str] = []
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def run(_request: runtime_pb2.ExpertRequest, metadata) -> bool:
         seen.append(metadata.step_id)
+        return True
+
+    def end(error: BaseException | None) -> None:
+        if error is None:
+            ended.set_result(None)
+        else:
+            ended.set_exception(error)
+
+    order = StepOrder(session, timeouts, deadline, None, run=run, ready=lambda: None, end=end)
+
+    async def feed() -> None:
+        async for request in _client(delays_s):
+            order.client(request)
+
+    feeding = asyncio.create_task(feed())
+    order.start(_step("s0"))
+    try:
+        await ended
+    finally:
+        feeding.cancel()
+        order.close()
     return seen
 
 
-async def test_no_push_session_takes_the_direct_wait_and_ends_at_the_step_timeout() -> None:
-    session = _session()
-    assert not _may_get_pushes(session)  # no upstream named: every push is refused before it is queued
+async def test_a_session_ends_at_the_step_timeout() -> None:
     started = time.monotonic()
-    seen = await asyncio.wait_for(_steps(session, [0.05, 0.1], step_s=0.3, session_s=30), BOUND_S)
+    seen = await asyncio.wait_for(_steps(_session(), [0.05, 0.1], step_s=0.3, session_s=30), BOUND_S)
     assert seen == ["s0", "s1", "s2"] and time.monotonic() - started < 2.0
 
 
-async def test_no_push_session_raises_at_the_session_deadline() -> None:
+async def test_a_session_waiting_past_its_deadline_ends_with_timeout_error() -> None:
     with pytest.raises(TimeoutError, match="session_timeout"):
         await asyncio.wait_for(_steps(_session(), [0.05], step_s=10, session_s=0.4), BOUND_S)
 
 
-async def test_no_push_session_ends_with_its_eviction() -> None:
+async def test_a_waiting_session_ends_with_its_eviction() -> None:
     ticket = SessionTicket(peer="p", reserved_bytes=1)
     asyncio.get_running_loop().call_later(0.2, ticket.evict, "idle under memory pressure")
     with pytest.raises(SessionEvicted, match="idle under memory pressure"):
         await asyncio.wait_for(_steps(_session(ticket), [], step_s=10, session_s=30), BOUND_S)
-
-
-def test_sessions_that_may_get_pushes_keep_the_general_wait() -> None:
-    session = _session()
-    assert session.push_guard is not None
-    session.push_guard.upstream = "QmUpstream"
-    assert _may_get_pushes(session)
-    session.push_guard.upstream = None
-    assert session.push_queue is not None
-    session.push_queue.put_nowait(_step("queued"))
-    assert _may_get_pushes(session)  # something is queued already
-    assert not _may_get_pushes(SessionState("s", [0], 1, 8, None, "", None, push_queue=None))

@@ -29,7 +29,8 @@ from corolla.server.core.limits import (
     peer_key,
 )
 from corolla.server.core.refusals import rejection_reason
-from corolla.server.front.inference_stream import SessionState, iterate_steps
+from corolla.server.front.session_state import SessionState
+from corolla.server.front.step_order import StepOrder
 from corolla.server.front.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
 
@@ -301,30 +302,40 @@ def _step(step_id: str, *, pushed: bool = False) -> runtime_pb2.ExpertRequest:
 
 
 async def _drive(requests: list[runtime_pb2.ExpertRequest], session: SessionState) -> list[str]:
-    """Feeds requests to iterate_steps like the handler; returns what it answered per yielded step."""
+    """Hands requests to a `StepOrder` as a transport does; returns what a runner answered per step it was given."""
+    answers: list[str] = []
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+    later = iter(requests[1:])
 
-    async def more():
-        for r in requests[1:]:
-            yield r
-
-    answers = []
-    timeouts = SessionTimeouts(step_timeout_s=0.5, session_timeout_s=5, request_timeout_s=5)
-    async for _request, metadata in iterate_steps(requests[0], more(), session, timeouts, time.monotonic() + 5):
+    def run(_request: runtime_pb2.ExpertRequest, metadata) -> bool:
         if session.resend_pending:
             try:
                 answers.append(f"resent:{session.resend_output(metadata.step_id).buffer.decode()}")
             except DuplicateStep:
                 answers.append("duplicate_error")
-            continue
+            return True
         answers.append(f"ran:{metadata.step_id}")
         session.record_output(metadata, runtime_pb2.Tensor(buffer=metadata.step_id.encode()))
+        return True
+
+    def end(error: BaseException | None) -> None:
+        if not ended.done():
+            ended.set_result(error)
+
+    timeouts = SessionTimeouts(step_timeout_s=0.5, session_timeout_s=5, request_timeout_s=5)
+    order = StepOrder(session, timeouts, time.monotonic() + 5, None, run=run, ready=lambda: None, end=end)
+    order.start(requests[0])
+    for request in later:
+        order.client(request)
+    order.client(None)
+    assert await ended is None
     return answers
 
 
 def _session() -> SessionState:
     return SessionState(
         session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
-        args_structure=None, push_queue=None,
+        args_structure=None,
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,45 +18,45 @@ from hivemind.proto import runtime_pb2
 from benchmarks.users.timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server.front import step_timeline
+from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.stream_endpoint import PlainFrames, serve_inference
-
-
-class _Writer:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def writelines(self, parts) -> None:
-        self.frames.append(b"".join(parts))
-
-    async def drain(self) -> None:
-        await asyncio.sleep(0)
-
-    def write_eof(self) -> None:
-        pass
 
 
 class _Handler:
     """Answers each request as a handler process does, stamping the device hand-off as `RemoteCore` does."""
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context) -> AsyncIterator:
+    async def serve_steps(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context, port) -> None:
         async for request in requests:
             step_timeline.stamp(step_timeline.SENT)
             await asyncio.sleep(0.002)  # the device's round trip
             step_timeline.stamp(step_timeline.BACK)
-            yield runtime_pb2.ExpertResponse(tensors=request.tensors)
+            port.reply(runtime_pb2.ExpertResponse(tensors=request.tensors))
 
 
-def _serve(num_requests: int) -> _Writer:
-    async def go() -> _Writer:
-        reader = asyncio.StreamReader()
+def _serve(num_requests: int) -> list[int]:
+    """The kinds of the frames the stream answered `num_requests` requests and END with."""
+
+    async def go() -> list[int]:
+        ours, theirs = socket.socketpair()
+        _, conn = await asyncio.get_running_loop().connect_accepted_socket(FrameConnection, ours)
         for i in range(num_requests):
             payload = runtime_pb2.ExpertRequest(uid=f"block.{i}").SerializeToString()
-            reader.feed_data(b"".join(ls.frame(ls.MESSAGE, payload)))
-        reader.feed_data(b"".join(ls.frame(ls.END)))
-        reader.feed_eof()
-        writer = _Writer()
-        await serve_inference(_Handler(), reader, writer, None, PlainFrames(), 1 << 20)  # type: ignore[arg-type]
-        return writer
+            theirs.sendall(b"".join(ls.frame(ls.MESSAGE, payload)))
+        theirs.sendall(b"".join(ls.frame(ls.END)))
+        theirs.shutdown(socket.SHUT_WR)
+        await serve_inference(_Handler(), conn, None, PlainFrames(), 1 << 20)  # type: ignore[arg-type]
+        conn.close()
+        await asyncio.sleep(0)  # the close reaches the socket
+        replies = b""
+        while chunk := theirs.recv(1 << 16):
+            replies += chunk
+        theirs.close()
+        kinds = []
+        while replies:
+            kind, length = ls.parse_header(replies, 1 << 20)
+            kinds.append(kind)
+            replies = replies[ls.HEADER_BYTES + length :]
+        return kinds
 
     return asyncio.run(go())
 
@@ -63,8 +64,7 @@ def _serve(num_requests: int) -> _Writer:
 def test_off_unless_a_directory_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(step_timeline, "DIRECTORY", None)
     assert step_timeline.open_stream() is None
-    writer = _serve(3)
-    assert len(writer.frames) == 4  # three responses and END: served as ever
+    assert _serve(3) == [ls.MESSAGE] * 3 + [ls.END]  # three responses and END: served as ever
     assert not list(tmp_path.iterdir())
 
 

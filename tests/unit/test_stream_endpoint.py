@@ -6,33 +6,38 @@ payload is read."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
+from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.stream_endpoint import PlainFrames, read_frame
 from corolla.server.front.stream_guard import StreamBudget, StreamLease
 
 IDLE_S = 0.5
 
 
-async def _feed(reader: asyncio.StreamReader, pieces: list[bytes], gap_s: float) -> None:
+async def _feed(sock: socket.socket, pieces: list[bytes], gap_s: float) -> None:
+    loop = asyncio.get_running_loop()
     for piece in pieces:
-        reader.feed_data(piece)
+        await loop.sock_sendall(sock, piece)
         await asyncio.sleep(gap_s)
 
 
 def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: StreamLease | None = None):
     async def go():
-        from corolla.utils.deadlines import TaskDeadline
-
-        reader = asyncio.StreamReader()
-        feeding = asyncio.create_task(_feed(reader, pieces, gap_s))
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        _, conn = await asyncio.get_running_loop().connect_accepted_socket(FrameConnection, ours)
+        feeding = asyncio.create_task(_feed(theirs, pieces, gap_s))
         try:
-            return await read_frame(reader, PlainFrames(), limit, lease=lease, idle_s=IDLE_S, deadlines=TaskDeadline())
+            return await read_frame(conn, PlainFrames(), limit, lease=lease, idle_s=IDLE_S)
         finally:
             feeding.cancel()
+            conn.close()
+            theirs.close()
 
     return asyncio.run(go())
 

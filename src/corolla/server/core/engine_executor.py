@@ -10,6 +10,7 @@ across clients (`training_batch`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -214,17 +215,17 @@ class EngineExecutor:
 
     # ---- compute
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
-        """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
-        single-token steps into one batched forward. A lone session's step may run inline on an idle runtime. A
-        launched forward's step returns its output's bytes (`TensorBytes`: no tensor built per step), others a
-        tensor."""
+    def step(self, cache: SessionCache, inputs: StepInputs) -> asyncio.Future[torch.Tensor | TensorBytes]:
+        """A mergeable runtime task, its future (a plain future, not a coroutine: the front adds its reply as the
+        future's callback, no task per step): queued steps of this span go to one batch executor call, which merges
+        their single-token steps into one batched forward. A lone session's step may run inline on an idle runtime
+        (the future comes back resolved). A launched forward's step returns its output's bytes (`TensorBytes`: no
+        tensor built per step), others a tensor."""
         shadow = cache.spec.shadow
         task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow)
         self._runtime.queue(task, inline=inputs.lone_session and not shadow)
         assert task.future is not None
-        output: torch.Tensor | TensorBytes = await task.future
-        return output
+        return task.future
 
     def step_task(
         self,

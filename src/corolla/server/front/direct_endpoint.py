@@ -30,6 +30,7 @@ from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front.connection_balance import ConnectionHandoff
+from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.front.stream_endpoint import (
     HELLO_TIMEOUT_S,
@@ -50,7 +51,7 @@ MAX_PENDING_HELLOS = 64
 SPARE_CONNECTIONS_PER_PEER = 4  # a client replacing sessions may briefly hold a few more connections than sessions
 LISTEN_BACKLOG = 512
 ACCEPT_ERROR_PAUSE_S = 0.1  # after a failed accept (out of descriptors, say), before the next
-STREAM_LIMIT_BYTES = 1 << 16  # the reader's buffer limit (frames are read by length, not by line)
+STREAM_LIMIT_BYTES = 1 << 16  # unread bytes past a frame's that pause reading (`FrameConnection`)
 
 
 @dataclass(frozen=True)
@@ -221,22 +222,19 @@ class DirectEndpoint:
         loop = asyncio.get_running_loop()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
-            protocol = asyncio.StreamReaderProtocol(reader)
-            transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+            _, stream = await loop.connect_accepted_socket(lambda: FrameConnection(STREAM_LIMIT_BYTES), conn)
         except OSError as e:
             conn.close()
             logger.debug(f"direct_endpoint.adopt_failed({e!r})")
             self.ended(None)
             return
-        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         if self._stopping:
-            writer.close()
+            stream.close()
             self.ended(None)
             return
-        loop.create_task(serve_connection(self, reader, writer))
+        loop.create_task(serve_connection(self, stream))
 
-    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+    async def accept(self, conn: FrameConnection) -> AcceptedStream | None:
         """The connection's hello checked against its ticket and the peer's connection share, and answered
         (`stream_endpoint.StreamListener`)."""
         if self._pending >= MAX_PENDING_HELLOS:
@@ -244,7 +242,7 @@ class DirectEndpoint:
             return None
         self._pending += 1
         try:
-            accepted = await self._accept(reader, writer)
+            accepted = await self._accept(conn)
         finally:
             self._pending -= 1
         if accepted is None:
@@ -267,13 +265,11 @@ class DirectEndpoint:
         if self.handoff is not None:
             self.handoff.release()
 
-    async def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[str, ds.StreamKeys, str] | None:
+    async def _accept(self, conn: FrameConnection) -> tuple[str, ds.StreamKeys, str] | None:
         """(the ticket's peer, this connection's keys, the rpc it opens) once the hello checks out and ACCEPT is sent; None after a
         refusal (an ERROR frame where the client said something) or silence."""
         try:
-            hello = ds.DirectHello.from_bytes(await read_hello(reader))
+            hello = ds.DirectHello.from_bytes(await read_hello(conn))
             check_hello(
                 "direct stream", version=hello.version, expected_version=ds.DIRECT_STREAM_VERSION,
                 peer_id=hello.peer_id, own_peer_id=self.peer_id_b58, rpc=hello.rpc,
@@ -285,11 +281,11 @@ class DirectEndpoint:
             return None
         except ValueError as e:
             self._refused("connections" if isinstance(e, ConnectionShareExceeded) else "bad_hello", str(e))
-            writer.write(b"".join(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES])))
+            conn.write(b"".join(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES])))
             return None
         server_nonce = os.urandom(ds.NONCE_BYTES)
         keys = ds.StreamKeys.derive(ticket_key, hello.client_nonce, server_nonce)
-        writer.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
+        conn.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
         return peer, keys, hello.rpc
 
     def _refused(self, reason: str, detail: str) -> None:

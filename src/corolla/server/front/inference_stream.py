@@ -1,18 +1,20 @@
-"""A front's inference streams (`rpc_inference`, on every transport): the session a stream opens through the core
-(`SessionState`: its cache, ticket, pushes and last reply), the inbox of its pushed steps, the registry of this front's
-streams (ended on shutdown), the step iterator that merges client steps with pushed ones (de-duplicated by `step_id`)
-under `step_timeout` (counted from the last step that processed a token) and `session_timeout`, the KV hand-off of a draining server's sessions (`SessionHandoff`), and each step decoded
-once (`block_functions`), sent to the core through the one seam (`CoreClient.step`), answered and pushed on to the next
-server. `InferenceStreams` is the stream half of `handler.TransformerConnectionHandler`."""
+"""A front's inference streams (`rpc_inference`, on every transport) without a task per step: the session a stream
+opens through the core (`session_state.SessionState`), the order of its steps (`step_order.StepOrder`: client steps
+and pushed ones, de-duplicated by `step_id`, under `step_timeout` and `session_timeout`), how each step runs
+(`SessionSteps`: decoded once by `block_functions`, sent to the core through the one seam (`CoreClient.step`), its
+reply written from the step's completion and pushed on to the next server), the transport's end of it (`StepPort`:
+`PeerPort` for p2p, the socket's in `stream_endpoint`), the registry of this front's streams (ended on shutdown) and
+the KV hand-off of a draining server's sessions (`SessionHandoff`). `InferenceStreams` is the stream half of
+`handler.TransformerConnectionHandler`."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -20,101 +22,28 @@ from hivemind.proto import runtime_pb2
 
 from corolla.protocol import handoff as hw
 from corolla.protocol import rpc
-from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, serialize_tensor_bytes
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.shadow import parse_shadow
 from corolla.protocol.uids import make_chain
 from corolla.server.core import kv_handoff as kv
-from corolla.server.core.admission import SessionTicket
-from corolla.server.core.executor import SessionCache, SessionSpec
-from corolla.server.core.limits import DuplicateStep, SessionEvicted, SessionTimeouts, peer_key
-from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, screen_step
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.limits import SessionTimeouts, peer_key
+from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
+from corolla.server.front.session_state import PushInbox, SessionState
+from corolla.server.front.step_order import StepOrder
 from corolla.server.metrics import ServerMetrics
-from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
-
-_T = TypeVar("_T")
-
-MAX_PUSH_QUEUE = 8  # pushed steps waiting per session; a session is driven one step at a time
-MAX_REMEMBERED_STEP_IDS = 4096
-
-
-@dataclass
-class SessionState:
-    """Server-side state of one open `rpc_inference` stream."""
-
-    session_id: str | None
-    block_indices: list[int]
-    batch_size: int
-    max_length: int
-    cache: SessionCache | None  # the executor's cache of this session (None: a max_length=0 probe)
-    active_adapter: str
-    args_structure: object
-    prefix_length: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    push_queue: asyncio.Queue | None = None
-    push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); push_guard.screen_step
-    seen_step_ids: set[str] = field(default_factory=set)
-    direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
-    ticket: SessionTicket | None = None  # idle time and eviction (None: not admitted through `admission`)
-    last_step_id: str | None = None
-    last_output: runtime_pb2.Tensor | None = None
-    resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
-    # the session's per-step waits (next request, step compute) in its stream's task: one lazily moved timer
-    deadlines: TaskDeadline | None = None
-    # sees the metadata of every request of the session's own client before it runs, also one skipped because its
-    # pushed copy ran first (the client's prefix keys travel only on its own requests); ValueError ends the session
-    on_client_request: Callable[[InferenceRequestMetadata], None] | None = None
-
-    def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
-        """Keeps the last step's reply, to answer a client that re-sends that step."""
-        self.last_step_id, self.last_output = metadata.step_id, output
-
-    def resend_output(self, step_id: str | None) -> runtime_pb2.Tensor:
-        """The reply to a re-sent step: the cached output if it is the last step, else DuplicateStep."""
-        self.resend_pending = False
-        if step_id is not None and step_id == self.last_step_id and self.last_output is not None:
-            logger.info(f"rpc_inference.resent_step(session_id={self.session_id!r:.40}, step_id={step_id!r:.40})")
-            return self.last_output
-        raise DuplicateStep(
-            f"step_id {step_id!r:.60} was already processed by this session and is not its last step; "
-            f"a step can't be re-run in place: send it with a new step_id and start_from_position"
-        )
-
-
-class PushInbox:
-    """Where the pushed steps of one stream's session wait (its `SessionState.push_queue`), behind the session's
-    guard: the core's push table hands each push here (`span_core.PushSink`)."""
-
-    def __init__(self, session_id: str, guard: SessionPushGuard):
-        self.session_id, self.guard = session_id, guard
-        self.queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
-
-    def __call__(self, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
-        """Queues a step pushed by peer `sender`; False if `sender` is not the upstream its client named, or the
-        queue is full."""
-        if not self.guard.accepts_push_from(sender):
-            logger.info(
-                f"sessions.push_refused(session_id={self.session_id!r:.40}, sender={str(sender)[-8:]}): not upstream"
-            )
-            return False
-        try:
-            self.queue.put_nowait(request)
-        except asyncio.QueueFull:
-            logger.debug(f"sessions.push_dropped(session_id={self.session_id!r:.40}): queue full")
-            return False
-        return True
 
 
 class SessionRegistry:
@@ -151,185 +80,6 @@ class SessionRegistry:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
         logger.info(f"sessions.closed_all(count={len(tasks)})")
-
-
-async def _next_client_request(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
-    try:
-        return await requests.__anext__()
-    except StopAsyncIteration:
-        return None
-
-
-def _may_get_pushes(session: SessionState) -> bool:
-    """False while no pushed step can reach this session: it has no push queue, or its guard names no upstream
-    (every push is refused before it is queued) and nothing is queued."""
-    if session.push_queue is None:
-        return False
-    guard = session.push_guard
-    return guard is None or guard.upstream is not None or not session.push_queue.empty()
-
-
-async def _next_client_or_end(
-    requests: AsyncIterator[runtime_pb2.ExpertRequest],
-    session: SessionState,
-    timeouts: SessionTimeouts,
-    deadline: float,
-    evicted: asyncio.Future | None,
-) -> runtime_pb2.ExpertRequest | None:
-    """The client's next request (None at the end of its stream or after `step_timeout`); raises at the session's
-    `deadline` and on eviction, like `iterate_steps`'s general wait (every outcome but a request ends the session,
-    so the read may be cancelled midway)."""
-    assert TASK_DEADLINES
-    wait_s = _step_wait_s(session, timeouts, deadline)
-    deadlines = session.deadlines
-    if deadlines is None:
-        deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
-    loop = deadlines.loop  # (the session's loop: no get_running_loop, a getpid() syscall, per step)
-    waiting = True
-
-    def evict_now(_: asyncio.Future) -> None:
-        if waiting:  # the callback may run after the wait ended (done callbacks are scheduled, not called)
-            deadlines.expire_now()
-
-    if evicted is not None:
-        evicted.add_done_callback(evict_now)
-    try:
-        with deadlines.scope(loop.time() + max(0.0, wait_s)):
-            return await requests.__anext__()  # (awaited here: no coroutine of its own per step)
-    except StopAsyncIteration:
-        return None
-    except TimeoutError:
-        if not deadlines.expired:
-            raise
-    finally:
-        waiting = False
-        if evicted is not None:
-            evicted.remove_done_callback(evict_now)
-    if evicted is not None and evicted.done():  # idle under memory pressure: end with a clear error
-        raise _eviction(session)
-    _nothing_came(session, timeouts, deadline)
-    return None
-
-
-def _step_wait_s(session: SessionState, timeouts: SessionTimeouts, deadline: float) -> float:
-    """How long the next step may take to come: `step_timeout` after the session's last real token (zero-token
-    steps are not activity: keep-alives alone can't hold a session past it), and never past `deadline`."""
-    now = time.monotonic()
-    ticket = session.ticket
-    since = now if ticket is None else max(ticket.last_used_at, now - timeouts.step_timeout_s)
-    return min(since + timeouts.step_timeout_s - now, deadline - now)
-
-
-def _eviction(session: SessionState) -> SessionEvicted:
-    """The error an evicted session ends with (its ticket's, set with the `evicted` event waited for)."""
-    ticket = session.ticket
-    assert ticket is not None and ticket.eviction is not None
-    return ticket.eviction
-
-
-def _nothing_came(session: SessionState, timeouts: SessionTimeouts, deadline: float) -> None:
-    """A wait for the next step ended empty: TimeoutError past the session's `deadline`, else the step timeout (the
-    session ends quietly)."""
-    if time.monotonic() >= deadline:
-        logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
-        raise TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
-    logger.info(
-        f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
-        f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
-    )
-
-
-async def iterate_steps(
-    first: runtime_pb2.ExpertRequest,
-    requests: AsyncIterator[runtime_pb2.ExpertRequest],
-    session: SessionState,
-    timeouts: SessionTimeouts,
-    deadline: float,
-) -> AsyncIterator[tuple[runtime_pb2.ExpertRequest, InferenceRequestMetadata]]:
-    """Yields the session's steps: the first request, then whichever comes first of the next client message and a
-    pushed message, until an empty request, the end of the client stream, `step_timeout` or the session `deadline`
-    (a `time.monotonic()` value). A step whose `step_id` was already processed (it came both pushed and directly) is
-    skipped."""
-    request: runtime_pb2.ExpertRequest | None = first
-    client_next: asyncio.Task | None = None
-    push_next: asyncio.Task | None = None
-    evicted = asyncio.ensure_future(session.ticket.evicted.wait()) if session.ticket is not None else None
-    try:
-        while request is not None and request.tensors:
-            if evicted is not None and session.ticket is not None and session.ticket.evicted.is_set():
-                raise _eviction(session)  # (a client whose next step is always queued never makes it wait)
-            parsed = InferenceRequestMetadata.from_bytes(request.metadata)
-            step_id = parsed.step_id
-            guard = session.push_guard
-            metadata: InferenceRequestMetadata | None = parsed
-            # A session whose client named no upstream takes no push (every one is refused), so its guard has
-            # nothing to learn from a step that names neither an upstream nor a next hop: the push rules stay off
-            # such a session's steps (a lone client's, a stock Petals client's) until it names one
-            if parsed.pushed or (
-                guard is not None
-                and (guard.upstream is not None or parsed.next_servers or UPSTREAM_PEER_KEY in parsed.extra)
-            ):
-                metadata = screen_step(  # learns from the client's own steps; None: a pushed step breaking the rules
-                    guard, request, parsed, prefix_length=session.prefix_length,
-                    args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
-                )  # fmt: skip
-            if metadata is not None and not metadata.pushed and session.on_client_request is not None:
-                session.on_client_request(metadata)
-            if metadata is None:
-                pass
-            elif step_id is None or step_id not in session.seen_step_ids:
-                if step_id is not None:
-                    if len(session.seen_step_ids) >= MAX_REMEMBERED_STEP_IDS:
-                        session.seen_step_ids.clear()
-                        session.direct_step_ids.clear()
-                    session.seen_step_ids.add(step_id)
-                    if not metadata.pushed:
-                        session.direct_step_ids.add(step_id)
-                yield request, metadata
-            elif metadata.pushed:  # the client's own copy came first and was answered: no second reply
-                pass
-            elif step_id not in session.direct_step_ids:  # its pushed copy came first and was answered
-                session.direct_step_ids.add(step_id)
-            else:  # the client sent this step twice: answer it (Petals drops it, leaving the client to time out)
-                session.resend_pending = True
-                yield request, metadata
-
-            if TASK_DEADLINES and client_next is None and not _may_get_pushes(session):
-                # no push can arrive (e.g. a stock Petals client, which names no upstream): await the client's next
-                # message in this task, under one deadline that an eviction moves to now (no task, no wait set)
-                request = await _next_client_or_end(requests, session, timeouts, deadline, evicted)
-                continue
-            if client_next is None:
-                client_next = asyncio.ensure_future(_next_client_request(requests))
-            waiting = {client_next}
-            if session.push_queue is not None:
-                if push_next is None:
-                    push_next = asyncio.ensure_future(session.push_queue.get())
-                waiting.add(push_next)
-            if evicted is not None:
-                waiting.add(evicted)
-            wait_s = _step_wait_s(session, timeouts, deadline)
-            done: set = set()
-            if wait_s > 0:
-                done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                _nothing_came(session, timeouts, deadline)
-                return
-            if evicted is not None and evicted in done:  # idle under memory pressure: end with a clear error
-                raise _eviction(session)
-            if client_next in done:
-                request = client_next.result()
-                client_next = None
-            else:
-                assert push_next is not None
-                request = push_next.result()
-                push_next = None
-    finally:
-        for pending in (client_next, push_next, evicted):
-            if pending is not None and not pending.done():
-                pending.cancel()
-        if session.deadlines is not None:
-            session.deadlines.close()
 
 
 class SessionHandoff:
@@ -473,9 +223,220 @@ def _opening_tokens(first: runtime_pb2.ExpertRequest) -> int:
     return int(size[1]) if len(size) == 3 else 0
 
 
+class StepPort(Protocol):
+    """A transport's end of one `rpc_inference` stream once its session runs steps (`InferenceStreams.serve_steps`):
+    where replies go, and how the client's next request is handed to the session's `StepOrder` (`client`)."""
+
+    def attach(self, order: StepOrder) -> None:
+        """The session's steps begin: the client's requests go to `order` from now on."""
+        ...
+
+    def ready(self) -> None:
+        """The session has room for the client's next request: hand it to the order's `client`, now or later."""
+        ...
+
+    def reply(self, response: runtime_pb2.ExpertResponse) -> None: ...
+
+    async def drain(self) -> None:
+        """Waits while the replies written are not taken (a KV export's many messages)."""
+        ...
+
+    def detach(self) -> None:
+        """The session ended: nothing more is handed over."""
+        ...
+
+
+class PeerPort:
+    """A p2p stream's `StepPort` (`InferenceStreams.rpc_inference`): one task reads the client's requests (a request
+    ahead of the session at most: it waits for room while the session holds one), the replies wait here for the
+    stream's generator."""
+
+    def __init__(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        self.requests = requests
+        self.replies: collections.deque[runtime_pb2.ExpertResponse] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None  # the generator's wait for a reply or the session's end
+        self._room: asyncio.Future[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def attach(self, order: StepOrder) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read(order))
+
+    async def _read(self, order: StepOrder) -> None:
+        try:
+            while not order.ended:
+                try:
+                    request: runtime_pb2.ExpertRequest | None = await self.requests.__anext__()
+                except StopAsyncIteration:
+                    request = None
+                if order.holds_client_request:  # (a pushed step runs and the client's next waits for it)
+                    self._room = asyncio.get_running_loop().create_future()
+                    await self._room
+                order.client(request)
+                if request is None or not request.tensors:
+                    return
+        except Exception as e:  # the stream's own errors (a bad message, a membership proof refused)
+            order.fail(e)
+
+    def ready(self) -> None:
+        room = self._room
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    def reply(self, response: runtime_pb2.ExpertResponse) -> None:
+        self.replies.append(response)
+        self.wake()
+
+    def wake(self, _: object = None) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        return None
+
+    def detach(self) -> None:
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+
+
+class SessionSteps:
+    """How one session runs the steps its `StepOrder` hands it (`run`), without a task per step: the first step's
+    prefix probe, a draining server's KV export, a re-sent step's cached reply, else the step decoded once and sent to
+    the core, its reply written from the step's completion (`_stepped`) and pushed on to the next server. `ended`
+    is the session's end (its error, if any)."""
+
+    def __init__(
+        self, streams: InferenceStreams, session: SessionState, namespace: str, deadline: float, port: StepPort,
+        *, probing: bool,
+    ):  # fmt: skip
+        self.streams, self.session, self.namespace, self.deadline, self.port = (
+            streams,
+            session,
+            namespace,
+            deadline,
+            port,
+        )
+        self.probing = probing  # the first step may ask for a prefix hit
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.order: StepOrder | None = None
+        self._in_flight: asyncio.Future | None = None
+        self._task: asyncio.Task[None] | None = None  # a prefix probe's or a KV export's
+
+    def run(self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata) -> bool:
+        """`StepOrder`'s `run`: True once the step is over, else `order.done()` follows."""
+        if self.probing:
+            self.probing = False
+            if probe_keys(request, metadata) is not None:
+                self._task = asyncio.get_running_loop().create_task(self._probe_and_run(request, metadata))
+                return False
+        return self._run(request, metadata, None)
+
+    async def _probe_and_run(self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata) -> None:
+        assert self.order is not None
+        try:
+            hit = await self.streams.attach_prefix(self.session, self.namespace, request, metadata)
+            if self._run(request, metadata, hit):
+                self.order.done()
+        except Exception as e:
+            self.order.fail(e)
+
+    def _run(self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, hit: int | None) -> bool:
+        session = self.session
+        if hw.EXPORT_KEY in metadata.extra:  # draining: the client moves the cache
+            self._task = asyncio.get_running_loop().create_task(self._export())
+            return False
+        if session.resend_pending:  # the client re-sent a step: never leave it without an answer
+            self.port.reply(runtime_pb2.ExpertResponse(tensors=[session.resend_output(metadata.step_id)]))
+            return True
+        try:
+            inputs, output = self.streams.begin_step(session, metadata, request, self.deadline)
+            if isinstance(output, asyncio.Future):
+                if not output.done():  # the reply leaves from the step's completion
+                    self._in_flight = output
+                    output.add_done_callback(functools.partial(self._stepped, request, metadata, inputs, hit))
+                    return False
+                output = output.result()  # (a lone session's step ran inline: answered at once)
+            self._answer(request, metadata, inputs, output, hit)
+        except ValueError as e:
+            self._bad_step(metadata, e)
+        return True
+
+    def _stepped(
+        self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, inputs: StepInputs,
+        hit: int | None, output: asyncio.Future,
+    ) -> None:  # fmt: skip
+        self._in_flight = None
+        order = self.order
+        assert order is not None
+        if order.ended or output.cancelled():
+            return
+        try:
+            try:
+                self._answer(request, metadata, inputs, output.result(), hit)
+            except ValueError as e:
+                self._bad_step(metadata, e)
+        except Exception as e:
+            order.fail(e)
+            return
+        order.done()
+
+    def _bad_step(self, metadata: InferenceRequestMetadata, error: ValueError) -> None:
+        """A step's ValueError ends the session, unless the step was pushed: a bad push (from another server) must not
+        end this client's session."""
+        if not metadata.pushed:
+            raise error
+        logger.info(f"rpc_inference.bad_push_ignored(session_id={self.session.session_id!r:.40}): {error}")
+        self.session.seen_step_ids.discard(metadata.step_id or "")
+
+    def _answer(
+        self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, inputs: StepInputs,
+        output: torch.Tensor | TensorBytes, hit: int | None,
+    ) -> None:  # fmt: skip
+        session = self.session
+        response, can_push = self.streams.step_reply(session, inputs, output)
+        record = response.tensors[0]
+        session.record_output(metadata, record)
+        # (the guard learnt from a step of the session's own client when it was screened)
+        guard = session.push_guard
+        if can_push and metadata.next_servers and guard is not None and guard.may_push_on(metadata):
+            self.streams.schedule_push(request, record, metadata)
+        if metadata.pushed:
+            response = mark_pushed_reply(response)
+        self.port.reply(response if hit is None else with_hit(response, hit))
+
+    async def _export(self) -> None:
+        assert self.order is not None
+        try:
+            async for response in self.streams.handoff.export(self.session):
+                self.port.reply(response)
+                await self.port.drain()
+        except Exception as e:
+            self.order.fail(e)
+            return
+        self.order.done()
+
+    def end(self, error: BaseException | None) -> None:
+        """`StepOrder`'s `end`: the session is over (a step in flight is dropped: the runtime skips its row)."""
+        self.close()
+        if not self.ended.done():
+            if error is None:
+                self.ended.set_result(None)
+            else:
+                self.ended.set_exception(error)
+
+    def close(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.cancel()
+            self._in_flight = None
+        task = self._task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+
 class InferenceStreams:
     """The stream half of the front's RPC service (`handler.TransformerConnectionHandler`, which sets these
-    attributes): `rpc_inference`, its steps, the pushes on to the next server, and the refusals' one count."""
+    attributes): `rpc_inference` (p2p) and `serve_steps` (every transport: the socket's streams call it directly),
+    their steps, the pushes on to the next server, and the refusals' one count."""
 
     limits: ServingLimits
     core: CoreClient  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
@@ -492,6 +453,30 @@ class InferenceStreams:
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A p2p stream: `serve_steps` in a task of its own, its replies yielded as they come (`PeerPort`)."""
+        port = PeerPort(requests)
+        serving = asyncio.ensure_future(self.serve_steps(requests, context, port))
+        serving.add_done_callback(port.wake)
+        try:
+            while True:
+                while port.replies:
+                    yield port.replies.popleft()
+                if serving.done():
+                    break
+                port.waiter = asyncio.get_running_loop().create_future()
+                await port.waiter
+            serving.result()  # the session's error, if any
+        finally:
+            port.waiter = None
+            if not serving.done():
+                serving.cancel()
+
+    async def serve_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort
+    ) -> None:
+        """One `rpc_inference` stream: the session opened from its first request (read from `requests`, as a KV
+        import's messages are), then its steps run by callbacks (`StepOrder`, `SessionSteps`) with the client's
+        requests handed over by `port`, until the session ends (raising its error)."""
         started = time.monotonic()
         deadline = started + self.timeouts.session_timeout_s
         requests = gate_stream(self.peer_auth, "rpc_inference", requests, context).__aiter__()
@@ -537,7 +522,6 @@ class InferenceStreams:
                     cache=cache,
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
-                    push_queue=inbox.queue if inbox is not None else None,
                     push_guard=push_guard,  # peer_auth: what pushed steps may do
                     ticket=ticket,
                 )
@@ -545,35 +529,18 @@ class InferenceStreams:
                     await self.handoff.import_kv(session, kv_import, first.uid, requests)
                 namespace = self.prefix_trust.namespace(peer_key(context), adapter)  # pushed steps: the owner's
                 session.on_client_request = functools.partial(self._record_prefix_keys, session, namespace)
-                probing = kv_import is None  # the first step may ask for a prefix hit
-                steps = iterate_steps(first, requests, session, self.timeouts, deadline)
-                async for request, step_metadata in steps:
-                    hit = await self._attach_prefix(session, namespace, request, step_metadata) if probing else None
-                    probing = False
-                    if hw.EXPORT_KEY in step_metadata.extra:  # draining: the client moves the cache
-                        async for response in self.handoff.export(session):
-                            yield response
-                        continue
-                    if session.resend_pending:  # the client re-sent a step: never leave it without an answer
-                        yield runtime_pb2.ExpertResponse(tensors=[session.resend_output(step_metadata.step_id)])
-                        continue
-                    try:
-                        response, can_push = await self._inference_step(session, request, step_metadata, deadline)
-                    except ValueError as e:
-                        if not step_metadata.pushed:
-                            raise
-                        # a bad push (from another server) must not end this client's session
-                        logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
-                        session.seen_step_ids.discard(step_metadata.step_id or "")
-                        continue
-                    output = response.tensors[0]
-                    session.record_output(step_metadata, output)
-                    # (the guard learnt from a step of the session's own client when it was screened)
-                    if can_push and step_metadata.next_servers and push_guard.may_push_on(step_metadata):
-                        self._schedule_push(request, output, step_metadata)
-                    if step_metadata.pushed:
-                        response = mark_pushed_reply(response)
-                    yield response if hit is None else with_hit(response, hit)
+                steps = SessionSteps(self, session, namespace, deadline, port, probing=kv_import is None)
+                order = steps.order = StepOrder(
+                    session, self.timeouts, deadline, inbox, run=steps.run, ready=port.ready, end=steps.end
+                )
+                port.attach(order)
+                try:
+                    order.start(first)
+                    await steps.ended
+                finally:
+                    order.close()
+                    steps.close()
+                    port.detach()
         except Exception as e:
             self._reject("rpc_inference", e)
             raise
@@ -583,7 +550,7 @@ class InferenceStreams:
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
 
-    async def _attach_prefix(
+    async def attach_prefix(
         self, session: SessionState, namespace: str, request: runtime_pb2.ExpertRequest,
         metadata: InferenceRequestMetadata,
     ) -> int | None:  # fmt: skip
@@ -600,15 +567,15 @@ class InferenceStreams:
         logger.debug(f"rpc_inference.prefix_hit(session_id={session.session_id!r:.40}, tokens={hit})")
         return hit
 
-    async def _inference_step(
+    def begin_step(
         self,
         session: SessionState,
-        request: runtime_pb2.ExpertRequest,
         metadata: InferenceRequestMetadata,
+        request: runtime_pb2.ExpertRequest,
         deadline: float,
-    ) -> tuple[runtime_pb2.ExpertResponse, bool]:
-        """The step's response (its output's record built in it: `_serialize_output`'s `into`) and whether its
-        output may be pushed on."""
+    ) -> tuple[StepInputs, torch.Tensor | TensorBytes | asyncio.Future]:
+        """The step decoded (the one decoder: ValueError where it is refused) and sent to the core: its inputs and
+        the future of its output (a zero-token step's or a probe session's: its own input, nothing computed)."""
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
         inputs = bf.decode_step(
             request.tensors,
@@ -623,22 +590,20 @@ class InferenceStreams:
             lone_session=self.sessions.num_open == 1,  # (a handler process's: the device checks its own count)
         )  # the session changes only once the step is valid
         meta = inputs.hidden_meta  # the usual step's record of its bytes (no tensor built), else the tensor's shape
-        batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
-        output: torch.Tensor | TensorBytes
+        length = meta[1][1] if meta is not None else inputs.tensor().shape[1]
         if length == 0 or session.cache is None:
-            output = inputs.tensor()  # zero tokens: nothing to compute, [B, 0, H] back
-        else:
-            assert session.cache is not None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-            try:
-                step = self.core.step(session.cache, inputs)
-                output = await self._step_within(session, step, remaining)
-            except asyncio.TimeoutError:
-                raise RequestTimeout(
-                    f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
-                ) from None
+            return inputs, inputs.tensor()  # zero tokens: nothing to compute, [B, 0, H] back
+        if deadline - time.monotonic() <= 0:
+            raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
+        return inputs, asyncio.ensure_future(self.core.step(session.cache, inputs))
+
+    def step_reply(
+        self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes
+    ) -> tuple[runtime_pb2.ExpertResponse, bool]:
+        """The step's response (its output's record built in it: `_serialize_output`'s `into`), the session moved
+        past the step, and whether its output may be pushed on."""
+        meta = inputs.hidden_meta
+        batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
         drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
         response = hw.step_response(None if drain_deadline is None else drain_deadline - time.monotonic())
         self._serialize_output(output, into=response.tensors)
@@ -646,17 +611,6 @@ class InferenceStreams:
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
         return response, inputs.prompts is None
-
-    async def _step_within(self, session: SessionState, step: Awaitable[_T], remaining_s: float) -> _T:
-        """The executor's `step` under the session's deadline: the session's `TaskDeadline` (one lazily moved timer
-        for all its waits)."""
-        if not TASK_DEADLINES:  # (Python < 3.11: a task of its own)
-            return await asyncio.wait_for(step, remaining_s)
-        deadlines = session.deadlines
-        if deadlines is None:
-            deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
-        with deadlines.scope(deadlines.loop.time() + remaining_s):
-            return await step
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
         """Keys on a request of the session's own client (never a pushed one): its pages are published once
@@ -682,7 +636,7 @@ class InferenceStreams:
             output = output.to(self.limits.dtype)
         return serialize_tensor(output, compression, into)
 
-    def _schedule_push(
+    def schedule_push(
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
     ) -> None:
         if not metadata.next_servers or self.p2p is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
+from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
@@ -68,8 +69,9 @@ class LocalEndpoint:
             return False
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a socket left by an earlier run with the same identity
-        self.connections.server = await asyncio.start_unix_server(
-            functools.partial(serve_connection, self), path=str(path), limit=1 << 16
+        serve = functools.partial(serve_connection, self)
+        self.connections.server = await asyncio.get_running_loop().create_unix_server(
+            lambda: FrameConnection(serve=serve), path=str(path)
         )
         os.chmod(path, 0o600)
         self.path = path
@@ -99,11 +101,11 @@ class LocalEndpoint:
             except OSError as e:  # clients then pick without it
                 logger.debug(f"local_endpoint.load_unwritten({e!r})")
 
-    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+    async def accept(self, conn: FrameConnection) -> AcceptedStream | None:
         """The connection's hello checked and answered (`stream_endpoint.StreamListener`)."""
         self._report_load()
         try:
-            hello = ls.LocalHello.from_bytes(await read_hello(reader))
+            hello = ls.LocalHello.from_bytes(await read_hello(conn))
             check_hello(
                 "local stream", version=hello.version, expected_version=ls.LOCAL_STREAM_VERSION,
                 peer_id=hello.peer_id, own_peer_id=self.peer_id_b58, rpc=hello.rpc,
@@ -113,9 +115,9 @@ class LocalEndpoint:
             return None
         except ValueError as e:
             logger.info(f"local_endpoint.rejected(reason=bad_hello): {e}")
-            writer.writelines(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES]))
+            conn.writelines(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES]))
             return None
-        writer.writelines(ls.frame(ls.ACCEPT))
+        conn.writelines(ls.frame(ls.ACCEPT))
         self.streams_opened += 1
         context = P2PContext(handle_name=hello.rpc, local_id=self.peer_id, remote_id=None)
         return AcceptedStream(context, PlainFrames())

@@ -6,11 +6,11 @@ a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference` (or the
 `rpc_backward_stream` of a training call: the hello names the rpc), its responses out as frames. Shared by the
 same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
 
-Every frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
+A connection is a `frame_connection.FrameConnection` (an asyncio `Protocol` handing out whole frames). Every
+frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
 given (a remote peer's stream) the payload is charged to the handler's per-peer and total stream byte budget before
-a byte of it is buffered and released once the handler has taken the next message, and a started payload that stops
-arriving for `idle_s` ends the stream, as on p2p (`stream_guard`; one `TaskDeadline` timer per connection, moved as
-bytes arrive, not a timeout task per read)."""
+it is waited for and released once the handler has taken the next message, and a started payload that stops
+arriving for `idle_s` ends the stream, as on p2p (`stream_guard`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.server.core.limits import StreamStalled
 from corolla.server.front import step_timeline
-from corolla.server.front.stream_guard import StreamLease, within_idle
-from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
+from corolla.server.front.frame_connection import FrameConnection
+from corolla.server.front.inference_stream import StepPort
+from corolla.server.front.step_order import StepOrder
+from corolla.server.front.stream_guard import StreamLease
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,7 +39,6 @@ HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 # ~210 of a lone client's 529 ms step on an H200 (docs/decisions/0059)
 SERVED_RPCS = ("rpc_inference", "rpc_forward_stream", "rpc_backward_stream")
 CLOSE_WAIT_S = 10.0
-READ_CHUNK_BYTES = 1 << 20
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
 
 
@@ -81,10 +81,10 @@ class Connections:
         self.server = None
 
 
-async def read_hello(reader: asyncio.StreamReader) -> bytes:
+async def read_hello(conn: FrameConnection) -> bytes:
     """The payload of a connection's first frame, which must be a HELLO (within `HELLO_TIMEOUT_S`: else
     `asyncio.TimeoutError`); ValueError for another kind or an oversized frame."""
-    kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+    kind, payload = await asyncio.wait_for(conn.read_frame(ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
     if kind != ls.HELLO:
         raise ValueError(f"expected a hello frame first, got kind {kind}")
     return payload
@@ -110,6 +110,10 @@ class StreamRpcs(Protocol):
     def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
+
+    async def serve_steps(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort
+    ) -> None: ...
 
     def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -169,7 +173,7 @@ class StreamListener(Protocol):
     @property
     def connections(self) -> Connections: ...
 
-    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+    async def accept(self, conn: FrameConnection) -> AcceptedStream | None:
         """The connection's hello checked and answered (ACCEPT or ERROR); None: refused."""
         ...
 
@@ -178,87 +182,169 @@ class StreamListener(Protocol):
         ...
 
 
-async def serve_connection(
-    listener: StreamListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
+async def serve_connection(listener: StreamListener, conn: FrameConnection) -> None:
     """One connection's task: counted open while served (`Connections.serving`), its hello (`listener.accept`), then the
     stream of the rpc it named (the context's `handle_name`) to the end; the connection closed and `listener.ended`
     called whatever happens."""
     accepted: AcceptedStream | None = None
     try:
         with listener.connections.serving():
-            accepted = await listener.accept(reader, writer)
+            accepted = await listener.accept(conn)
             if accepted is not None:
                 await serve_inference(
-                    listener.handler, reader, writer, accepted.context, accepted.codec, listener.max_frame_bytes,
+                    listener.handler, conn, accepted.context, accepted.codec, listener.max_frame_bytes,
                     lease=accepted.lease, idle_s=accepted.idle_s, rpc=accepted.context.handle_name,
                 )  # fmt: skip
     except (ConnectionError, asyncio.IncompleteReadError) as e:
         logger.debug(f"stream_endpoint.connection_lost({e!r})")
     finally:
-        writer.close()
+        conn.close()
         listener.ended(accepted)
 
 
-async def _read_payload(
-    reader: asyncio.StreamReader, length: int, idle_s: float | None, deadlines: TaskDeadline | None
-) -> bytes:
-    if idle_s is None:
-        return await reader.readexactly(length)
-    if deadlines is None or not TASK_DEADLINES:  # (Python < 3.11: a deadline needs a task of its own per read)
-        return await _read_payload_tasks(reader, length, idle_s)
-    loop = deadlines.loop
-    data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
-    try:
-        with deadlines.scope(loop.time() + idle_s) as scope:  # one timer per connection, moved as bytes arrive
-            while len(data) < length:
-                chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
-                if not chunk:
-                    raise asyncio.IncompleteReadError(bytes(data), length)
-                data += chunk
-                scope.move(loop.time() + idle_s)
-    except TimeoutError:
-        if deadlines.expired:
-            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s inside a message") from None
-        raise
-    return bytes(data)
-
-
-async def _read_payload_tasks(reader: asyncio.StreamReader, length: int, idle_s: float) -> bytes:
-    data = bytearray()
-    while len(data) < length:
-        chunk = await within_idle(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
-        if not chunk:
-            raise asyncio.IncompleteReadError(bytes(data), length)
-        data += chunk
-    return bytes(data)
-
-
 async def read_frame(
-    reader: asyncio.StreamReader,
+    conn: FrameConnection,
     codec: FrameCodec,
     max_payload_bytes: int,
     *,
     lease: StreamLease | None = None,
     idle_s: float | None = None,
-    deadlines: TaskDeadline | None = None,
 ) -> tuple[int, bytes, int]:
     """(kind, decoded payload, bytes charged to `lease`) of the next frame; ValueError for an unknown kind, a length
-    over the limit, a payload that does not decode; IncompleteReadError at the end of the connection."""
-    header = await reader.readexactly(ls.HEADER_BYTES)
-    kind, length = ls.parse_header(header, max_payload_bytes + codec.overhead_bytes)
+    over the limit, a payload that does not decode; IncompleteReadError at the end of the connection; StreamStalled
+    for a payload that stops arriving for `idle_s`."""
     charged = 0
-    if lease is not None and kind == ls.MESSAGE:
-        lease.charge(length)  # before a byte of the payload is buffered
+
+    def charge(length: int) -> None:
+        nonlocal charged
+        assert lease is not None
+        lease.charge(length)  # before the payload is waited for
         charged = length
-    payload = await _read_payload(reader, length, idle_s, deadlines) if length else b""
+
+    kind, payload = await conn.read_frame(
+        max_payload_bytes + codec.overhead_bytes, charge=None if lease is None else charge, idle_s=idle_s
+    )
     return kind, codec.decode(kind, payload), charged
+
+
+class SocketPort:
+    """One accepted connection's requests and replies: `requests()` for a task (an rpc's stream, a session's opening
+    and KV import), and, once an inference session runs steps, its `inference_stream.StepPort` (the client's next
+    request handed over from the connection's data callback, each reply written as it is made: no task per step)."""
+
+    def __init__(
+        self, conn: FrameConnection, codec: FrameCodec, max_frame_bytes: int, *,
+        lease: StreamLease | None, idle_s: float | None, timeline: step_timeline.StreamTimeline | None,
+    ):  # fmt: skip
+        self.conn, self.codec, self.lease, self.idle_s, self.timeline = conn, codec, lease, idle_s, timeline
+        self.max_payload_bytes = max_frame_bytes + codec.overhead_bytes
+        self.charged = 0  # the last message's bytes in `lease`, released once the handler takes the next
+        self._charge = None if lease is None else self._charge_lease
+        self.order: StepOrder | None = None
+        self._handing = False  # inside `ready`
+        self._again = False  # `ready` was called again meanwhile
+
+    def _charge_lease(self, length: int) -> None:
+        assert self.lease is not None
+        self.lease.charge(length)  # before the payload is waited for
+        self.charged = length
+
+    def _release(self) -> None:
+        if self.lease is not None and self.charged:
+            self.lease.release(self.charged)  # the handler took the previous message
+            self.charged = 0
+
+    def _request(self, kind: int, payload: bytes) -> runtime_pb2.ExpertRequest | None:
+        """The request a frame holds; None for END; ValueError for another kind or a payload that is no request."""
+        payload = self.codec.decode(kind, payload)
+        if kind == ls.END:
+            return None
+        if kind != ls.MESSAGE:
+            raise ValueError(f"expected a request frame, got kind {kind}")
+        try:
+            request = runtime_pb2.ExpertRequest.FromString(payload)
+        except DecodeError as e:
+            raise ValueError(f"request frame is not an ExpertRequest: {e}") from None
+        if self.timeline is not None:
+            self.timeline.request_read()
+        return request
+
+    async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while True:
+            self._release()
+            try:
+                kind, payload = await self.conn.read_frame(
+                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s
+                )
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the client went away: the handler ends the session
+            request = self._request(kind, payload)
+            if request is None:
+                return
+            yield request
+
+    def attach(self, order: StepOrder) -> None:
+        self.order = order
+
+    def ready(self) -> None:
+        """Hands the client's next request to the order, now if it is buffered, else when its bytes arrive. A step
+        that is over at once (a re-sent step's reply, say) asks again from inside: that is looped here, not
+        recursed (a client could buffer many such frames)."""
+        if self._handing:
+            self._again = True
+            return
+        self._handing = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._hand_over()
+        finally:
+            self._handing = False
+
+    def _hand_over(self) -> None:
+        order = self.order
+        if order is None or order.ended:
+            return
+        conn = self.conn
+        if conn.writing_paused:  # the client does not take its replies: its next request waits
+            conn.on_writable = self.ready
+            return
+        self._release()
+        try:
+            frame = conn.take_frame(self.max_payload_bytes, self._charge)
+            if frame is None:
+                if conn.at_eof:
+                    conn.stop_delivery()
+                    order.client(None)  # the client went away: the session ends
+                else:
+                    conn.deliver(self.ready, idle_s=self.idle_s, fail=order.fail)
+                return
+            conn.stop_delivery()
+            request = self._request(*frame)
+        except Exception as e:
+            conn.stop_delivery()
+            order.fail(e)
+            return
+        order.client(request)
+
+    def reply(self, response: runtime_pb2.ExpertResponse) -> None:
+        self.conn.writelines(self.codec.encode(ls.MESSAGE, response.SerializeToString()))
+        if self.timeline is not None:
+            self.timeline.stamp(step_timeline.OUT)
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
+    def detach(self) -> None:
+        self.order = None
+        self.conn.stop_delivery()
+        self.conn.on_writable = None
 
 
 async def serve_inference(
     handler: StreamRpcs,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
+    conn: FrameConnection,
     context: P2PContext,
     codec: FrameCodec,
     max_frame_bytes: int,
@@ -269,54 +355,29 @@ async def serve_inference(
 ) -> None:
     """Runs one accepted connection's stream of `rpc` (one of `SERVED_RPCS`, checked at the hello) to its end (the last
     frame END, or ERROR with the handler's error text), then reads what the client still sends for up to `LINGER_S`
-    before the caller closes."""
-    charged = 0
-    deadlines = TaskDeadline() if idle_s is not None else None
+    before the caller closes. An inference stream's steps run without a task of their own (`SocketPort`, the
+    handler's `serve_steps`); a training rpc's messages go through its stream generator."""
     timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines
-
-    async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        nonlocal charged
-        while True:
-            if lease is not None and charged:
-                lease.release(charged)  # the handler took the previous message
-                charged = 0
-            try:
-                kind, payload, charged = await read_frame(
-                    reader, codec, max_frame_bytes, lease=lease, idle_s=idle_s, deadlines=deadlines
-                )
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the client went away: the handler ends the session
-            if kind == ls.END:
-                return
-            if kind != ls.MESSAGE:
-                raise ValueError(f"expected a request frame, got kind {kind}")
-            try:
-                request = runtime_pb2.ExpertRequest.FromString(payload)
-            except DecodeError as e:
-                raise ValueError(f"request frame is not an ExpertRequest: {e}") from None
-            if timeline is not None:
-                timeline.request_read()
-            yield request
-
+    port = SocketPort(conn, codec, max_frame_bytes, lease=lease, idle_s=idle_s, timeline=timeline)
     try:
-        async for response in _served(handler, rpc)(requests(), context):
-            writer.writelines(codec.encode(ls.MESSAGE, response.SerializeToString()))
-            if timeline is not None:
-                timeline.stamp(step_timeline.OUT)
-            await writer.drain()
+        if rpc == "rpc_inference":
+            await handler.serve_steps(port.requests(), context, port)
+        else:
+            async for response in _served(handler, rpc)(port.requests(), context):
+                port.reply(response)
+                await conn.drain()
         last = codec.encode(ls.END, b"")
     except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
         last = codec.encode(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES])
     finally:
+        port.detach()
         if lease is not None:
             lease.close()
-        if deadlines is not None:
-            deadlines.close()
         step_timeline.close_stream(timeline)
     with contextlib.suppress(Exception):
-        writer.writelines(last)
-        writer.write_eof()
-        await _discard_until_eof(reader, LINGER_S)
+        conn.writelines(last)
+        conn.write_eof()
+        await conn.discard_until_eof(LINGER_S)
 
 
 def _served(
@@ -325,13 +386,3 @@ def _served(
     if rpc not in SERVED_RPCS:
         raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
     return getattr(handler, rpc)
-
-
-async def _discard_until_eof(reader: asyncio.StreamReader, timeout_s: float) -> None:
-    """Reads (and drops) what the client still sends until it closes, for at most `timeout_s`: closing a socket
-    with unread data resets the connection, and the client could lose our last frame."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (remaining := deadline - loop.time()) > 0:
-        if not await asyncio.wait_for(reader.read(1 << 16), remaining):
-            return
