@@ -50,10 +50,10 @@ async def _serve(send, *, idle_s: float | None = None) -> tuple[list[str], BaseE
 
     order = StepOrder(session, timeouts, time.monotonic() + BOUND_S, None, run=run, ready=port.ready,
                       end=lambda error: ended.done() or ended.set_result(error))  # fmt: skip
-    port.attach(order)
+    requests = port.requests()
+    port.attach(order, requests)
     sending = asyncio.create_task(send(theirs))
     try:
-        requests = port.requests()
         order.start(await requests.__anext__())
         error = await asyncio.wait_for(ended, BOUND_S)
     finally:

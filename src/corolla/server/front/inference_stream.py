@@ -227,8 +227,9 @@ class StepPort(Protocol):
     """A transport's end of one `rpc_inference` stream once its session runs steps (`InferenceStreams.serve_steps`):
     where replies go, and how the client's next request is handed to the session's `StepOrder` (`client`)."""
 
-    def attach(self, order: StepOrder) -> None:
-        """The session's steps begin: the client's requests go to `order` from now on."""
+    def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """The session's steps begin: the client's requests go to `order` from now on (`requests`: the stream's, as
+        the session opened from it, for a transport that reads them as messages)."""
         ...
 
     def ready(self) -> None:
@@ -251,21 +252,20 @@ class PeerPort:
     ahead of the session at most: it waits for room while the session holds one), the replies wait here for the
     stream's generator."""
 
-    def __init__(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
-        self.requests = requests
+    def __init__(self) -> None:
         self.replies: collections.deque[runtime_pb2.ExpertResponse] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None  # the generator's wait for a reply or the session's end
         self._room: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
 
-    def attach(self, order: StepOrder) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read(order))
+    def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read(order, requests))
 
-    async def _read(self, order: StepOrder) -> None:
+    async def _read(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         try:
             while not order.ended:
                 try:
-                    request: runtime_pb2.ExpertRequest | None = await self.requests.__anext__()
+                    request: runtime_pb2.ExpertRequest | None = await requests.__anext__()
                 except StopAsyncIteration:
                     request = None
                 if order.holds_client_request:  # (a pushed step runs and the client's next waits for it)
@@ -454,7 +454,7 @@ class InferenceStreams:
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """A p2p stream: `serve_steps` in a task of its own, its replies yielded as they come (`PeerPort`)."""
-        port = PeerPort(requests)
+        port = PeerPort()
         serving = asyncio.ensure_future(self.serve_steps(requests, context, port))
         serving.add_done_callback(port.wake)
         try:
@@ -533,7 +533,7 @@ class InferenceStreams:
                 order = steps.order = StepOrder(
                     session, self.timeouts, deadline, inbox, run=steps.run, ready=port.ready, end=steps.end
                 )
-                port.attach(order)
+                port.attach(order, requests)
                 try:
                     order.start(first)
                     await steps.ended

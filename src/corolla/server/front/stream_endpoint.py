@@ -283,8 +283,8 @@ class SocketPort:
                 return
             yield request
 
-    def attach(self, order: StepOrder) -> None:
-        self.order = order
+    def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        self.order = order  # (its requests come from the connection's data callback, not from `requests`)
 
     def ready(self) -> None:
         """Hands the client's next request to the order, now if it is buffered, else when its bytes arrive. A step
