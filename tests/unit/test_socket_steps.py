@@ -32,8 +32,9 @@ def _frame(step_id: str) -> bytes:
     return b"".join(ls.frame(ls.MESSAGE, request.SerializeToString()))
 
 
-async def _serve(send, *, idle_s: float | None = None) -> tuple[list[str], BaseException | None]:
-    """The step ids a session ran, each over at once, of what `send(sock)` sends, and the error it ended with."""
+async def _serve(send, *, idle_s: float | None = None, reply_bytes: int = 0) -> tuple[list[str], BaseException | None]:
+    """The step ids a session ran, each over at once (answered with `reply_bytes` where > 0), of what `send(sock)`
+    sends, and the error it ended with."""
     ours, theirs = socket.socketpair()
     theirs.setblocking(False)
     loop = asyncio.get_running_loop()
@@ -46,6 +47,8 @@ async def _serve(send, *, idle_s: float | None = None) -> tuple[list[str], BaseE
 
     def run(_request: runtime_pb2.ExpertRequest, metadata) -> bool:
         seen.append(metadata.step_id)
+        if reply_bytes:
+            port.reply(runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=bytes(reply_bytes))]))
         return True
 
     order = StepOrder(session, timeouts, time.monotonic() + BOUND_S, None, run=run, ready=port.ready,
@@ -99,6 +102,21 @@ async def test_the_end_of_the_input_ends_the_session_quietly() -> None:
 
     seen, error = await _serve(send)
     assert error is None and seen == ["s0", "s1"]
+
+
+async def test_a_client_that_stops_reading_and_leaves_ends_its_session_at_once() -> None:
+    """Its replies fill the socket (the next request waits until they are taken); its close ends the session, not
+    the step timeout."""
+
+    async def send(sock: socket.socket) -> None:
+        await asyncio.get_running_loop().sock_sendall(sock, b"".join(_frame(f"s{i}") for i in range(8)))
+        await asyncio.sleep(0.3)  # the replies pile up unread
+        sock.close()
+
+    started = time.monotonic()
+    seen, error = await _serve(send, reply_bytes=4 << 20)
+    assert error is None and 1 <= len(seen) < 8
+    assert time.monotonic() - started < BOUND_S / 2
 
 
 @pytest.mark.parametrize("kind", [ls.HELLO, ls.ACCEPT])

@@ -41,7 +41,7 @@ class FrameConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._on_data: Callable[[], None] | None = None  # `deliver`'s callback
         self.at_eof = False  # the peer's input ended (or the connection was lost)
-        self._lost = False
+        self.lost = False  # the connection was lost: nothing more goes out
         self._reading_paused = False
         self.writing_paused = False
         self.on_writable: Callable[[], None] | None = None  # called once when writing resumes
@@ -83,11 +83,15 @@ class FrameConnection(asyncio.Protocol):
         return True  # keep the transport open: the last frame (END/ERROR) still goes out
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.at_eof = self._lost = True
+        self.at_eof = self.lost = True
         self._input_ended()
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("Connection lost"))
+        self.writing_paused = False  # nothing will be written: who waits to write is told (`on_writable`)
+        callback, self.on_writable = self.on_writable, None
+        if callback is not None:
+            callback()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -242,7 +246,7 @@ class FrameConnection(asyncio.Protocol):
 
     async def drain(self) -> None:
         """Waits while the transport's buffer is over its high-water mark; ConnectionResetError once it is lost."""
-        if self._lost:
+        if self.lost:
             raise ConnectionResetError("Connection lost")
         if not self.writing_paused:
             return

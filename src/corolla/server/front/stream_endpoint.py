@@ -307,6 +307,9 @@ class SocketPort:
         if order is None or order.ended:
             return
         conn = self.conn
+        if conn.lost:  # no reply can reach the client: what it sent before leaving is not run
+            order.client(None)
+            return
         if conn.writing_paused:  # the client does not take its replies: its next request waits
             conn.on_writable = self.ready
             return
