@@ -76,10 +76,10 @@ SPLIT_FUNCTIONS = (
     ("corolla.server.core.engine_executor", "EngineExecutor", "prepare_step"),
     ("corolla.server.core.engine_executor", "EngineExecutor", "step_task"),
     ("corolla.server.core.runtime", "Runtime", "queue"),
-    ("corolla.server.front.frame_connection", "FrameConnection", "take_frame"),
+    ("corolla.server.front.stream_endpoint", "FrameConnection", "take_frame"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "_request"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply"),
-    ("corolla.server.front.step_order", "StepOrder", "_wait"),
+    ("corolla.server.front.inference_stream", "StepOrder", "_wait"),
 )
 PEER = PeerID(b"\x12\x20" + bytes(range(32)))
 DHT_PREFIX = "bench"

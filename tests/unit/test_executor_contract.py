@@ -422,7 +422,7 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
     from hivemind.proto import runtime_pb2
 
     from corolla.server.core.push_guard import SessionPushGuard
-    from corolla.server.front.session_state import PushInbox
+    from corolla.server.front.inference_stream import PushInbox
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)

@@ -29,8 +29,7 @@ from corolla.server.core.limits import (
     peer_key,
 )
 from corolla.server.core.refusals import rejection_reason
-from corolla.server.front.session_state import SessionState
-from corolla.server.front.step_order import StepOrder
+from corolla.server.front.inference_stream import SessionState, StepOrder
 from corolla.server.front.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
 

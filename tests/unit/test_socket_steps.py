@@ -1,5 +1,5 @@
 """A socket stream's steps without a task per step (`stream_endpoint.SocketPort` handing requests to a
-`step_order.StepOrder` from the connection's data callback): every request is handed over once and in order, also
+`inference_stream.StepOrder` from the connection's data callback): every request is handed over once and in order, also
 thousands that arrive in one read and are each over at once (handed over in a loop, not recursively: no
 RecursionError); a request arriving in pieces is handed over when whole; a payload that stops arriving ends the
 session with `StreamStalled`; the end of the client's input ends the session quietly."""
@@ -16,10 +16,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import SessionTimeouts, StreamStalled
-from corolla.server.front.frame_connection import FrameConnection
-from corolla.server.front.session_state import SessionState
-from corolla.server.front.step_order import StepOrder
-from corolla.server.front.stream_endpoint import PlainFrames, SocketPort
+from corolla.server.front.inference_stream import SessionState, StepOrder
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, SocketPort
 
 BOUND_S = 10.0
 

@@ -18,8 +18,7 @@ from hivemind.proto import runtime_pb2
 from benchmarks.users.timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server.front import step_timeline
-from corolla.server.front.frame_connection import FrameConnection
-from corolla.server.front.stream_endpoint import PlainFrames, serve_inference
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, serve_inference
 
 
 class _Handler:

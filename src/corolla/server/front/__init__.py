@@ -2,6 +2,6 @@
 over p2p; `local_endpoint`: the same-host socket; `direct_endpoint`: the direct port, `stream_endpoint` shared by
 both, `connection_balance` spreading its connections over handler processes), reads hostile bytes under bounds
 (`stream_guard`; `handler` for gathered streams), checks who may call (`peer_auth`), validates with the one
-step decoder (`block_functions`), serves each inference stream without a task per step (`inference_stream`,
-`step_order`, `session_state`; a socket connection is a `frame_connection.FrameConnection`) and hands typed records to
+step decoder (`block_functions`), serves each inference stream without a task per step (`inference_stream`;
+a socket connection is a `stream_endpoint.FrameConnection`) and hands typed records to
 the core through its one seam (`span_core.CoreClient`)."""

@@ -30,12 +30,12 @@ from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front.connection_balance import ConnectionHandoff
-from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.front.stream_endpoint import (
     HELLO_TIMEOUT_S,
     AcceptedStream,
     Connections,
+    FrameConnection,
     StreamRpcs,
     check_hello,
     read_hello,

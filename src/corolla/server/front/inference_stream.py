@@ -1,6 +1,7 @@
 """A front's inference streams (`rpc_inference`, on every transport) without a task per step: the session a stream
-opens through the core (`session_state.SessionState`), the order of its steps (`step_order.StepOrder`: client steps
-and pushed ones, de-duplicated by `step_id`, under `step_timeout` and `session_timeout`), how each step runs
+opens through the core (`SessionState`, with `PushInbox`: the steps other servers push into it), the order of its
+steps (`StepOrder`: client steps and pushed ones, de-duplicated by `step_id`, under `step_timeout` and
+`session_timeout`), how each step runs
 (`SessionSteps`: decoded once by `block_functions`, sent to the core through the one seam (`CoreClient.step`), its
 reply written from the step's completion and pushed on to the next server), the transport's end of it (`StepPort`:
 `PeerPort` for p2p, the socket's in `stream_endpoint`), the registry of this front's streams (ended on shutdown) and
@@ -13,7 +14,8 @@ import asyncio
 import collections
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,28 +24,325 @@ from hivemind.proto import runtime_pb2
 
 from corolla.protocol import handoff as hw
 from corolla.protocol import rpc
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, serialize_tensor_bytes
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.shadow import parse_shadow
 from corolla.protocol.uids import make_chain
 from corolla.server.core import kv_handoff as kv
-from corolla.server.core.executor import SessionSpec, StepInputs
-from corolla.server.core.limits import SessionTimeouts, peer_key
-from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
+from corolla.server.core.admission import SessionTicket
+from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
+from corolla.server.core.limits import DuplicateStep, SessionEvicted, SessionTimeouts, peer_key
+from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, screen_step
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
-from corolla.server.front.session_state import PushInbox, SessionState
-from corolla.server.front.step_order import StepOrder
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
+
+
+MAX_PUSH_QUEUE = 8  # pushed steps waiting per session; a session is driven one step at a time
+
+
+@dataclass
+class SessionState:
+    """Server-side state of one open `rpc_inference` stream."""
+
+    session_id: str | None
+    block_indices: list[int]
+    batch_size: int
+    max_length: int
+    cache: SessionCache | None  # the executor's cache of this session (None: a max_length=0 probe)
+    active_adapter: str
+    args_structure: object
+    prefix_length: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); push_guard.screen_step
+    seen_step_ids: set[str] = field(default_factory=set)
+    direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
+    ticket: SessionTicket | None = None  # idle time and eviction (None: not admitted through `admission`)
+    last_step_id: str | None = None
+    last_output: runtime_pb2.Tensor | None = None
+    resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
+    # sees the metadata of every request of the session's own client before it runs, also one skipped because its
+    # pushed copy ran first (the client's prefix keys travel only on its own requests); ValueError ends the session
+    on_client_request: Callable[[InferenceRequestMetadata], None] | None = None
+
+    def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
+        """Keeps the last step's reply, to answer a client that re-sends that step."""
+        self.last_step_id, self.last_output = metadata.step_id, output
+
+    def resend_output(self, step_id: str | None) -> runtime_pb2.Tensor:
+        """The reply to a re-sent step: the cached output if it is the last step, else DuplicateStep."""
+        self.resend_pending = False
+        if step_id is not None and step_id == self.last_step_id and self.last_output is not None:
+            logger.info(f"rpc_inference.resent_step(session_id={self.session_id!r:.40}, step_id={step_id!r:.40})")
+            return self.last_output
+        raise DuplicateStep(
+            f"step_id {step_id!r:.60} was already processed by this session and is not its last step; "
+            f"a step can't be re-run in place: send it with a new step_id and start_from_position"
+        )
+
+
+class PushInbox:
+    """Where the pushed steps of one stream's session wait, behind the session's guard: the core's push table hands
+    each push here (`span_core.PushSink`), and the session's `inference_stream.StepOrder` is woken (`wake`)."""
+
+    def __init__(self, session_id: str, guard: SessionPushGuard):
+        self.session_id, self.guard = session_id, guard
+        self.queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
+        self.wake: Callable[[], None] | None = None  # the session's, once its steps run
+
+    def __call__(self, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
+        """Queues a step pushed by peer `sender`; False if `sender` is not the upstream its client named, or the
+        queue is full."""
+        if not self.guard.accepts_push_from(sender):
+            logger.info(
+                f"sessions.push_refused(session_id={self.session_id!r:.40}, sender={str(sender)[-8:]}): not upstream"
+            )
+            return False
+        try:
+            self.queue.put_nowait(request)
+        except asyncio.QueueFull:
+            logger.debug(f"sessions.push_dropped(session_id={self.session_id!r:.40}): queue full")
+            return False
+        if self.wake is not None:
+            self.wake()
+        return True
+
+
+MAX_REMEMBERED_STEP_IDS = 4096
+EARLY_FIRE_S = 1e-4  # a timer firing this close before its time counts as on time (no re-arm for less)
+
+
+class StepOrder:
+    """Which step one `rpc_inference` session runs next, driven by callbacks (no task and no await per step).
+
+    Its inputs are the client's requests, handed over one at a time as the session makes room for them (`client`; the
+    transport is told when there is room: `ready`), and the steps other servers push into the session (its `PushInbox`,
+    which wakes it). Each request is screened here: its metadata decoded, a pushed step checked against the push rules
+    (`screen_step`), the client's own requests shown to `on_client_request`, and a step whose `step_id` was
+    already processed skipped (it came both pushed and directly) or, re-sent by the client, answered again
+    (`SessionState.resend_pending`). A step that passes is handed to `run`, one at a time: `run` returns True when the
+    step is over, else it calls `done` (or `fail`) when it is. The client's request goes before queued pushes.
+
+    The session ends (`end(None)`) at an empty request or the end of the client's stream; after `step_timeout` without a
+    step that processed a token (zero-token keep-alives are not activity), counted from the session's last real token;
+    with `TimeoutError` past the session's `deadline` while it waits, `RequestTimeout` past it while a step runs, and
+    with its ticket's `SessionEvicted` once evicted (between steps). One timer per session, re-armed lazily when it fires
+    before the time it guards (deadlines only move later while steps come), as `utils.deadlines.TaskDeadline` does.
+
+    `deadline` is a `time.monotonic()` value (the event loop's clock)."""
+
+    def __init__(
+        self,
+        session: SessionState,
+        timeouts: SessionTimeouts,
+        deadline: float,
+        inbox: PushInbox | None,
+        *,
+        run: Callable[[runtime_pb2.ExpertRequest, InferenceRequestMetadata], bool],
+        ready: Callable[[], None],
+        end: Callable[[BaseException | None], None],
+    ):
+        self.session, self.timeouts, self.deadline, self.inbox = session, timeouts, deadline, inbox
+        self._run, self._ready, self._end = run, ready, end
+        self._loop = asyncio.get_running_loop()
+        self._client: runtime_pb2.ExpertRequest | None = None  # the client's request not taken yet (at most one)
+        self._client_ended = False
+        self._asked = False  # `ready` was called and no client request came since
+        self._busy = False  # a step runs
+        self.ended = False
+        self._idle_since = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
+        self._evicted: asyncio.Future | None = None
+        ticket = session.ticket
+        if ticket is not None:
+            self._evicted = asyncio.ensure_future(ticket.evicted.wait())
+            self._evicted.add_done_callback(self._on_evicted)
+        if inbox is not None:
+            inbox.wake = self._wake
+
+    @property
+    def holds_client_request(self) -> bool:
+        """A client request waits here (the transport hands over the next one only after `ready`)."""
+        return self._client is not None
+
+    def start(self, first: runtime_pb2.ExpertRequest) -> None:
+        """Begins with the session's opening request."""
+        self.client(first)
+
+    def client(self, request: runtime_pb2.ExpertRequest | None) -> None:
+        """The client's next request (None: its stream ended)."""
+        if self.ended:
+            return
+        self._asked = False
+        if request is None or not request.tensors:  # the end of the stream, or an empty request: the session ends
+            self._client_ended = True
+        else:
+            assert self._client is None, "a client request came before the session had room for it"
+            self._client = request
+        self._next()
+
+    def done(self) -> None:
+        """The step handed to `run` is over (answered or skipped)."""
+        self._busy = False
+        self._next()
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the session with `error` (a step's or the transport's)."""
+        self._finish(error)
+
+    def close(self) -> None:
+        """Stops the timer and the eviction wait (the session is over, however it ended)."""
+        self.ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._evicted is not None and not self._evicted.done():
+            self._evicted.cancel()
+        if self.inbox is not None:
+            self.inbox.wake = None
+
+    # ---- internals
+
+    def _wake(self) -> None:
+        if not self._busy and not self.ended:
+            self._next()
+
+    def _next(self) -> None:
+        while not self._busy and not self.ended:
+            ticket = self.session.ticket
+            if ticket is not None and ticket.evicted.is_set():  # (a client whose next step is always there)
+                return self._finish(_eviction(self.session))
+            if self._client_ended:
+                return self._finish(None)
+            request = self._client
+            if request is not None:
+                self._client = None
+            elif self.inbox is not None and not self.inbox.queue.empty():
+                request = self.inbox.queue.get_nowait()
+            else:
+                return self._wait()
+            self._busy = True
+            try:
+                if self._take(request):
+                    self._busy = False
+            except Exception as e:
+                return self._finish(e)
+        if self._busy and not self.ended:
+            self._arm(self.deadline)
+
+    def _take(self, request: runtime_pb2.ExpertRequest) -> bool:
+        """Screens one request and runs it if it is a step to run: True once it is over."""
+        session = self.session
+        parsed = InferenceRequestMetadata.from_bytes(request.metadata)
+        step_id = parsed.step_id
+        guard = session.push_guard
+        metadata: InferenceRequestMetadata | None = parsed
+        # A session whose client named no upstream takes no push (every one is refused), so its guard has nothing to
+        # learn from a step that names neither an upstream nor a next hop: the push rules stay off such a session's
+        # steps (a lone client's, a stock Petals client's) until it names one
+        if parsed.pushed or (
+            guard is not None
+            and (guard.upstream is not None or parsed.next_servers or UPSTREAM_PEER_KEY in parsed.extra)
+        ):
+            metadata = screen_step(  # learns from the client's own steps; None: a pushed step breaking the rules
+                guard, request, parsed, prefix_length=session.prefix_length,
+                args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
+            )  # fmt: skip
+        if metadata is not None and not metadata.pushed and session.on_client_request is not None:
+            session.on_client_request(metadata)
+        if metadata is None:
+            return True
+        if step_id is None or step_id not in session.seen_step_ids:
+            if step_id is not None:
+                if len(session.seen_step_ids) >= MAX_REMEMBERED_STEP_IDS:
+                    session.seen_step_ids.clear()
+                    session.direct_step_ids.clear()
+                session.seen_step_ids.add(step_id)
+                if not metadata.pushed:
+                    session.direct_step_ids.add(step_id)
+            return self._run(request, metadata)
+        if metadata.pushed:  # the client's own copy came first and was answered: no second reply
+            return True
+        if step_id not in session.direct_step_ids:  # its pushed copy came first and was answered
+            session.direct_step_ids.add(step_id)
+            return True
+        session.resend_pending = True  # the client sent this step twice: answer it (Petals drops it)
+        return self._run(request, metadata)
+
+    def _wait(self) -> None:
+        """Nothing to run: the timer guards the wait, and the transport may hand over the client's next request."""
+        self._idle_since = time.monotonic()
+        self._arm(self._wait_until())
+        if not self._asked and not self._client_ended:
+            self._asked = True
+            self._ready()  # (may hand the request over at once: `client` runs inside)
+
+    def _wait_until(self) -> float:
+        """When a wait for the next step ends: `step_timeout` after the session's last real token (zero-token
+        keep-alives are not activity), and never past `deadline`."""
+        ticket = self.session.ticket
+        since = self._idle_since if ticket is None else ticket.last_used_at
+        return min(since + self.timeouts.step_timeout_s, self.deadline)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            if self._timer_when <= when:
+                return  # fires early, then re-arms for `when`
+            self._timer.cancel()
+        self._timer, self._timer_when = self._loop.call_at(when, self._fired), when
+
+    def _fired(self) -> None:
+        self._timer = None
+        if self.ended:
+            return
+        now = time.monotonic()
+        when = self.deadline if self._busy else self._wait_until()
+        if when > now + EARLY_FIRE_S:
+            self._arm(when)
+            return
+        session, timeouts = self.session, self.timeouts
+        if self._busy:
+            return self._finish(
+                RequestTimeout(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
+            )
+        if now >= self.deadline:
+            logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
+            return self._finish(
+                TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
+            )
+        logger.info(
+            f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
+            f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
+        )
+        self._finish(None)
+
+    def _on_evicted(self, _: asyncio.Future) -> None:
+        if not self._busy and not self.ended:
+            self._next()  # (a step running ends first; the session ends before the next)
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.ended:
+            return
+        self.close()
+        self._end(error)
+
+
+def _eviction(session: SessionState) -> SessionEvicted:
+    """The error an evicted session ends with (its ticket's, set with the `evicted` event waited for)."""
+    ticket = session.ticket
+    assert ticket is not None and ticket.eviction is not None
+    return ticket.eviction
 
 
 class SessionRegistry:

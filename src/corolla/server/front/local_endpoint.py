@@ -17,10 +17,10 @@ from pathlib import Path
 from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
-from corolla.server.front.frame_connection import FrameConnection
 from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
+    FrameConnection,
     PlainFrames,
     StreamRpcs,
     check_hello,
