@@ -128,7 +128,8 @@ def kernel_profile(span: FastMlaSpan, graphs, engine: SpanEngine, lines: list[st
     from torch.profiler import ProfilerActivity, profile
 
     def step() -> None:
-        span.decode(graphs.hidden[:1], graphs.positions[:1], graphs.block_tables[:1], engine.pool)
+        inputs = graphs.inputs_for(1)
+        span.decode(inputs.hidden[:1], inputs.positions[:1], inputs.block_tables[:1], engine.pool)
 
     step()
     torch.cuda.synchronize()

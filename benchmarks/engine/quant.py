@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import math
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms, sync
 from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
@@ -335,12 +336,17 @@ def bench_llama(
         one = open_prefilled(engine, 1, prefix, gen)
         ms, _ = step_ms(engine, one, prefix)
         row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
+        replay = ""
+        if engine.graphs is not None:  # the graph alone (device time): the rest of the step is the host's part
+            row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
+            replay = f", replay {row['replay_ms']:.3f} ms (host part {ms - row['replay_ms']:.3f} ms)"
         row["weight_bytes"] = engine.model.weight_bytes()
         row["warmup_s"] = warmup_s
         row["kernels"] = kernels
-        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x); "
+        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x){replay}; "
                    f"warm-up (tuning + graphs) {warmup_s:.1f} s")  # fmt: skip
-        if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda":
+        if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda" \
+                and PROLOGUE_AB_PAIRS > 0:  # fmt: skip
             try:
                 row["prologue_ab"] = prologue_ab(engine, one, prefix, lines, kind, floor)
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
@@ -363,6 +369,9 @@ def bench_llama(
             ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
             row["sessions"] = sessions_n
             row["step_many_ms"] = ms64
+            if engine.graphs is not None:
+                row["replay_many_ms"] = event_median_ms(functools.partial(engine.graphs.run, sessions_n), STEPS)
+                log(lines, f"  {sessions_n} {kind} sessions: replay {row['replay_many_ms']:.3f} ms")
             row["speedup_many"] = sessions_n * ms / ms64
             log(lines, f"  {sessions_n} {kind} sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the "
                        f"tokens/s of one")  # fmt: skip
@@ -445,7 +454,7 @@ def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, 
 
 
 def main() -> None:
-    global STEPS
+    global STEPS, PROLOGUE_AB_PAIRS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefix_tokens", type=int, default=512)
@@ -459,11 +468,13 @@ def main() -> None:
     )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
+    parser.add_argument("--prologue_ab_pairs", type=int, default=PROLOGUE_AB_PAIRS,
+                        help="alternated fused/separate prologue pairs of the quantized step; 0 skips them")  # fmt: skip
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
     if not kinds or set(kinds) - {"bf16", "nf4", "int8"} or len(set(kinds)) < len(kinds):
         parser.error(f"--kinds takes a comma-separated subset of bf16,nf4,int8, got {args.kinds!r}")
-    STEPS = args.steps
+    STEPS, PROLOGUE_AB_PAIRS = args.steps, args.prologue_ab_pairs
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
     lines: list[str] = []

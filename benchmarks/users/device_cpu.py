@@ -39,6 +39,7 @@ import torch
 from benchmarks.engine.quant import LLAMA3_8B, random_layer
 from benchmarks.field.verify_tolerance import engine_over, standin_backend
 from corolla.engine.graph_decode import HostStaging, host_bytes
+from corolla.engine.graphs.cuda_graphs import GraphInputs, InputLayout
 from corolla.engine.span_engine import SpanEngine
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
@@ -87,14 +88,16 @@ class NoopGraphs:
     def __init__(self, engine: SpanEngine, buckets: tuple[int, ...], stream: SimulatedStream, forward_s: float):
         rows, h, meta = max(buckets), engine.hidden_size, torch.device("meta")
         self.buckets, self.max_rows = buckets, rows
-        self.hidden = torch.empty((rows, h), dtype=engine.dtype, device=meta)
-        self.positions = torch.empty((rows,), dtype=torch.long, device=meta)
-        self.block_tables = torch.empty((rows, engine.pool.max_pages_per_seq), dtype=torch.int32, device=meta)
+        pages = engine.pool.max_pages_per_seq
+        self.inputs = {b: GraphInputs.allocate(InputLayout.of(b, h, pages, engine.dtype), meta) for b in buckets}
         self._out = torch.zeros((rows, h), dtype=engine.dtype)  # [rows, H]
         self.stream, self._forward_s = stream, forward_s  # (`torch.cuda.current_stream` while a run lasts)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
+
+    def inputs_for(self, rows: int) -> GraphInputs:
+        return self.inputs[self.bucket_for(rows)]
 
     def run(self, rows: int, layers: object = None, *, adapters: bool = False, reset: bool = True) -> torch.Tensor:
         self.stream.tail_s = self.stream.reach() + self._forward_s

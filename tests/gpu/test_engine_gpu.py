@@ -1,6 +1,6 @@
 """The fast path on a real GPU: each Triton kernel equals its PyTorch reference on fresh random bf16 inputs
 (outputs poisoned first), the CUDA-graph step equals the eager step, batched ragged decode equals each session
-alone, and the engine agrees with the span's own blocks. Skipped without CUDA."""
+alone, device inputs give the rows CPU inputs give, and the engine agrees with the span's own blocks. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -175,6 +175,42 @@ def test_device_inputs_stay_on_device_and_padding_rows_touch_no_session() -> Non
     assert torch.equal(engine.pool.k[:, a.slots[0].pages], k_before)  # session a was never written
     for s in (a, *others):
         s.close()
+
+
+@torch.no_grad()
+def test_device_inputs_equal_cpu_inputs_alone_merged_and_converted() -> None:
+    """A graph step's hidden states on the device go straight into the graph's input (one request: one copy; several
+    of the engine's dtype: one cat; a float32 or CPU one among them: converted first), its positions and tables in
+    one copy: the same rows as the same steps given on the CPU (the launched path), bit for bit."""
+    engine = make_engine(make_blocks(layers=2))
+    torch.manual_seed(5)
+    prompts = [torch.randn(b, 9 + 4 * i, 512, dtype=BF16) for i, b in enumerate((1, 2, 1))]
+    runs = {kind: [engine.open_session(p.shape[0], 64) for p in prompts] for kind in ("cpu", "device")}
+    for sessions in runs.values():
+        for s, p in zip(sessions, prompts, strict=True):
+            engine.step(s, p, 0)
+    plans = [  # per step: (session index, how its device input is given)
+        [(1, "bf16")],  # one request of two rows: one copy
+        [(0, "bf16"), (1, "bf16"), (2, "bf16")],  # one cat
+        [(0, "fp32"), (1, "bf16"), (2, "cpu")],  # converted
+        [(2, "bf16"), (0, "bf16")],  # 2 rows of the bucket of 2, another order
+    ]
+    for plan in plans:
+        xs = [torch.randn(prompts[i].shape[0], 1, 512, dtype=BF16) for i, _ in plan]
+        want = engine.decode_many([
+            StepRequest(runs["cpu"][i], x, runs["cpu"][i].length_tokens) for (i, _), x in zip(plan, xs, strict=True)
+        ])  # fmt: skip
+        given = {"bf16": lambda x: x.to(DEV), "fp32": lambda x: x.float().to(DEV), "cpu": lambda x: x}
+        got = engine.decode_many([
+            StepRequest(runs["device"][i], given[how](x), runs["device"][i].length_tokens)
+            for (i, how), x in zip(plan, xs, strict=True)
+        ])  # fmt: skip
+        for (_, how), w, g in zip(plan, want, got, strict=True):
+            assert g.device.type == ("cpu" if how == "cpu" else "cuda") and g.dtype == BF16
+            assert g.shape == w.shape and torch.equal(g.cpu(), w)
+    for sessions in runs.values():
+        for s in sessions:
+            s.close()
 
 
 def test_fused_skinny_gemm_matches_reference() -> None:

@@ -1,7 +1,9 @@
 """The host side of a launched merged forward (`engine.graph_decode`), on the CPU with plain buffers standing in for
 the pinned ones and the graphs' static inputs: rows staged from their bytes (`StepRequest.hidden_bytes`, a device
 channel's frame copy) and block tables with memoryview copies equal what `torch.cat`/`torch.stack` give, the
-bucket's rows past the live ones point at the trash page, slices are made once per row count, the collected output
+bucket's rows past the live ones point at the trash page, one copy of the staging block writes a bucket's graph
+inputs (positions, tables, the live rows' hidden states) and no other bucket's, the block's layout (aligned parts,
+hidden states last), views are made once per row count, the collected output
 owns its memory; a step's bytes that disagree with its hidden states are refused where the step enters; a STEP_BATCH
 step's bytes are the memory its hidden states view."""
 
@@ -19,6 +21,7 @@ from corolla.engine.graph_decode import (
     stage_hidden_bytes,
     stage_row_inputs,
 )
+from corolla.engine.graphs.cuda_graphs import GraphInputs, InputLayout
 from corolla.engine.kv.kv_pool import TRASH_PAGE
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
@@ -30,16 +33,23 @@ H = 64  # tiny_config hidden size
 
 
 class _Graphs:
-    """The static inputs of `DecodeGraphs` (CPU tensors) and its bucket rule, nothing else."""
+    """`DecodeGraphs`' static inputs (CPU blocks, every byte marked: positions 99, tables 55, hidden states 7) and its
+    bucket rule, nothing else."""
 
     def __init__(self, max_rows: int, pages: int, dtype: torch.dtype):
         self.buckets = (1, 2, 4, max_rows)
-        self.hidden = torch.full((max_rows, H), 7.0, dtype=dtype)
-        self.positions = torch.full((max_rows,), 99, dtype=torch.long)
-        self.block_tables = torch.full((max_rows, pages), 55, dtype=torch.int32)
+        self.inputs = {b: GraphInputs.allocate(InputLayout.of(b, H, pages, dtype), torch.device("cpu"))
+                       for b in self.buckets}  # fmt: skip
+        for inputs in self.inputs.values():
+            inputs.positions.fill_(99)
+            inputs.block_tables.fill_(55)
+            inputs.hidden.fill_(7.0)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
+
+    def inputs_for(self, rows: int) -> GraphInputs:
+        return self.inputs[self.bucket_for(rows)]
 
 
 def _engine(dtype: torch.dtype = torch.float32) -> SpanEngine:
@@ -66,7 +76,7 @@ def test_rows_and_tables_staged_from_bytes_equal_cat_and_stack(dtype: torch.dtyp
     pages = engine.pool.max_pages_per_seq
     graphs = _Graphs(8, pages, dtype)
     staging = HostStaging.allocate(8, H, pages, dtype, pin_memory=False)
-    staging.tables_np[:] = 123  # an earlier forward's rows: the padding must not keep them
+    staging.block.fill_(123)  # an earlier forward's bytes: the padding must not keep them
 
     def forbidden(*args, **kwargs):
         raise AssertionError("rows are staged without torch.cat / torch.stack")
@@ -77,23 +87,52 @@ def test_rows_and_tables_staged_from_bytes_equal_cat_and_stack(dtype: torch.dtyp
     assert merged.all_bytes and merged.same_dtype and merged.rows == 4 and merged.splits == [1, 2, 1]
     part = requests[1:]  # 3 live rows in a bucket of 4
     views = staging.row_views(graphs, 3)
-    stage_hidden_bytes(staging.hidden_bytes, part)
-    stage_row_inputs(staging, views, merge_rows(part, dtype), None)
+    stage_hidden_bytes(views.hidden_bytes, part)
+    stage_row_inputs(staging, views, merge_rows(part, dtype), False)
+    views.graph_inputs.copy_(views.inputs)  # the step's one copy: positions, tables, the live rows' hidden states
     monkeypatch.undo()
-    assert views.bucket == 4 and torch.equal(staging.hidden[:3], want_hidden[1:])
-    assert graphs.positions[:4].tolist() == [4, 4, 5, 0] and graphs.positions[4:].tolist() == [99] * 4
-    assert torch.equal(graphs.block_tables[:3], want_tables[1:])
-    assert (graphs.block_tables[3] == TRASH_PAGE).all() and (graphs.block_tables[4:] == 55).all()
+    four = graphs.inputs[4]
+    assert views.bucket == 4 and torch.equal(views.hidden, want_hidden[1:])
+    assert torch.equal(four.hidden[:3], want_hidden[1:]) and (four.hidden[3] == 7).all()  # past the live rows
+    assert four.positions.tolist() == [4, 4, 5, 0]
+    assert torch.equal(four.block_tables[:3], want_tables[1:]) and (four.block_tables[3] == TRASH_PAGE).all()
+    for bucket in (1, 2, 8):  # the other buckets' inputs are not written
+        assert (graphs.inputs[bucket].positions == 99).all() and (graphs.inputs[bucket].block_tables == 55).all()
     assert staging.row_views(graphs, 3) is views  # made once per row count
     views = staging.row_views(graphs, 4)
-    stage_hidden_bytes(staging.hidden_bytes, requests)
-    views.graph_hidden.copy_(views.hidden)
-    stage_row_inputs(staging, views, merged, None)
-    assert torch.equal(graphs.hidden[:4], want_hidden) and (graphs.hidden[4:] == 7).all()
-    assert torch.equal(graphs.block_tables[:4], want_tables) and graphs.positions[:4].tolist() == [3, 4, 4, 5]
+    stage_hidden_bytes(views.hidden_bytes, requests)
+    stage_row_inputs(staging, views, merged, False)
+    views.graph_inputs.copy_(views.inputs)
+    assert torch.equal(four.hidden, want_hidden)
+    assert torch.equal(four.block_tables, want_tables) and four.positions.tolist() == [3, 4, 4, 5]
     assert torch.equal(merged.tables(), want_tables)  # the eager path's tables
+    # 5 rows in the bucket of 8, hidden states already on the device: the head copy writes positions and tables only
+    eight = graphs.inputs[8]
+    views = staging.row_views(graphs, 5)
+    stage_row_inputs(staging, views, merge_rows(requests + requests[:1], dtype), False)
+    views.graph_head.copy_(views.head)
+    assert eight.positions.tolist() == [3, 4, 4, 5, 3, 0, 0, 0] and (eight.hidden == 7).all()
+    assert torch.equal(eight.block_tables[:5], torch.cat([want_tables, want_tables[:1]]))
+    assert (eight.block_tables[5:] == TRASH_PAGE).all()
     for s in sessions:
         s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_buckets_input_block_holds_positions_tables_then_hidden_states_aligned(dtype: torch.dtype) -> None:
+    layout = InputLayout.of(3, H, 5, dtype)
+    parts = [(0, 3 * 8), (layout.tables_offset, 3 * 5 * 4), (layout.hidden_offset, 3 * H * dtype.itemsize)]
+    for (start, size), (following, _) in zip(parts, parts[1:], strict=False):
+        assert following % 256 == 0 and start + size <= following  # aligned, no overlap, in this order
+    assert layout.hidden_end(3) <= layout.nbytes and layout.hidden_end(1) == layout.hidden_offset + H * dtype.itemsize
+    block = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    positions, tables, hidden = layout.views(block)
+    positions.copy_(torch.tensor([1, -2, 3]))
+    tables.copy_(torch.arange(15, dtype=torch.int32).view(3, 5))
+    hidden.copy_(torch.randn(3, H).to(dtype))
+    again = layout.views(block.clone())  # the same bytes read back through a second block's views
+    assert again[0].tolist() == [1, -2, 3] and torch.equal(again[1], tables) and torch.equal(again[2], hidden)
+    assert InputLayout.of(8, H, 5, dtype).nbytes >= layout.nbytes  # a staging set sized for the largest bucket
 
 
 def test_the_collected_output_owns_its_rows_and_splits_per_request() -> None:

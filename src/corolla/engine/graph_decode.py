@@ -1,8 +1,9 @@
 """A merged decode forward on the CUDA-graph path split in two phases, so that the caller (the server's runtime
 thread) can stage and launch the next forward while the device still runs this one and its replies are encoded:
 
-- `launch_graph_decode` stages the rows' inputs in pinned host buffers, queues their host-to-device copies, the
-  graph replay and the device-to-host copy of the output on the current stream, records an event, and returns a
+- `launch_graph_decode` stages the rows' inputs (hidden states, positions, block tables) in one pinned host block
+  laid out as the bucket's graph inputs (`cuda_graphs.InputLayout`), queues its one host-to-device copy, the graph
+  replay and the device-to-host copy of the output on the current stream, records an event, and returns a
   `PendingDecode` at once;
 - `PendingDecode.wait` waits for that event only (not for later forwards queued behind it), copies the output out
   of the pinned buffer and splits it per request.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from corolla.engine.graphs.cuda_graphs import DecodeGraphs
+from corolla.engine.graphs.cuda_graphs import DecodeGraphs, InputLayout
 from corolla.engine.kv.kv_pool import TRASH_PAGE
 from corolla.engine.step_request import StepRequest
 from corolla.utils.tensor_bytes import view_bytes
@@ -33,35 +34,37 @@ SPIN_MAX_ROWS = 1
 
 @dataclass(eq=False)
 class _RowViews:
-    """Slices of the graphs' static inputs and of one staging set for a merged forward of `rows` rows in a graph
-    of `bucket` rows, made once per row count (each slice is a torch call that may hand the GIL to another thread)."""
+    """Views of a bucket's graph inputs (`GraphInputs`) and of one staging set's block laid out alike, for a merged
+    forward of `rows` rows in a graph of `bucket` rows, made once per row count (each view is a torch call that may
+    hand the GIL to another thread)."""
 
-    graph_hidden: torch.Tensor  # graphs.hidden[:rows]
-    hidden: torch.Tensor  # staging.hidden[:rows]
+    inputs: torch.Tensor  # staging block[:hidden_end(rows)]: positions, tables, the live rows' hidden states
+    graph_inputs: torch.Tensor  # the bucket's device block, the same bytes
+    head: torch.Tensor  # staging block[:hidden_offset]: positions and tables only
+    graph_head: torch.Tensor  # the device block's same bytes
+    hidden: torch.Tensor  # [rows, H] the staging block's hidden states
+    hidden_bytes: memoryview  # their bytes, flat
+    graph_rows: torch.Tensor  # [rows, 1, H] the graph's hidden states (a device input's copy goes there)
+    positions_np: np.ndarray  # [bucket] int64, in the staging block
+    tables_np: np.ndarray  # [bucket, max pages per sequence] int32, in the staging block
+    tables_bytes: memoryview  # tables_np's bytes, flat
     out: torch.Tensor  # staging.out[:rows]
-    graph_positions: torch.Tensor  # graphs.positions[:bucket]
-    positions: torch.Tensor  # staging.positions[:bucket]
-    graph_tables: torch.Tensor  # graphs.block_tables[:bucket]
-    tables: torch.Tensor  # staging.tables[:bucket]
     adapter_ids: torch.Tensor  # staging.adapter_ids[:bucket]
     bucket: int
+    hidden_size: int
 
 
 @dataclass(eq=False)
 class HostStaging:
-    """One set of pinned host buffers for a merged forward of up to `rows` rows, with flat byte views of the ones the
-    CPU fills or reads per forward (copied with memoryview slice assignments: a memcpy that keeps the GIL), and
-    whether a queued copy still reads or writes them (`done`, an event recorded after the last one; None if none)."""
+    """One set of pinned host buffers for a merged forward of up to `rows` rows: one byte `block` holding a bucket's
+    graph inputs laid out as the device's (`InputLayout`: one host-to-device copy per forward), the output, the
+    adapter ids; flat byte views of what the CPU fills or reads per forward (copied with memoryview slice
+    assignments: a memcpy that keeps the GIL); and whether a queued copy still reads or writes them (`done`, an event
+    recorded after the last one; None if none)."""
 
-    hidden: torch.Tensor  # [rows, H] inputs, engine dtype
-    hidden_bytes: memoryview  # hidden's bytes, flat
+    block: torch.Tensor  # [InputLayout.of(rows, ...).nbytes] uint8: positions, tables, hidden states of one bucket
     out: torch.Tensor  # [rows, H] output, engine dtype
     out_bytes: memoryview  # out's bytes, flat
-    positions: torch.Tensor  # [rows] int64
-    positions_np: np.ndarray
-    tables: torch.Tensor  # [rows, max pages per sequence] int32
-    tables_np: np.ndarray
-    tables_bytes: memoryview  # tables' bytes, flat
     adapter_ids: torch.Tensor  # [rows] int64
     adapter_ids_np: np.ndarray
     done: torch.cuda.Event | None = None
@@ -69,7 +72,7 @@ class HostStaging:
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
     sleeping_event: torch.cuda.Event | None = None  # the same for a forward whose waiter sleeps (`mark(sleep=True)`)
     start: torch.cuda.Event | None = None  # recorded before each use's first copy (the forward's device time)
-    views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
+    views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> views (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
 
     @classmethod
@@ -77,24 +80,14 @@ class HostStaging:
         cls, rows: int, hidden_size: int, max_pages_per_seq: int, dtype: torch.dtype, *, pin_memory: bool = True
     ) -> HostStaging:
         """`pin_memory=False`: plain host memory (the CPU tests of the staging)."""
-        hidden = torch.zeros((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
+        nbytes = InputLayout.of(rows, hidden_size, max_pages_per_seq, dtype).nbytes  # the largest bucket's
+        block = torch.zeros((nbytes,), dtype=torch.uint8, pin_memory=pin_memory)
         out = torch.zeros((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
-        positions = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
-        tables = torch.full((rows, max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, pin_memory=pin_memory)
         adapter_ids = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
         return cls(
-            hidden=hidden,
-            hidden_bytes=host_bytes(hidden),
-            out=out,
-            out_bytes=host_bytes(out),
-            positions=positions,
-            positions_np=positions.numpy(),
-            tables=tables,
-            tables_np=tables.numpy(),
-            tables_bytes=host_bytes(tables),
-            adapter_ids=adapter_ids,
+            block=block, out=out, out_bytes=host_bytes(out), adapter_ids=adapter_ids,
             adapter_ids_np=adapter_ids.numpy(),
-        )
+        )  # fmt: skip
 
     def reuse(self) -> None:
         """Waits until no queued copy reads or writes these buffers any more (at once if none does), first copying
@@ -132,18 +125,25 @@ class HostStaging:
         return event
 
     def row_views(self, graphs: DecodeGraphs, rows: int) -> _RowViews:
-        """The slices a forward of `rows` rows copies through (made at the first forward of that many rows)."""
+        """The views a forward of `rows` rows stages and copies through (made at the first forward of that many
+        rows): the block is laid out as the bucket's (`graphs.inputs_for(rows).layout`)."""
         if self.views_of is not graphs:
             self.views.clear()
             self.views_of = graphs
         views = self.views.get(rows)
         if views is None:
-            bucket = graphs.bucket_for(rows)
+            target = graphs.inputs_for(rows)
+            layout, bucket = target.layout, target.layout.rows
+            positions, tables, hidden = layout.views(self.block)  # [bucket], [bucket, P], [bucket, H]
+            end = layout.hidden_end(rows)
             views = self.views[rows] = _RowViews(
-                graph_hidden=graphs.hidden[:rows], hidden=self.hidden[:rows], out=self.out[:rows],
-                graph_positions=graphs.positions[:bucket], positions=self.positions[:bucket],
-                graph_tables=graphs.block_tables[:bucket], tables=self.tables[:bucket],
-                adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
+                inputs=self.block[:end], graph_inputs=target.block[:end],
+                head=self.block[: layout.hidden_offset], graph_head=target.block[: layout.hidden_offset],
+                hidden=hidden[:rows], hidden_bytes=host_bytes(hidden[:rows]),
+                graph_rows=target.hidden[:rows].view(rows, 1, layout.hidden_size),
+                positions_np=positions.numpy(), tables_np=tables.numpy(), tables_bytes=host_bytes(tables),
+                out=self.out[:rows], adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
+                hidden_size=layout.hidden_size,
             )  # fmt: skip
         return views
 
@@ -203,6 +203,8 @@ class PendingDecode:
 def split_rows(out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None) -> list[torch.Tensor]:
     """A merged forward's output [rows, 1, H] as one view per request: [B_i, 1, H], or [B_i, T_i, H] for the
     requests of several tokens (`shapes`, None where there are none: no per-request work then)."""
+    if len(splits) == 1:  # one request (a lone session's step): no split call
+        return [out if not shapes else out.view(shapes[0])]
     pieces = list(out.split(splits))
     if shapes:
         for i, shape in shapes.items():
@@ -223,25 +225,28 @@ def launch_graph_decode(
     `adapter_rows`: the adapters' per-row index buffer on the device where a row uses an adapter, else None.
     Writes each session's new length (the rows' keys/values are written in stream order before any later step).
 
-    Per forward, the rows' hidden states (where each request carries their bytes: `StepRequest.hidden_bytes`) and
-    block tables are copied into the pinned staging set with memoryview slice assignments (no torch call per row),
-    the rows past the live ones up to the graph's bucket are filled there too (no reset kernels in `run`), and the
-    slices of the static buffers are made once per row count (`HostStaging.row_views`)."""
-    h = graphs.hidden.shape[1]
+    Per forward, the rows' hidden states (where each request carries their bytes: `StepRequest.hidden_bytes`),
+    positions and block tables are written into the pinned staging block with memoryview slice assignments (no
+    torch call per row), the rows past the live ones up to the graph's bucket are filled there too (no reset kernels
+    in `run`), and one host-to-device copy writes all of them into the bucket's graph inputs; the views are made
+    once per row count (`HostStaging.row_views`)."""
     merged = merge_rows(group, dtype)
     rows = merged.rows
     staging.reuse()  # the set's previous forward no longer reads its inputs nor writes its output
     views = staging.row_views(graphs, rows)
-    stream = torch.cuda.current_stream(graphs.hidden.device)
+    h = views.hidden_size
+    stream = torch.cuda.current_stream(views.graph_inputs.device)
     if merged.same_dtype and merged.all_bytes:
-        stage_hidden_bytes(staging.hidden_bytes, group)
+        stage_hidden_bytes(views.hidden_bytes, group)
     elif merged.same_dtype and not merged.shapes:
         torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
     else:
         torch.cat([r.hidden.reshape(-1, h).to(dtype) for r in group], out=views.hidden)
+    stage_row_inputs(staging, views, merged, adapter_rows is not None)
     start = staging.begin(stream)  # the device's time on this forward starts at its first copy in
-    views.graph_hidden.copy_(views.hidden, non_blocking=True)
-    stage_row_inputs(staging, views, merged, adapter_rows)
+    views.graph_inputs.copy_(views.inputs, non_blocking=True)  # positions, tables, hidden states: one copy
+    if adapter_rows is not None:
+        adapter_rows[: views.bucket].copy_(views.adapter_ids, non_blocking=True)
     out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
@@ -321,27 +326,22 @@ def stage_hidden_bytes(dst: memoryview, group: Sequence[StepRequest]) -> None:
         start = end
 
 
-def stage_row_inputs(
-    staging: HostStaging, views: _RowViews, merged: MergedRows, adapter_rows: torch.Tensor | None
-) -> None:
-    """Queues the copies of the rows' positions, block tables and (where `adapter_rows`, the adapters' per-row
-    index buffer on the device, is given) adapter ids into the graphs' static inputs, through `staging`'s pinned
-    buffers (free: the caller ran `staging.reuse()`), for the whole bucket of `views`: rows past the live ones
-    get position 0, the trash page and no adapter (the graph is then run with `reset=False`)."""
+def stage_row_inputs(staging: HostStaging, views: _RowViews, merged: MergedRows, adapters: bool) -> None:
+    """Writes the rows' positions, block tables and (where `adapters`) adapter ids into `staging`'s pinned buffers
+    (free: the caller ran `staging.reuse()`) as `views` lay them out, for the whole bucket: rows past the live ones
+    get position 0, the trash page and no adapter (the graph is then run with `reset=False`). No copy to the device:
+    the caller queues it (`views.graph_inputs` or `views.graph_head`; `views.adapter_ids`)."""
     rows, bucket = merged.rows, views.bucket
-    staging.positions_np[:rows] = merged.positions
+    views.positions_np[:rows] = merged.positions
     tables = b"".join(merged.table_rows)  # the rows' tables in one C loop (GIL held), then one memcpy
-    staging.tables_bytes[: len(tables)] = tables
+    views.tables_bytes[: len(tables)] = tables
     if bucket > rows:
-        staging.positions_np[rows:bucket] = 0
-        staging.tables_np[rows:bucket] = TRASH_PAGE
-    views.graph_positions.copy_(views.positions, non_blocking=True)
-    views.graph_tables.copy_(views.tables, non_blocking=True)
-    if adapter_rows is not None:
+        views.positions_np[rows:bucket] = 0
+        views.tables_np[rows:bucket] = TRASH_PAGE
+    if adapters:
         staging.adapter_ids_np[:rows] = merged.adapter_ids
         if bucket > rows:
             staging.adapter_ids_np[rows:bucket] = 0
-        adapter_rows[:bucket].copy_(views.adapter_ids, non_blocking=True)
 
 
 def advance_lengths(group: Sequence[StepRequest]) -> None:

@@ -541,11 +541,24 @@ class SpanEngine:
             self._next_staging = 1 - self._next_staging
             staging.reuse()  # no queued copy of a launched forward reads it any more
             views = staging.row_views(g, rows)
-            views.graph_hidden.copy_(torch.cat([r.hidden.reshape(-1, h).to(self.device, self.dtype) for r in group]))
             adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
-            stage_row_inputs(staging, views, merged, adapter_rows)  # the whole bucket: no reset in `run`
-            staging.mark(torch.cuda.current_stream(self.device))  # the set's copies above
+            stage_row_inputs(staging, views, merged, adapter_rows is not None)  # the whole bucket: no reset in `run`
+            views.graph_head.copy_(views.head, non_blocking=True)  # positions and tables: one copy
+            if adapter_rows is not None:
+                adapter_rows[: views.bucket].copy_(views.adapter_ids, non_blocking=True)
+            # the hidden states straight into the graph's input: one copy (or one cat) kernel, no temporary
+            if merged.shapes is None and len(group) == 1:
+                views.graph_rows.copy_(group[0].hidden)  # [B, 1, H], any dtype or device
+            elif merged.shapes is None and same_dtype and all(r.hidden.device == self.device for r in group):
+                torch.cat([r.hidden for r in group], out=views.graph_rows)  # [rows, 1, H]
+            else:
+                views.graph_rows.view(rows, h).copy_(
+                    torch.cat([r.hidden.reshape(-1, h).to(self.device, self.dtype) for r in group])
+                )
             out = g.run(rows, group[0].session.layers, adapters=adapted, reset=False)  # [rows, H], static buffer
+            # the set's copies above are done once the device passes this (recorded after the replay: the host
+            # work before it keeps the device idle, the work after it is queued while the graph runs)
+            staging.mark(torch.cuda.current_stream(self.device))
         else:
             on_device = all_cpu if self.device.type == "cpu" else all(r.hidden.device == self.device for r in group)
             if same_dtype and on_device and not merged.shapes:

@@ -1,5 +1,7 @@
 """Whole-span decode steps of any `SpanModel` captured as CUDA graphs, one per batch-size bucket, replayed with new inputs copied into
-static buffers (with the paged attention's split counters, `attention_counters`). Rows past the live batch are
+static buffers (with the paged attention's split counters, `attention_counters`). Each bucket's static inputs lie in
+one device byte block (`GraphInputs`, laid out by `InputLayout`: positions, block tables, hidden states), so that a
+step writes all of them with one host-to-device copy of a pinned block laid out alike. Rows past the live batch are
 pointed at the pool's trash page so they never touch real caches. A span with LoRA adapters (`fast_lora.SpanAdapters`)
 gets two graphs per bucket: one applying each row's adapter (its index a static input, `adapters.row_ids`) and one
 without adapters for steps where no row uses one."""
@@ -7,6 +9,7 @@ without adapters for steps where no row uses one."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -18,11 +21,73 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+INPUT_ALIGN_BYTES = 256  # each part of a bucket's input block starts on such a boundary (the allocator's own)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // INPUT_ALIGN_BYTES) * INPUT_ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class InputLayout:
+    """Where a graph bucket's static inputs lie in its byte block: positions [rows] int64 at 0, block tables [rows,
+    max_pages_per_seq] int32 at `tables_offset`, hidden states [rows, H] at `hidden_offset`; each part aligned. The
+    hidden states come last, so that a copy of the block's first `hidden_end(n)` bytes writes the positions, the
+    tables and the first n rows' hidden states (one copy per step), and one of its first `hidden_offset` bytes the
+    positions and tables alone (a step whose hidden states are already on the device)."""
+
+    rows: int
+    hidden_size: int
+    max_pages_per_seq: int
+    dtype: torch.dtype
+    tables_offset: int
+    hidden_offset: int
+    nbytes: int
+
+    @classmethod
+    def of(cls, rows: int, hidden_size: int, max_pages_per_seq: int, dtype: torch.dtype) -> InputLayout:
+        tables_offset = _aligned(rows * 8)
+        hidden_offset = tables_offset + _aligned(rows * max_pages_per_seq * 4)
+        nbytes = hidden_offset + _aligned(rows * hidden_size * dtype.itemsize)
+        return cls(rows, hidden_size, max_pages_per_seq, dtype, tables_offset, hidden_offset, nbytes)
+
+    def hidden_end(self, rows: int) -> int:
+        """The block's bytes up to the end of the first `rows` rows' hidden states."""
+        return self.hidden_offset + rows * self.hidden_size * self.dtype.itemsize
+
+    def views(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A byte block's (uint8, at least `nbytes`) positions [rows] int64, tables [rows, P] int32 and hidden
+        states [rows, H] (views)."""
+        positions = block[: self.rows * 8].view(torch.int64)
+        tables = block[self.tables_offset : self.tables_offset + self.rows * self.max_pages_per_seq * 4]
+        hidden = block[self.hidden_offset : self.hidden_end(self.rows)]
+        return (positions, tables.view(torch.int32).view(self.rows, self.max_pages_per_seq),
+                hidden.view(self.dtype).view(self.rows, self.hidden_size))  # fmt: skip
+
+
+@dataclass(eq=False)
+class GraphInputs:
+    """One bucket's static inputs on the device: its byte `block` and the views the graph reads (`InputLayout`)."""
+
+    layout: InputLayout
+    block: torch.Tensor  # [layout.nbytes] uint8
+    positions: torch.Tensor  # [rows] int64
+    block_tables: torch.Tensor  # [rows, max pages per sequence] int32
+    hidden: torch.Tensor  # [rows, H]
+
+    @classmethod
+    def allocate(cls, layout: InputLayout, device: torch.device) -> GraphInputs:
+        """Position 0 and the trash page in every row (a row never staged touches no real cache)."""
+        block = torch.zeros((layout.nbytes,), dtype=torch.uint8, device=device)
+        positions, tables, hidden = layout.views(block)
+        tables.fill_(TRASH_PAGE)
+        return cls(layout, block, positions, tables, hidden)
+
 
 class DecodeGraphs:
-    """Static inputs sized for the largest bucket; `run(rows)` replays the smallest bucket holding `rows` rows after
-    the caller filled `hidden[:rows]`, `positions[:rows]`, `block_tables[:rows]` (and `adapters.row_ids[:rows]` for
-    a step with adapters). Use from one thread."""
+    """Static inputs per bucket (`inputs[bucket]`, `inputs_for(rows)`); `run(rows)` replays the smallest bucket
+    holding `rows` rows after the caller filled that bucket's `hidden[:rows]`, `positions[:rows]`,
+    `block_tables[:rows]` (and `adapters.row_ids[:rows]` for a step with adapters). Use from one thread."""
 
     def __init__(
         self,
@@ -44,11 +109,11 @@ class DecodeGraphs:
         if adapters is not None and adapters.row_ids.shape[0] < self.max_rows:
             raise ValueError(f"adapters.row_ids holds {adapters.row_ids.shape[0]} rows, buckets need {self.max_rows}")
         dev = model.device
-        self.hidden = torch.zeros((self.max_rows, model.spec.hidden_size), dtype=model.dtype, device=dev)
-        self.positions = torch.zeros((self.max_rows,), dtype=torch.long, device=dev)
-        self.block_tables = torch.full(
-            (self.max_rows, pool.max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, device=dev
-        )
+        # one block per bucket (the buckets' rows together, ~2x the largest: ~1 MiB for Llama-3-8B's 7 buckets)
+        self.inputs = {
+            b: GraphInputs.allocate(InputLayout.of(b, model.spec.hidden_size, pool.max_pages_per_seq, model.dtype), dev)
+            for b in self.buckets
+        }
         # the paged attention's split counters (one per row x kv head; zero between replays), made before capture
         self.attention_counters = reserve_attention_counters(dev, self.max_rows * pool.layout.k_token_shape[0])
         # (first layer, end layer, bucket, with adapters) -> graph, static output
@@ -72,6 +137,10 @@ class DecodeGraphs:
                 return bucket
         raise ValueError(f"{rows} rows exceed the largest CUDA-graph bucket ({self.max_rows})")
 
+    def inputs_for(self, rows: int) -> GraphInputs:
+        """The static inputs of the bucket that a step of `rows` rows replays."""
+        return self.inputs[self.bucket_for(rows)]
+
     def capture_all(self) -> None:
         """Captures every bucket of the whole span now (largest first, so smaller graphs reuse its memory).
         Sessions over part of the span get their graphs at first use."""
@@ -90,10 +159,11 @@ class DecodeGraphs:
         first, end, bucket, adapted = key
         if adapted and self.adapters is None:
             raise ValueError("A graph with adapters needs a span with adapters")
-        saved = (self.positions[:bucket].clone(), self.block_tables[:bucket].clone())  # a caller may have filled them
+        inputs = self.inputs[bucket]
+        saved = inputs.block.clone()  # a caller may have filled them
         saved_ids = None if self.adapters is None else self.adapters.row_ids[:bucket].clone()
-        self._reset_rows(0, bucket)  # warm-up and capture touch only the trash page
-        args = (self.hidden[:bucket], self.positions[:bucket], self.block_tables[:bucket], self.pool, (first, end))
+        self._reset_rows(inputs, 0)  # warm-up and capture touch only the trash page
+        args = (inputs.hidden, inputs.positions, inputs.block_tables, self.pool, (first, end))
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream), self._variant(adapted):  # warm-up compiles kernels outside capture
@@ -105,16 +175,16 @@ class DecodeGraphs:
             out = self.model.decode(*args)
         self._graphs[key] = graph
         self._outputs[key] = out
-        self.positions[:bucket].copy_(saved[0])
-        self.block_tables[:bucket].copy_(saved[1])
+        inputs.block.copy_(saved)
         if self.adapters is not None and saved_ids is not None:
             self.adapters.row_ids[:bucket].copy_(saved_ids)
         logger.info(f"cuda_graphs.capture(bucket={bucket}, layers={first}:{end}, adapters={adapted})")
 
-    def _reset_rows(self, start: int, stop: int) -> None:
+    def _reset_rows(self, inputs: GraphInputs, start: int) -> None:
+        stop = inputs.layout.rows
         if stop > start:
-            self.positions[start:stop].zero_()
-            self.block_tables[start:stop].fill_(TRASH_PAGE)
+            inputs.positions[start:stop].zero_()
+            inputs.block_tables[start:stop].fill_(TRASH_PAGE)
             if self.adapters is not None:
                 self.adapters.row_ids[start:stop].zero_()
 
@@ -130,6 +200,6 @@ class DecodeGraphs:
         if key not in self._graphs:
             self._capture(key)
         if reset:
-            self._reset_rows(rows, key[2])
+            self._reset_rows(self.inputs[key[2]], rows)
         self._graphs[key].replay()
         return self._outputs[key][:rows]
