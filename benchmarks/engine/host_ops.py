@@ -45,6 +45,7 @@ def main() -> None:
     dev = torch.device("cuda")
     h = args.hidden_size
     pinned = torch.zeros(64 << 10, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.zeros(512, dtype=torch.uint8)
     block = torch.zeros(64 << 10, dtype=torch.uint8, device=dev)
     head, graph_head = pinned[:512], block[:512]
     rows_in, rows_out = pinned[: 8 << 10 | 512], block[: 8 << 10 | 512]  # head + one bf16 row of 4096
@@ -68,6 +69,7 @@ def main() -> None:
         "event.record(stream)": lambda: event.record(stream),
         "event.synchronize() (passed)": event.synchronize,
         "H2D copy_ 512 B pinned, non_blocking": lambda: graph_head.copy_(head, non_blocking=True),
+        "H2D copy_ 512 B pageable, non_blocking": lambda: graph_head.copy_(pageable, non_blocking=True),
         "H2D copy_ 8.5 KiB pinned, non_blocking": lambda: rows_out.copy_(rows_in, non_blocking=True),
         "D2D copy_ [1, 1, H] bf16": lambda: graph_rows.copy_(x),
         "x.reshape(-1, H).to(dev, bf16)": lambda: x.reshape(-1, h).to(dev, torch.bfloat16),

@@ -118,6 +118,24 @@ def test_rows_and_tables_staged_from_bytes_equal_cat_and_stack(dtype: torch.dtyp
         s.close()
 
 
+def test_adapter_ids_staged_for_the_bucket_only_where_a_row_uses_an_adapter() -> None:
+    engine = _engine()
+    sessions = [engine.open_session(1, 64) for _ in range(3)]
+    for s, index in zip(sessions, (2, 0, 1), strict=True):
+        s.adapter_index = index  # (`bind_adapter` needs a span with adapters: the rows' indices are what is staged)
+    requests = [StepRequest(s, torch.randn(1, 1, H), 5) for s in sessions]
+    staging = HostStaging.allocate(8, H, engine.pool.max_pages_per_seq, torch.float32, pin_memory=False)
+    graphs = _Graphs(8, engine.pool.max_pages_per_seq, torch.float32)
+    staging.adapter_ids.fill_(9)
+    views = staging.row_views(graphs, 3)
+    stage_row_inputs(staging, views, merge_rows(requests, torch.float32), False)
+    assert (staging.adapter_ids == 9).all()  # no adapter row: nothing staged (nor copied)
+    stage_row_inputs(staging, views, merge_rows(requests, torch.float32), True)
+    assert views.adapter_ids.tolist() == [2, 0, 1, 0] and (staging.adapter_ids[4:] == 9).all()
+    for s in sessions:
+        s.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_buckets_input_block_holds_positions_tables_then_hidden_states_aligned(dtype: torch.dtype) -> None:
     layout = InputLayout.of(3, H, 5, dtype)
