@@ -3,8 +3,9 @@ shapes): `python -m benchmarks.engine.quant --out DIR`.
 
 Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
 Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
-bandwidth), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step); 64 NF4
-sessions in one merged step against one; whether two identical NF4 sessions merged in one step give identical
+bandwidth) and the replay of its graph alone (CUDA events: the rest of the step is the host's part), optionally
+its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step); 64 NF4 sessions in one
+merged step against one; whether two identical NF4 sessions merged in one step give identical
 rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
 and a log under --out."""
 
