@@ -185,24 +185,71 @@ STEPS = 30  # timed decode steps per measurement
 PROLOGUE_AB_PAIRS = 3  # alternated fused/separate pairs of the quantized step (prologue_ab)
 
 
+def token_steps(engine: SpanEngine, sessions: list, position: int, gen: torch.Generator) -> list[StepRequest]:
+    """One decode step of each session at `position`: random hidden states [1, 1, H] on the engine's device."""
+    h, dev, dtype = engine.hidden_size, engine.device, engine.dtype
+    return [StepRequest(s, torch.randn(1, 1, h, device=dev, dtype=dtype, generator=gen), position) for s in sessions]
+
+
 def step_ms(
     engine: SpanEngine, sessions: list, prefix: int, steps: int | None = None
 ) -> tuple[float, list[torch.Tensor]]:
     """Median milliseconds of one merged decode step of `sessions` (each after `prefix` tokens), GPU inputs."""
-    h = engine.hidden_size
     gen = torch.Generator(device=engine.device).manual_seed(7)
     times, outs = [], []
     for i in range(steps or STEPS):
-        reqs = [
-            StepRequest(s, torch.randn(1, 1, h, device=engine.device, dtype=engine.dtype, generator=gen), prefix + i)
-            for s in sessions
-        ]
+        reqs = token_steps(engine, sessions, prefix + i, gen)
         sync(engine.device)
         start = time.perf_counter()
         outs = engine.decode_many(reqs)
         sync(engine.device)
         times.append((time.perf_counter() - start) * 1000)
     return sorted(times)[len(times) // 2], outs
+
+
+def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
+    """Where a host-timed step of `sessions` goes (`step_ms`'s steps; medians over STEPS, microseconds): on the host,
+    its work before the graph's replay call (`before_us`), the call (`replay_call_us`), its work after the call until
+    `decode_many` returns (`after_us`) and the wait for the device then (`wait_us`); on the device, from CUDA events
+    recorded at the step's start and around the replay (~2 us of host each), the time from the start to the replay
+    (`to_replay_us`: the host's work before it and the input copies) and the replay's own (`graph_us`, to set against
+    the back-to-back replay)."""
+    graphs = engine.graphs
+    assert graphs is not None
+    run, marks = graphs.run, [0.0, 0.0]
+    start_event, before, after = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+
+    def timed_run(*args, **kwargs) -> torch.Tensor:
+        marks[0] = time.perf_counter()
+        before.record()
+        out = run(*args, **kwargs)
+        after.record()
+        marks[1] = time.perf_counter()
+        return out
+
+    gen = torch.Generator(device=engine.device).manual_seed(7)
+    split: dict[str, list[float]] = {k: [] for k in ("before_us", "replay_call_us", "after_us", "wait_us")}
+    split.update(to_replay_us=[], graph_us=[])
+    graphs.run = timed_run  # type: ignore[method-assign]  # (this instance only, for these steps)
+    try:
+        for i in range(STEPS):
+            reqs = token_steps(engine, sessions, prefix + i, gen)
+            sync(engine.device)
+            t0 = time.perf_counter()
+            start_event.record()
+            engine.decode_many(reqs)
+            t_returned = time.perf_counter()
+            sync(engine.device)
+            t_end = time.perf_counter()
+            split["before_us"].append((marks[0] - t0) * 1e6)
+            split["replay_call_us"].append((marks[1] - marks[0]) * 1e6)
+            split["after_us"].append((t_returned - marks[1]) * 1e6)
+            split["wait_us"].append((t_end - t_returned) * 1e6)
+            split["to_replay_us"].append(start_event.elapsed_time(before) * 1e3)
+            split["graph_us"].append(before.elapsed_time(after) * 1e3)
+    finally:
+        del graphs.run  # the class's method again
+    return {k: sorted(v)[len(v) // 2] for k, v in split.items()}
 
 
 def prologue_ab(engine: SpanEngine, sessions: list, prefix: int, lines: list[str], kind: str, floor: float) -> dict:
@@ -314,10 +361,11 @@ def log_profile(lines: list[str], kind: str, prof: dict) -> None:
 
 def bench_llama(
     results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int,
-    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0, timeline: bool = False,
+    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0, timeline: bool = False, split: bool = False,
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
-    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer. NF4
+    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer;
+    `split`: where the single-session host-timed step's time goes (`host_split`). NF4
     and bf16 also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
@@ -341,6 +389,14 @@ def bench_llama(
         if engine.graphs is not None:  # the graph alone (device time): the rest of the step is the host's part
             row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
             replay = f", replay {row['replay_ms']:.3f} ms (host part {ms - row['replay_ms']:.3f} ms)"
+        if split and engine.graphs is not None:
+            try:
+                hs = row["host_split"] = host_split(engine, one, prefix)
+                log(lines, f"  {kind} step split (us, medians): host before the replay {hs['before_us']:.1f}, replay "
+                           f"call {hs['replay_call_us']:.1f}, after it {hs['after_us']:.1f}, wait {hs['wait_us']:.1f}; "
+                           f"device start -> replay {hs['to_replay_us']:.1f}, graph {hs['graph_us']:.1f}")  # fmt: skip
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} step split failed: {type(e).__name__}: {str(e)[:300]}")
         row["weight_bytes"] = engine.model.weight_bytes()
         row["warmup_s"] = warmup_s
         row["kernels"] = kernels
@@ -469,6 +525,7 @@ def main() -> None:
     )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
+    parser.add_argument("--host_split", action="store_true", help="each kind's step: host and device parts (CUDA)")
     parser.add_argument("--prologue_ab_pairs", type=int, default=PROLOGUE_AB_PAIRS,
                         help="alternated fused/separate prologue pairs of the quantized step; 0 skips them")  # fmt: skip
     args = parser.parse_args()
@@ -494,6 +551,7 @@ def main() -> None:
         kinds,
         args.profile_steps,
         args.timeline,
+        args.host_split,
     )
     if args.qwen3_layers > 0:
         bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
