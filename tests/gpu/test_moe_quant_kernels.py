@@ -1,10 +1,10 @@
 """The quantized routed-experts kernels (`engine.moe.moe_quant_kernels`) on a real GPU, NF4 and Int8 in bitsandbytes'
 layouts: equal to the torch reference on the dequantized weights in bf16 (several token counts and top-k, every
 tuning config of both kinds, ids outside the expert range), NF4 steps of a few tokens on the dense projections'
-tile GEMV (each assignment row bit-equal to that GEMV on its expert, one row a program or two rows of one expert), a
-row's output bit-identical alone and merged with other tokens, a CUDA graph replayed with new tokens and routes equal
-to the eager reference, and a quantized Mixtral-shaped span on the engine (CUDA graphs, merged sessions) equal to the
-reference ops on the dequantized weights. Skipped without CUDA."""
+tile GEMV (each assignment row bit-equal to that GEMV on its expert, one row a program or up to four rows of one
+expert), a row's output bit-identical alone and merged with other tokens, a CUDA graph replayed with new tokens and
+routes equal to the eager reference, and a quantized Mixtral-shaped span on the engine (CUDA graphs, merged
+sessions) equal to the reference ops on the dequantized weights. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -162,24 +162,27 @@ def test_quantized_span_on_the_engine_matches_reference_ops(kind: str) -> None:
 
 
 @pytest.mark.parametrize("config", NF4_TILE_CONFIGS)
-@pytest.mark.parametrize(("tokens", "paired"), [(3, False), (3, True), (21, True)])
-def test_nf4_tile_rows_equal_the_dense_tile_gemv(config, tokens: int, paired: bool) -> None:
+@pytest.mark.parametrize(("tokens", "grouped"), [(3, False), (3, True), (8, True), (21, True)])
+def test_nf4_tile_rows_equal_the_dense_tile_gemv(config, tokens: int, grouped: bool) -> None:
     # each assignment row of the experts' GEMV: bit-equal to quant_tile_gemv's GEMV of its token on its own expert
-    # (gated gate_up, then down), one row a program or two rows of one expert a program (`paired`; 21 tokens: 42
-    # rows, two chunks of the pairing, every expert chosen several times); an id outside [0, E) gives a zero row
-    # (three of them at 21 tokens: paired with each other)
+    # (gated gate_up, then down), one row a program or up to four rows of one expert a program (`grouped`; 8 tokens:
+    # expert 3 chosen by 7 tokens, 4 + 3 rows; 21 tokens: 42 rows, two chunks of the grouping, every expert chosen
+    # several times); an id outside [0, E) gives a zero row (three of them at 21 tokens: grouped with each other)
     experts = random_experts("nf4", 8, 512, 768, seed=8)
     x = torch.randn(tokens, 512, device=DEV, dtype=BF16)
     _, ids = routes(tokens, 8, 2, seed=9)
     ids[1, 0] = 8
-    if tokens > 3:
+    if tokens == 8:
+        ids[:, 1] = torch.tensor([3, 8, 3, 3, 3, 3, 3, 3], device=DEV)
+        ids[:, 0] = torch.tensor([0, 8, 1, 2, 4, 5, 6, 7], device=DEV)  # (token 1: both ids outside, one group)
+    if tokens > 8:
         ids[5, 1], ids[17, 0] = -1, 9
     flat = ids.reshape(-1).contiguous()
     gu, dn = experts.gate_up_tables, experts.down_tables
     act = nf4_tile_gemv_experts(
-        x, experts.gate_up[0], gu.addresses, gu.offsets, flat, 2, config, gated=True, paired=paired
+        x, experts.gate_up[0], gu.addresses, gu.offsets, flat, 2, config, gated=True, grouped=grouped
     )
-    y = nf4_tile_gemv_experts(act, experts.down[0], dn.addresses, dn.offsets, flat, 1, config, paired=paired)
+    y = nf4_tile_gemv_experts(act, experts.down[0], dn.addresses, dn.offsets, flat, 1, config, grouped=grouped)
     for a, e in enumerate(flat.tolist()):
         if not 0 <= e < 8:
             assert not act[a].any() and not y[a].any()

@@ -1,5 +1,6 @@
 """CPU twins of GPU kernels, for the unit tests: the NF4 tile GEMV's data movement
-(engine/quant/quant_tile_gemv.py) through the PTX fragment layout of `mma.m16n8k16`, and the NF4 register lookup's
+(engine/quant/quant_tile_gemv.py) through the PTX fragment layout of `mma.m16n8k16` and its experts' grouping of
+assignment rows, and the NF4 register lookup's
 instruction sequence (engine/quant/quant_prmt.py's DECODE16_PROGRAM) on CPU integers."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import struct
 import torch
 
 from corolla.engine.quant import quant_prmt
-from corolla.engine.quant.quant_tile_gemv import TILE_ROWS, UNIT_VALUES, X_SCALE
+from corolla.engine.quant.quant_tile_gemv import GROUP_ROWS, TILE_ROWS, UNIT_VALUES, X_SCALE
 from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, NF4Weight
 
 MASK32 = 0xFFFFFFFF
@@ -27,7 +28,7 @@ def program_row_tiles(row_tiles: int, programs: int, program: int) -> tuple[int,
 
 
 def emulate_tile_gemv(
-    x: torch.Tensor, weight: NF4Weight, warps: int, programs: int, gated: bool = False
+    x: torch.Tensor, weight: NF4Weight, warps: int, programs: int, gated: bool = False, grouped: bool = False
 ) -> torch.Tensor:
     """The kernel's data movement on CPU (float64 sums): x [M, K] -> [M, N] (`gated`: silu(gate) * up [M, N / 2] of
     the gated form's sums, the programs' row tiles those of the gate half and then their up tiles, not rounded as
@@ -37,12 +38,16 @@ def emulate_tile_gemv(
     2) the x of load v, in both loads' steps; zeros elsewhere), multiplied by the PTX fragment layout of m16n8k16
     into each load's own sums; lane (g, t)'s column 2 t of load t / 2's sums scaled by its block's absmax; each
     warp's partial sum of a row tile in its slot, the slots added in warp order (a check of the indexing and of the
-    work's coverage, not of rounding)."""
+    work's coverage, not of rounding). `grouped` (the experts' GROUPED form, x [R <= GROUP_ROWS, K]: R rows of one
+    weight): every load's steps use all 8 columns, column 4 h + q holding row q's x at the k slots of the lanes t
+    with t / 2 = h (lane (col, t) gives it for both loads); lane (g, t)'s columns 2 t, 2 t + 1 of load u's sums are
+    rows 2 (t % 2), + 1 against block 2 u + t / 2, scaled by that block's absmax."""
     n, k = weight.shape
     kb = k // NF4_BLOCK_VALUES
     kg = -(-kb // 4)
     rts = -(-n // TILE_ROWS)
     m = x.shape[0]
+    assert not grouped or m <= GROUP_ROWS
     pair_lo = weight.code.half().double()  # the pair table: byte b -> (level(b >> 4) low, level(b & 15) high)
     absmax = weight.block_absmax().double().reshape(n, kb)
     xs = (x.float() * X_SCALE).half().double() if x.dtype == torch.bfloat16 else x.double()  # [M, K] as staged
@@ -72,6 +77,7 @@ def emulate_tile_gemv(
                         for p in range(2):
                             a = torch.zeros(TILE_ROWS, 16, dtype=torch.float64)  # A [16 rows, 16 k slots]
                             b = torch.zeros(m, 16, 8, dtype=torch.float64)  # B [M, 16 k slots, 8 columns]
+                            gb = torch.zeros(16, 8, dtype=torch.float64)  # (grouped) B: columns 4 h + row
                             for t in range(4):
                                 blk = 4 * gi + 2 * u + t // 2
                                 off = 128 * gi + 64 * u + 16 * t if blk < kb else 0
@@ -81,6 +87,13 @@ def emulate_tile_gemv(
                                     a[g, 2 * t + kofs], a[g, 2 * t + kofs + 1] = pair_lo[bg >> 4], pair_lo[bg & 15]
                                     a[g + 8, 2 * t + kofs] = pair_lo[bh >> 4]
                                     a[g + 8, 2 * t + kofs + 1] = pair_lo[bh & 15]
+                                if grouped:  # lanes (col, t) with col / 4 = t / 2: row col % 4's x of this load
+                                    k0 = UNIT_VALUES * gi + 128 * u + 32 * t + 8 * w + 4 * p
+                                    for q in range(m):
+                                        col = 4 * (t // 2) + q
+                                        gb[2 * t, col], gb[2 * t + 1, col] = xs[q, k0], xs[q, k0 + 1]
+                                        gb[2 * t + 8, col], gb[2 * t + 9, col] = xs[q, k0 + 2], xs[q, k0 + 3]
+                                    continue
                                 # lane (col, t) gives B's column col: x of the one load it reads (col = 4 v + 2 (t /
                                 # 2)), the same for both loads' steps; zeros where it reads none
                                 for v in range(2):
@@ -88,7 +101,16 @@ def emulate_tile_gemv(
                                     k0 = UNIT_VALUES * gi + 128 * v + 32 * t + 8 * w + 4 * p
                                     b[:, 2 * t, col], b[:, 2 * t + 1, col] = xs[:, k0], xs[:, k0 + 1]
                                     b[:, 2 * t + 8, col], b[:, 2 * t + 9, col] = xs[:, k0 + 2], xs[:, k0 + 3]
-                            c[u] += torch.einsum("rk,mkc->mrc", a, b)
+                            c[u] += a @ gb if grouped else torch.einsum("rk,mkc->mrc", a, b)
+                if grouped:  # lane (g, t), load u: columns 2 t + j = row 2 (t % 2) + j, block 4 G + 2 u + t / 2
+                    for t in range(4):
+                        for u in range(2):
+                            bj = min(4 * gi + 2 * u + t // 2, kb - 1)
+                            scale = torch.cat((absmax[rg, bj], absmax[rh, bj]))  # [16]
+                            for j in range(2):
+                                if 2 * (t % 2) + j < m:
+                                    slots[lt, wp, 2 * (t % 2) + j] += c[u, 0, :, 2 * t + j] * scale
+                    continue
                 for t in range(4):  # lane (g, t): column 2 t of load t / 2's sums, rows g and g + 8, times block
                     bj = min(4 * gi + t, kb - 1)  # 4 G + t's absmax (the other load's columns are never read)
                     scale = torch.cat((absmax[rg, bj], absmax[rh, bj]))  # [16]
@@ -102,6 +124,37 @@ def emulate_tile_gemv(
     if gated:
         out = torch.nn.functional.silu(out[:, : n // 2]) * out[:, n // 2 :]
     return out.to(x.dtype)
+
+
+def emulate_expert_group(routes: list[int], num_weights: int, program_row: int) -> list[int]:
+    """The assignment rows that program row `program_row` of the GROUPED experts' GEMV serves, by the warp's own
+    steps on 32-bit lane masks (`__match_any_sync`, `__ballot_sync`, `__popc`, `__ffs`, `__shfl_sync`): per chunk of
+    32 rows, lane a's key (its id, or E for an id outside [0, E); no key past the rows), `same` the lanes of its key,
+    a head where the lanes of its key below it are a multiple of GROUP_ROWS, its members the next GROUP_ROWS - 1 set
+    bits of `same` above it; the lane whose head is number `program_row` (counting the chunks before) gives its
+    group. [] past the last group."""
+    rows = len(routes)
+    seen = 0
+    for c0 in range(0, rows, 32):
+        keys = [(e if 0 <= e < num_weights else num_weights) if c0 + a < rows else None for a, e in
+                enumerate(routes[c0 : c0 + 32] + [0] * (32 - len(routes[c0 : c0 + 32])))]  # fmt: skip
+        valid = sum(1 << a for a in range(32) if keys[a] is not None)  # ballot(a < A)
+        same = [sum(1 << b for b in range(32) if keys[b] == keys[a]) & valid for a in range(32)]  # match_any & valid
+        lower = [(1 << a) - 1 for a in range(32)]
+        head = [keys[a] is not None and bin(same[a] & lower[a]).count("1") % GROUP_ROWS == 0 for a in range(32)]
+        heads = sum(1 << a for a in range(32) if head[a])
+        hit = sum(1 << a for a in range(32) if head[a] and seen + bin(heads & lower[a]).count("1") == program_row)
+        if hit:
+            src = (hit & -hit).bit_length() - 1  # __ffs(hit) - 1
+            nxt = same[src] & ~((1 << (src + 1)) - 1) & MASK32  # same & higher
+            members = [c0 + src]
+            for _ in range(GROUP_ROWS - 1):
+                if nxt:
+                    members.append(c0 + (nxt & -nxt).bit_length() - 1)
+                nxt &= nxt - 1
+            return members
+        seen += bin(heads).count("1")
+    return []
 
 
 def _prmt(a: int, b: int, sel: int) -> int:

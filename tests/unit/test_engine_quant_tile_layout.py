@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.kernel_emulation import emulate_tile_gemv, program_row_tiles, warp_units
+from tests.helpers.kernel_emulation import emulate_expert_group, emulate_tile_gemv, program_row_tiles, warp_units
 
 from benchmarks.common.quantize import quantize_nf4
+from corolla.engine.quant.quant_tile_gemv import GROUP_ROWS, expert_groups
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:
@@ -59,3 +60,58 @@ def test_work_ranges_cover_every_unit_once() -> None:
         ranges = [warp_units(units, warps, w) for w in range(warps)]
         assert sum(end - first for first, end in ranges) == units
         assert max(end - first for first, end in ranges) - min(end - first for first, end in ranges) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_emulated_grouped_form_reads_each_row_as_the_one_row_form(dtype, rows) -> None:
+    # the experts' GROUPED build: up to 4 rows of one weight, each in its own columns of every load's mma steps
+    n, k = 40, 1216  # a partial tile; 19 blocks: the last unit short by one block
+    gen = torch.Generator().manual_seed(rows)
+    weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    got = emulate_tile_gemv(x, weight, 5, 2, grouped=True).double()
+    xs = (x.float() * 2.0**-8).half().double() * 2.0**8 if dtype == torch.bfloat16 else x.double()
+    want = xs @ _fp16_level_reference(weight).t()
+    assert float((got - want).norm() / want.norm()) < 1e-2
+    assert torch.equal(got, emulate_tile_gemv(x, weight, 5, 2).double())  # the same sums, row by row
+
+
+def test_emulated_grouped_gated_form() -> None:
+    n, k = 96, 384
+    gen = torch.Generator().manual_seed(3)
+    weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    got = emulate_tile_gemv(x, weight, 3, 2, gated=True, grouped=True)
+    assert torch.equal(got, emulate_tile_gemv(x, weight, 3, 2, gated=True))
+
+
+@pytest.mark.parametrize(("rows", "num_weights", "seed"), [(16, 8, 0), (16, 8, 1), (3, 8, 2), (42, 8, 3), (70, 5, 4)])
+def test_expert_groups_cover_every_row_once(rows, num_weights, seed) -> None:
+    # the warps' grouping (lane masks) against its definition: per chunk of 32 rows, each key's rows (ids outside
+    # [0, E) one key) in groups of GROUP_ROWS in row order, heads in row order; every row served exactly once
+    gen = torch.Generator().manual_seed(seed)
+    routes = torch.randint(-2, num_weights + 2, (rows,), generator=gen).tolist()
+    if seed == 0:
+        routes = [3] * 9 + [5] * 7  # one key of 9 rows: three groups (4, 4, 1)
+    bound = expert_groups(rows, num_weights)
+    groups = [emulate_expert_group(routes, num_weights, s) for s in range(bound + 2)]
+    want = []
+    for c0 in range(0, rows, 32):
+        keys = [e if 0 <= e < num_weights else num_weights for e in routes[c0 : c0 + 32]]
+        for a, e in enumerate(keys):
+            before = [b for b in range(a) if keys[b] == e]
+            if len(before) % GROUP_ROWS == 0:
+                want.append([c0 + b for b in range(a, len(keys)) if keys[b] == e][:GROUP_ROWS])
+    assert [g for g in groups if g] == want
+    assert all(not g for g in groups[len(want) :])  # past the last group: nothing to do
+    assert len(want) <= bound
+    assert sorted(r for g in want for r in g) == list(range(rows))
+    if seed == 0:
+        assert [len(g) for g in want] == [4, 4, 1, 4, 3]
+
+
+def test_expert_groups_bound_is_reached() -> None:
+    # 16 rows over 8 experts and the ids outside (one key): 9 keys of one row, 7 rows more, one group per 4 of them
+    routes = [0] * 8 + list(range(1, 8)) + [8]  # expert 0 chosen 8 times (2 groups), 1-7 once, one id outside
+    assert sum(1 for s in range(12) if emulate_expert_group(routes, 8, s)) == expert_groups(16, 8) == 10

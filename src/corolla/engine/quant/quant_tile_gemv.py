@@ -39,11 +39,13 @@ to the norm kernel + this GEMV at Llama-3-8B's shapes on an H200, docs/decisions
 
 The experts form (EXPERTS, `nf4_tile_gemv_experts`): a layer's E NF4 weights of one shape; program row a reads its
 weight's index from the routes after the wait (written by the router ahead), its addresses from the [4, E] table, and
-x row a / xdiv (engine.moe.moe_nf4_tile: the routed experts at a few tokens). With PAIRS (steps of several tokens),
-up to two assignment rows of one weight per program row: after the wait each warp reads the routes and finds its
-program row's pair (`expert_pairs`); the second row's x goes into B's odd columns (unused by the one-row form), its
-sums come out in C's odd columns of the same mma steps and absmaxes: the weight's bytes are read once for both rows,
-each row's bits those of the one-row form.
+x row a / xdiv (engine.moe.moe_nf4_tile: the routed experts at a few tokens). With GROUPED (steps of several
+tokens), up to GROUP_ROWS (4) assignment rows of one weight per program row: after the wait each warp reads the
+routes and finds its program row's group (`expert_groups`); each mma step of a load then uses all 8 columns of B,
+column 4 h + q the group's row q against block h of the load (the one-row form uses one column per block), each
+lane reads x of both loads (load 1's after load 0's steps, into the same registers) and decodes the absmaxes of its
+two blocks: the weight's bytes are read once for the group, each row's bits those of the one-row form (a column's
+sums do not depend on the others; each row's blocks are summed and added as the one-row form adds them).
 
 The gated form (`gated`, W = [gate | up], N a multiple of 32): the programs split the gate half's row tiles and
 each takes the same tiles of the up half after its own, so a program holds both sums of each of its rows and writes
@@ -77,6 +79,10 @@ PROLOGUE_CODES = (0, RMSNORM)
 # lost to registers on every shape (docs/decisions/0031).
 REGISTERS, ALIGNED = 0, 1
 MODES = (REGISTERS, ALIGNED)
+# the shared window's bytes before a program's dynamic shared memory (1 KiB reserved on sm_80 and later, reported
+# as the kernel's static shared memory): ALIGNED places the table at the first 64 KiB boundary after the data
+WINDOW_RESERVED_BYTES = 1024
+GROUP_ROWS = 4  # the experts' grouped form: up to this many assignment rows of one weight per program row
 
 # (warps per program, units in flight per warp, table mode, programs per multiprocessor the compiler is told to fit,
 # 0): threads per program 32 x warps. On an H200 (docs/decisions/0060, 0043) 16 warps with 2 units in flight won all
@@ -178,8 +184,15 @@ static __device__ __forceinline__ void unit_loads(const Cursor& c, const u8* wq,
   q[1] = ld_stream(reinterpret_cast<const U4*>(wq + c.b1 + o0));
   q[2] = ld_stream(reinterpret_cast<const U4*>(wq + c.b0 + o1));
   q[3] = ld_stream(reinterpret_cast<const U4*>(wq + c.b1 + o1));
+#if GROUPED
+  // (GROUPED: the lane's blocks of both loads, 4 G + t / 2 and 4 G + 2 + t / 2: rows g, g + 8 of each, bytes 0-3)
+  const u32 bj0 = (u32)min(4 * c.G + (t >> 1), KB - 1), bj1 = (u32)min(4 * c.G + 2 + (t >> 1), KB - 1);
+  code = (u32)__ldg(ac + (c.a0 + bj0)) | ((u32)__ldg(ac + (c.a1 + bj0)) << 8) |
+         ((u32)__ldg(ac + (c.a0 + bj1)) << 16) | ((u32)__ldg(ac + (c.a1 + bj1)) << 24);
+#else
   const u32 bj = (u32)min(4 * c.G + t, KB - 1);
   code = (u32)__ldg(ac + (c.a0 + bj)) | ((u32)__ldg(ac + (c.a1 + bj)) << 8);
+#endif
 }
 
 // row r of the program's row tile lt: its warps' slots in warp order (its K order), only the warps whose (non-empty)
@@ -203,8 +216,10 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   grid_release();  // the next kernel's programs may start (they wait for this one's output: nvrtc_kernels)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-#if PAIRS
-  long long m = -1, mb = -1;  // the pair of assignment rows of program row blockIdx.y (read after the wait)
+#if GROUPED
+  // the group of assignment rows of program row blockIdx.y (read after the wait): m and mq[1..3] (-1: none)
+  long long m = -1;
+  int mq[GROUP] = {-1, -1, -1, -1};
 #else
   const long long m = blockIdx.y;  // the output row (EXPERTS: the assignment; its x row is m / xdiv)
 #endif
@@ -247,9 +262,9 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const u32 tab = sbase + (u32)data_bytes;
   const u32 tabbase = tab, lane4 = (u32)lane << 2;
 #endif
-  // the warps' row sums [row tiles of this program][WARPS][16] (PAIRS: of the pair's two rows, one after the
-  // other), after x (and with PRO 1 the gain; PAIRS: the pair's second x)
-  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO + PAIRS));
+  // the warps' row sums [row tiles of this program][WARPS][16] (GROUPED: of the group's GROUP rows, one after the
+  // other), after x (and with PRO 1 the gain; GROUPED: the group's GROUP x, one after the other)
+  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (GROUPED ? GROUP : 1 + PRO));
   {
     // the pair table (entry e's word for lane l at e * 256 + l * 4: every load issued before the first store, one
     // L2 round trip) and the nested code table: the weight's constants, built while the kernels ahead finish
@@ -270,14 +285,15 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
-#if PAIRS
-  // the pair of program row blockIdx.y (the routes are the router's, ahead): the A assignment rows in chunks of 32,
-  // in each the rows of one expert paired in row order (every id outside [0, E) counts as one more expert); pair s
-  // is the s-th row that is the 1st, 3rd, ... of its expert in its chunk, with the next row of that expert (if
-  // any). Every warp finds it alone (no barrier). Rows past the last pair: nothing to do.
+#if GROUPED
+  // the group of program row blockIdx.y (the routes are the router's, ahead): the A assignment rows in chunks of
+  // 32, in each the rows of one expert grouped GROUP by GROUP in row order (every id outside [0, E) counts as one
+  // more expert); group s is the s-th row that is the 1st, (GROUP + 1)-th, ... of its expert in its chunk, with the
+  // next GROUP - 1 rows of that expert (those there are). Every warp finds it alone (no barrier). Rows past the last
+  // group: nothing to do.
   {
     const u32 lower = (1u << lane) - 1u, higher = lane == 31 ? 0u : ~0u << (lane + 1);
-    int seen = 0;  // the pairs of the chunks before
+    int seen = 0;  // the groups of the chunks before
     for (int c0 = 0; c0 < A && m < 0; c0 += 32) {
       const int a = c0 + lane;
       long long e = -1;  // (a row past A: never in `same`)
@@ -286,23 +302,30 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
         if (e < 0 || e >= E) e = E;  // every id outside [0, E): one key
       }
       const u32 same = __match_any_sync(0xffffffffu, e) & __ballot_sync(0xffffffffu, a < A);
-      const bool head = a < A && (__popc(same & lower) & 1) == 0;
+      const bool head = a < A && __popc(same & lower) % GROUP == 0;
       const u32 heads = __ballot_sync(0xffffffffu, head);
       const u32 hit = __ballot_sync(0xffffffffu, head && seen + __popc(heads & lower) == (int)blockIdx.y);
-      const u32 next = same & higher;
-      const int partner = next ? c0 + __ffs(next) - 1 : -1;
+      u32 next = same & higher;  // this key's rows after this lane's: its group's members are the first GROUP - 1
+      int member[GROUP - 1];
+#pragma unroll
+      for (int j = 0; j < GROUP - 1; ++j) {
+        member[j] = next ? c0 + __ffs(next) - 1 : -1;
+        next &= next - 1u;
+      }
       if (hit) {
         const int src = __ffs(hit) - 1;
         m = c0 + src;
-        mb = __shfl_sync(0xffffffffu, partner, src);
+#pragma unroll
+        for (int j = 0; j < GROUP - 1; ++j) mq[j + 1] = __shfl_sync(0xffffffffu, member[j], src);
       }
       seen += __popc(heads);
     }
   }
   if (m < 0) return;
+  mq[0] = (int)m;
 #endif
 #if EXPERTS
-  // the row's expert (PAIRS: the pair's; written by the router ahead): its codes, absmax codes, second-level absmaxes
+  // the row's expert (GROUPED: the group's; written by the router ahead): its codes, absmax codes, second-level absmaxes
   // and offset from the [4, E] address table (the nested code table, read above, is every expert's); an id outside
   // [0, E) gives zero rows
   {
@@ -311,8 +334,10 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
       if (blockIdx.x == 0)
         for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) {
           out[m * som + i] = to_out_type(0.f);
-#if PAIRS
-          if (mb >= 0) out[mb * som + i] = to_out_type(0.f);
+#if GROUPED
+#pragma unroll
+          for (int q = 1; q < GROUP; ++q)
+            if (mq[q] >= 0) out[mq[q] * som + i] = to_out_type(0.f);
 #endif
         }
       return;
@@ -329,10 +354,13 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const u16* xrow = x + (EXPERTS ? m / xdiv : m) * sxm;  // (EXPERTS: the row's token)
   stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(xrow), K, KG * 32,
                    reinterpret_cast<const U4*>(nw), reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), red, eps);
-#if PAIRS
-  if (mb >= 0)  // the pair's second x after the first
-    stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), reinterpret_cast<const U4*>(x + mb / xdiv * sxm),
-                     K, KG * 32, reinterpret_cast<const U4*>(nw), nullptr, red, eps);
+#if GROUPED
+#pragma unroll
+  for (int q = 1; q < GROUP; ++q)  // the group's other x after the first, in order
+    if (mq[q] >= 0)
+      stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF + q * KG * 512),
+                       reinterpret_cast<const U4*>(x + mq[q] / xdiv * sxm), K, KG * 32,
+                       reinterpret_cast<const U4*>(nw), nullptr, red, eps);
 #endif
   __syncthreads();
 
@@ -341,14 +369,19 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // unit): a lane reads x for at most one load, so it loads that load's 64 bytes once per unit and gives them to
   // both loads' steps; each load has its own sums (c0, c1), whose other load's columns are never read. Every other
   // lane keeps zeros.
-  // PAIRS: the odd columns (g + 1) carry the pair's second x as the even ones the first; its sums are then
-  // columns 2 t + 1 of the same loads, scaled by the same absmaxes (a column's sums do not depend on the others)
-#if PAIRS
-  const int gx = g & ~1;
-  const bool xon0 = gx == 2 * (t >> 1), xon1 = gx == 4 + 2 * (t >> 1);
-  const u32 xon = (xon0 || xon1) && (!(g & 1) || mb >= 0) ? 1u : 0u;
-  const u32 xlane = sbase + XS_OFF + 64 * t + (xon1 ? 256u : 0u) + ((g & 1) ? (u32)KG * 512u : 0u);
-  float acc2 = 0.f, acc3 = 0.f;  // the second row's acc0, acc1
+  // GROUPED: every load's steps use all 8 columns, column 4 h + q the group's row q against block h of the load
+  // (its lanes t with t / 2 = h): lane (g, t) with g / 4 = t / 2 reads row g % 4's x of both loads (load 1's
+  // after load 0's steps, into the same registers); C's column 2 t, 2 t + 1 of load u are then rows 2 (t % 2),
+  // + 1 against block 2 u + t / 2: each lane decodes those two blocks' absmaxes of rows g and g + 8 and sums
+  // each (load, row) apart (a column's sums do not depend on the others: a row's bits are the one-row form's)
+#if GROUPED
+  u32 present = 0u;  // bit q: the group has row q
+#pragma unroll
+  for (int q = 0; q < GROUP; ++q) present |= mq[q] >= 0 ? 1u << q : 0u;
+  const u32 xon = (g >> 2) == (t >> 1) ? (present >> (g & 3)) & 1u : 0u;
+  const u32 xlane = sbase + XS_OFF + 64 * t + (u32)(g & 3) * (u32)KG * 512u;
+  // [load u][C register r]: rows 2 (t % 2) + (r & 1) of the group, weight rows g (r < 2) and g + 8
+  float gacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #else
   const bool xon0 = g == 2 * (t >> 1), xon1 = g == 4 + 2 * (t >> 1);
   const u32 xon = (xon0 || xon1) ? 1u : 0u;
@@ -357,7 +390,9 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   U4 xv[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) xv[w] = U4{0u, 0u, 0u, 0u};
+#if !GROUPED
   float acc0 = 0.f, acc1 = 0.f;  // rows g, g + 8: the sums of this lane's blocks (position t of each unit)
+#endif
   Cursor cc;
   cursor_start(cc, tiles, ua, KG, g, N, KB, rowb);
   // unit j decodes slot j % SLOTS while units j + 1 .. j + DEPTH are in flight; the load of unit j + DEPTH goes
@@ -371,6 +406,48 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
           cursor_next(pc, tiles, KG, g, N, KB, rowb);
         }
         const u32 xu = xlane + (u32)cc.G * 512u;
+#if GROUPED
+        // load 0's steps on x of load 0, then load 1's on x of load 1 (the same registers)
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) lds128_if(xv[w], xu + 16 * w, xon);
+        LOAD_DOTS(c0, buf[f][0], buf[f][1], xv)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) lds128_if(xv[w], xu + 256 + 16 * w, xon);
+        LOAD_DOTS(c1, buf[f][2], buf[f][3], xv)
+        // this lane's blocks of the unit (load u: 4 G + 2 u + t / 2), rows g and g + 8: decode the four absmaxes
+        // as the reference; each (load, C register) summed apart, as the one-row form sums each block
+        {
+          const u32 code = cbuf[f];
+          const u32 bj0 = (u32)min(4 * cc.G + (t >> 1), KB - 1), bj1 = (u32)min(4 * cc.G + 2 + (t >> 1), KB - 1);
+          const float s00 = __fadd_rn(__fmul_rn(ncs[code & 255u], __ldg(na + ((cc.a0 + bj0) >> 8))), offset);
+          const float s01 = __fadd_rn(__fmul_rn(ncs[(code >> 8) & 255u], __ldg(na + ((cc.a1 + bj0) >> 8))), offset);
+          const float s10 = __fadd_rn(__fmul_rn(ncs[(code >> 16) & 255u], __ldg(na + ((cc.a0 + bj1) >> 8))), offset);
+          const float s11 = __fadd_rn(__fmul_rn(ncs[code >> 24], __ldg(na + ((cc.a1 + bj1) >> 8))), offset);
+          gacc[0][0] = __fmaf_rn(c0[0], s00, gacc[0][0]);
+          gacc[0][1] = __fmaf_rn(c0[1], s00, gacc[0][1]);
+          gacc[0][2] = __fmaf_rn(c0[2], s01, gacc[0][2]);
+          gacc[0][3] = __fmaf_rn(c0[3], s01, gacc[0][3]);
+          gacc[1][0] = __fmaf_rn(c1[0], s10, gacc[1][0]);
+          gacc[1][1] = __fmaf_rn(c1[1], s10, gacc[1][1]);
+          gacc[1][2] = __fmaf_rn(c1[2], s11, gacc[1][2]);
+          gacc[1][3] = __fmaf_rn(c1[3], s11, gacc[1][3]);
+        }
+        if (cc.G + 1 == KG || base + f + 1 == count) {  // the row tile's end (or the warp's): its rows kept
+          // a row's four blocks as the one-row form adds them: (b0 + b1) + (b2 + b3); lanes t and t ^ 2 hold
+          // the same rows, blocks t / 2 (load 0) and 2 + t / 2 (load 1)
+          float* slot = red + (cc.lt * WARPS + warp) * 16;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float v = (gacc[0][r] + __shfl_xor_sync(0xffffffffu, gacc[0][r], 2)) +
+                            (gacc[1][r] + __shfl_xor_sync(0xffffffffu, gacc[1][r], 2));
+            // lanes t < 2: group row 2 t + (r & 1), weight row g (r < 2) or g + 8
+            if (t < 2) slot[(2 * t + (r & 1)) * ntiles * WARPS * 16 + g + (r >> 1) * 8] = v;
+            gacc[0][r] = 0.f;
+            gacc[1][r] = 0.f;
+          }
+        }
+#else
 #pragma unroll
         for (int w = 0; w < 4; ++w) lds128_if(xv[w], xu + 16 * w, xon);
         float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -386,10 +463,6 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
           const float s1 = __fadd_rn(__fmul_rn(ncs[code >> 8], __ldg(na + (i1 >> 8))), offset);
           acc0 = __fmaf_rn(t < 2 ? c0[0] : c1[0], s0, acc0);
           acc1 = __fmaf_rn(t < 2 ? c0[2] : c1[2], s1, acc1);
-#if PAIRS
-          acc2 = __fmaf_rn(t < 2 ? c0[1] : c1[1], s0, acc2);
-          acc3 = __fmaf_rn(t < 2 ? c0[3] : c1[3], s1, acc3);
-#endif
         }
         if (cc.G + 1 == KG || base + f + 1 == count) {  // the row tile's end (or the warp's): its rows kept
           float v0 = acc0 + __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -401,18 +474,8 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
             red[(cc.lt * WARPS + warp) * 16 + g + 8] = v1;
           }
           acc0 = 0.f; acc1 = 0.f;
-#if PAIRS
-          float v2 = acc2 + __shfl_xor_sync(0xffffffffu, acc2, 1);
-          float v3 = acc3 + __shfl_xor_sync(0xffffffffu, acc3, 1);
-          v2 += __shfl_xor_sync(0xffffffffu, v2, 2);
-          v3 += __shfl_xor_sync(0xffffffffu, v3, 2);
-          if (t == 0) {
-            red[((ntiles + cc.lt) * WARPS + warp) * 16 + g] = v2;
-            red[((ntiles + cc.lt) * WARPS + warp) * 16 + g + 8] = v3;
-          }
-          acc2 = 0.f; acc3 = 0.f;
-#endif
         }
+#endif
         cursor_next(cc, tiles, KG, g, N, KB, rowb);
       }
     }
@@ -422,13 +485,13 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     const int row = rt0 * 16 + i, rtl = i >> 4;
     if (row < (GATED ? N / 2 : N)) {
 #pragma unroll
-      for (int q = 0; q <= PAIRS; ++q) {  // (PAIRS: the pair's second row from its own sums)
+      for (int q = 0; q < (GROUPED ? GROUP : 1); ++q) {  // (GROUPED: each row of the group from its own sums)
         const float* rq = red + q * ntiles * WARPS * 16;
-#if PAIRS
-        const long long mq = q ? mb : m;
-        if (mq < 0) continue;
+#if GROUPED
+        const long long row_m = mq[q];
+        if (row_m < 0) continue;
 #else
-        const long long mq = m;
+        const long long row_m = m;
 #endif
         float v = row_sum(rq, rtl, i & 15, units, KG);
         v *= out_scale;
@@ -437,9 +500,9 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
         // then gated as silu_mul gates them
         v = silu_times(rounded(v), rounded(row_sum(rq, rtl + (rt1 - rt0), i & 15, units, KG) * out_scale));
 #elif HAS_RES
-        v += load_out_type(res + mq * srm + row);
+        v += load_out_type(res + row_m * srm + row);
 #endif
-        out[mq * som + row] = to_out_type(v);
+        out[row_m * som + row] = to_out_type(v);
       }
     }
   }
@@ -466,14 +529,14 @@ def _kernel(
     prologue: int,
     gated: bool,
     experts: bool = False,
-    pairs: bool = False,
+    grouped: bool = False,
 ) -> NvrtcKernel:
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(pairs))
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(grouped))
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
         defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
                    "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated),
-                   "EXPERTS": int(experts), "PAIRS": int(pairs)}  # fmt: skip
+                   "EXPERTS": int(experts), "GROUPED": int(grouped), "GROUP": GROUP_ROWS}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
@@ -484,18 +547,24 @@ def shared_bytes(
     row_tiles_per_program: int,
     prologue: int = 0,
     *,
-    pairs: bool = False,
+    grouped: bool = False,
 ) -> tuple[int, int]:
     """(data, dynamic) shared-memory bytes of a program: nested code table, x in fp16 (whole units; with the
-    RMSNorm prologue the gain beside it; `pairs`: the pair's two x) and the warps' row-tile sums (`pairs`: of
-    both rows) (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the shared window, whose start
-    the kernel reads)."""
+    RMSNorm prologue the gain beside it; `grouped`: the group's GROUP_ROWS x) and the warps' row-tile sums
+    (`grouped`: of every row of the group) (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the
+    shared window, whose start the kernel reads: room for any start below 64 KiB; `grouped`, whose x of 4 rows at
+    K 14336 would not fit so, for a start within WINDOW_RESERVED_BYTES, the kernel's; it traps where the table
+    does not fit)."""
     warps, _, mode, _, _ = config
     kg = -(-k // UNIT_VALUES)
-    rows = 2 if pairs else 1
+    rows = GROUP_ROWS if grouped else 1
     xs = kg * 512 * (rows + (prologue == RMSNORM))
     data = -(-(1024 + xs + rows * row_tiles_per_program * warps * 16 * 4) // 16) * 16
-    return data, data + _TABLE_BYTES + (65536 if mode == ALIGNED else 0)
+    if mode != ALIGNED:
+        return data, data + _TABLE_BYTES
+    if grouped:
+        return data, -(-(WINDOW_RESERVED_BYTES + data) // 65536) * 65536 + _TABLE_BYTES
+    return data, data + _TABLE_BYTES + 65536
 
 
 def nf4_tile_gemv(
@@ -556,12 +625,13 @@ def nf4_tile_gemv(
     return out
 
 
-def expert_pairs(rows: int, num_weights: int) -> int:
-    """The program rows of `nf4_tile_gemv_experts` for `rows` assignment rows over `num_weights` weights: at most
-    this many pairs (per chunk of 32 rows, each key's rows paired in order, the ids outside [0, E) one more key:
-    (n + keys with an odd count) / 2, those keys at most min(E + 1, n))."""
+def expert_groups(rows: int, num_weights: int) -> int:
+    """The program rows of `nf4_tile_gemv_experts(grouped=True)` for `rows` assignment rows over `num_weights`
+    weights: at most this many groups (per chunk of 32 rows, each key's rows grouped GROUP_ROWS by GROUP_ROWS in
+    order, the ids outside [0, E) one more key: a key of c rows makes 1 + (c - 1) // GROUP_ROWS groups, so n rows
+    over keys <= K = min(E + 1, n) make at most K + (n - K) // GROUP_ROWS)."""
     chunks = [min(32, rows - c) for c in range(0, rows, 32)]
-    return sum((n + min(num_weights + 1, n)) // 2 for n in chunks)
+    return sum(min(num_weights + 1, n) + (n - min(num_weights + 1, n)) // GROUP_ROWS for n in chunks)
 
 
 def nf4_tile_gemv_experts(
@@ -574,14 +644,14 @@ def nf4_tile_gemv_experts(
     config: tuple[int, int, int, int, int],
     *,
     gated: bool = False,
-    paired: bool = False,
+    grouped: bool = False,
 ) -> torch.Tensor:
     """The GEMV for a group of E NF4 weights of one shape (a layer's experts): output row a [A = routes.numel()] is
     x[a // rows_per_x] [K] @ W_e^T with e = routes[a] (int64 on the device, read by the kernel after the kernels ahead:
-    no host sync, CUDA-graph safe), or zeros for e outside [0, E); `gated` as `nf4_tile_gemv`. `paired`: two rows
-    of one weight share a program row (`expert_pairs`: that weight's bytes read once for both; for routes that
-    repeat a weight: its fixed cost is a loss where they cannot, docs/decisions/0061). Each row's bits are those of
-    `nf4_tile_gemv` on its own either way. W_e is found through
+    no host sync, CUDA-graph safe), or zeros for e outside [0, E); `gated` as `nf4_tile_gemv`. `grouped`: up to
+    GROUP_ROWS rows of one weight share a program row (`expert_groups`: that weight's bytes read once for them; for
+    routes that repeat a weight: its fixed cost is a loss where they cannot, docs/decisions/0061, 0103). Each
+    row's bits are those of `nf4_tile_gemv` on its own either way. W_e is found through
     `addresses` ([4, E] int64 on the device: packed codes, absmax codes, second-level absmaxes, (nested code table))
     and `offsets` ([E] fp32 absmax offsets); `first` gives every weight's shape, dtype, levels and nested code table
     (the caller checks that all E share them and that each one's codes are contiguous from 16-byte boundaries).
@@ -601,12 +671,12 @@ def nf4_tile_gemv_experts(
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
     out = torch.empty((a, n // 2 if gated else n), dtype=first.dtype, device=x.device)
-    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, paired)
+    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, grouped)
     ptr = ctypes.c_void_p
     experts = [ptr(addresses.data_ptr()), ptr(offsets.data_ptr()), ptr(routes.data_ptr()), ctypes.c_int(e),
                ctypes.c_int(rows_per_x), ctypes.c_int(a)]  # fmt: skip
     _launch(kernel, config, x, first, [ptr(0), ptr(0), ptr(0)], out, out, out, 0.0, 0.0, experts, 0, gated,
-            expert_pairs(a, e) if paired else 0)  # fmt: skip
+            expert_groups(a, e) if grouped else 0)  # fmt: skip
     return out
 
 
@@ -624,9 +694,9 @@ def _launch(
     experts: list,
     prologue: int,
     gated: bool,
-    pairs: int = 0,
+    groups: int = 0,
 ) -> None:
-    # one program row per output row (`pairs` > 0, PAIRS: per pair of rows, that many): `weights` (codes, absmax
+    # one program row per output row (`groups` > 0, GROUPED: per group of rows, that many): `weights` (codes, absmax
     # codes, second-level absmaxes; null with EXPERTS: read from the address table `experts` holds) and `experts`
     # (address table, offsets, routes, E, rows per x row, rows)
     warps = config[0]
@@ -640,7 +710,7 @@ def _launch(
         sms = props.multi_processor_count
         # sized for one program per multiprocessor or more
         data, dyn = shared_bytes(
-            config, k, -(-split // sms) * (2 if gated else 1), prologue, pairs=bool(kernel.defines["PAIRS"])
+            config, k, -(-split // sms) * (2 if gated else 1), prologue, grouped=bool(kernel.defines["GROUPED"])
         )
         optin = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (PyTorch's stubs lack it)
         if dyn > optin:
@@ -660,4 +730,4 @@ def _launch(
         ctypes.c_float(offset), ctypes.c_float(scale), ctypes.c_float(eps), ctypes.c_int(data), ctypes.c_int(dyn),
         *experts,
     ]  # fmt: skip
-    kernel.launch(dev, (programs, pairs or out.shape[0], 1), 32 * warps, dyn, args)
+    kernel.launch(dev, (programs, groups or out.shape[0], 1), 32 * warps, dyn, args)
