@@ -156,6 +156,7 @@ NF4_FAMILIES = {  # kernel -> name, for the per-shape micro-benchmark table
     "gemv": "table GEMV (fp32 levels)",
     "tile": "tile GEMV (mma)",
     "mma": "matrix units (tl.dot)",
+    "mmaf": "matrix units, folded table (tl.dot)",
 }
 
 

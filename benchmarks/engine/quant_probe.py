@@ -38,20 +38,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # --tile_sweep also times these tile GEMV configs
 TILE_SWEEP = [(24, 1, 1, 1, 0), (12, 2, 1, 1, 0), (16, 4, 1, 1, 0), (4, 4, 1, 2, 0), (32, 1, 0, 1, 0), (12, 3, 0, 1, 0)]
-FAMILIES = ("new", "tile")  # the matrix-unit kernel, the tile GEMV (one row)
+FAMILIES = ("new", "fold", "tile")  # the matrix-unit kernel (levels; folded table), the tile GEMV (one row)
 
 
 def candidates(m: int, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False) -> dict[str, list]:
     """{kernel family: [(label, call(x, w))]} for m rows (`tile_sweep`: the tile GEMV's wider sweep too)."""
-    new = []
+    new, fold = [], []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
+            fold.append((f"mmaf{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c, fold=True)))
     tile = []
     if m == 1:
         for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
             tile.append((f"tile{c}", lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, None, c)))
-    found = {"new": new, "tile": tile}
+    found = {"new": new, "fold": fold, "tile": tile}
     return {family: found[family] for family in families}
 
 
@@ -161,7 +162,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'tile':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'mmaf':>14} {'tile':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]

@@ -1,7 +1,7 @@
 """CPU twins of GPU kernels, for the unit tests: the NF4 tile GEMV's data movement
 (engine/quant/quant_tile_gemv.py) through the PTX fragment layout of `mma.m16n8k16` and its experts' grouping of
-assignment rows, and the NF4 register lookup's
-instruction sequence (engine/quant/quant_prmt.py's DECODE16_PROGRAM) on CPU integers."""
+assignment rows, and the NF4 register lookup's instruction sequences (engine/quant/quant_prmt.py's DECODE16_PROGRAM
+and SCALED_TABLE_PROGRAM) on CPU integers."""
 
 from __future__ import annotations
 
@@ -185,6 +185,27 @@ def emulate_decode16(word: int, table: tuple[int, ...], dtype: torch.dtype = tor
         return [_f16_to_f32(h) for h in halves]
     signed = torch.tensor([h - (1 << 16) if h >= 1 << 15 else h for h in halves], dtype=torch.int16)
     return signed.view(dtype).float().tolist()
+
+
+def emulate_scaled_table(levels: list[float], absmax: float, dtype: torch.dtype) -> tuple[int, ...]:
+    """Runs SCALED_TABLE_PROGRAM on the fp32 levels and one block's fp32 absmax: the 8 table words (L0..L3, H0..H3)
+    as unsigned 32-bit ints (mul.rn.f32 as fp32 multiplication, cvt.rn.{bf16,f16}x2.f32 as round-to-nearest-even
+    conversion of each product, `dtype`'s bits in the low half for the second operand; the CPU twin of
+    `quant_prmt.scaled_table_ptx`)."""
+    vals: dict[str, torch.Tensor] = {f"c{i}": torch.tensor(v, dtype=torch.float32) for i, v in enumerate(levels)}
+    vals["s"] = torch.tensor(absmax, dtype=torch.float32)
+    regs: dict[str, int] = {}
+    for op, dst, src in quant_prmt.SCALED_TABLE_PROGRAM:
+        if op == "mul":
+            vals[dst] = vals[str(src[0])] * vals[str(src[1])]  # fp32, round to nearest
+        elif op == "cvt2":  # high half = src[0], low half = src[1]
+            hi, lo = (int(vals[str(v)].to(dtype).view(torch.int16).item()) & 0xFFFF for v in src[:2])
+            regs[dst] = hi << 16 | lo
+        elif op == "prmt":
+            regs[dst] = _prmt(regs[str(src[0])], regs[str(src[1])], int(src[2]))
+        else:
+            raise ValueError(f"unknown table op {op!r}")
+    return tuple(regs[name] for name in quant_prmt.TABLE_OPERANDS)
 
 
 def _run(

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from tests.helpers.kernel_emulation import emulate_decode16
+from tests.helpers.kernel_emulation import emulate_decode16, emulate_scaled_table
 
 from benchmarks.common.quantize import quantize_nf4
 from corolla.engine.quant import quant_prmt
@@ -94,3 +94,32 @@ def test_fp16_program_gives_every_level_in_element_order(table: str, dtype: torc
     assert len(ops) == 21 and quant_prmt.DECODE16_CONSTRAINTS.count("=h") == 8
     for operand in range(17):  # every fp16 output written, the word and every table word read
         assert f"${operand}" in ptx
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("table", ["nf4", "random"])
+def test_folded_table_looks_up_bitsandbytes_dequantized_values(table: str, dtype: torch.dtype) -> None:
+    # quant_mma's folded path: the table of level x absmax (fp32, rounded once), read by the same lookup, gives
+    # bitsandbytes' dequantized weight bit for bit: NF4Weight.dequantize of a weight with that block absmax
+    gen = torch.Generator().manual_seed(13)
+    code = torch.tensor(NF4_LEVELS) if table == "nf4" else torch.sort(torch.randn(16, generator=gen) * 3).values
+    weight = quantize_nf4(torch.randn(4, 64, generator=gen) * 0.05, dtype=dtype)
+    assert weight.levels == tuple(weight.code.tolist())  # the kernel's level arguments: the fp32 values
+    absmaxes = weight.block_absmax().tolist() + [1.0, 3.0e-3, 7.5, 1.0e-6]
+    rng = random.Random(17)
+    for absmax in absmaxes:
+        words = emulate_scaled_table(code.tolist(), absmax, dtype)
+        levels = (code * torch.tensor(absmax, dtype=torch.float32)).to(dtype).float().tolist()
+        for word in [0x00000000, 0xFFFFFFFF, 0x78877887] + [rng.getrandbits(32) for _ in range(200)]:
+            got = emulate_decode16(word, words, dtype)
+            assert [torch.tensor(v).to(dtype).view(torch.int16).item() for v in got] == [
+                torch.tensor(v).to(dtype).view(torch.int16).item() for v in _expected(word, levels)
+            ], (absmax, hex(word))
+    ptx = quant_prmt.scaled_table_ptx(dtype)
+    assert ptx.count("mul.rn.f32") == 16 and ptx.count("cvt.rn.") == 8 and ptx.count("prmt.b32") == 8
+    assert ("bf16x2" in ptx) == (dtype == torch.bfloat16)
+    assert quant_prmt.SCALED_TABLE_CONSTRAINTS.count("=r") == 8
+    for operand in range(25):  # every table word written, the absmax and every level read
+        assert f"${operand}" in ptx
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        quant_prmt.scaled_table_ptx(torch.float32)

@@ -14,6 +14,8 @@ from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, qua
 
 Choice = tuple[str, tuple[int, int, int, int, int]]
 MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)
+# the matrix-unit kernel's two decodes: "mma" levels with the product scaled per block, "mmaf" the folded table
+MMA_KERNELS = ("mma", "mmaf")
 
 
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0, *, gated: bool = False):
@@ -21,7 +23,8 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
     (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block"
-    (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue); `gated` ("i8mma", "tile"):
+    (quant_kernels.quant_matmul) or "mma" / "mmaf" (quant_mma.nf4_mma_matmul, NF4, no prologue; "mmaf" folded); `gated`
+    ("i8mma", "tile"):
     silu(gate) * up of W = [gate | up]."""
     if gated:
         if kernel == "i8mma":
@@ -41,8 +44,9 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
         )
     if kernel == "i8mma":
         return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config, prologue, nw, eps)
-    if kernel == "mma" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config)
+    if kernel in MMA_KERNELS and not prologue:
+        fold = kernel == "mmaf"
+        return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config, fold)
     if kernel == "block":
         return lambda x, w, res, nw=None, eps=0.0: quant_kernels.quant_matmul(x, w, res, config, prologue, nw, eps)
     raise ValueError(f"unknown quantized kernel {kernel!r} (prologue {prologue})")
@@ -168,7 +172,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
             if key[0] == "int8" and items[0].dtype != torch.float32 and key[2] % quant_int8_gemv.CHUNK_VALUES == 0:
                 small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
-        mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
+        mma = [(name, c) for name in MMA_KERNELS for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
         fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted if p != "gated"]

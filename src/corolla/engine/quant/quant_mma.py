@@ -29,8 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.kernels.quant_splits import arrive_last, reset_counter, row_mask
-from corolla.engine.quant.quant_prmt import DECODE16_CONSTRAINTS, decode16_ptx
+from corolla.engine.kernels.quant_splits import arrive_last, reset_counter
+from corolla.engine.quant.quant_prmt import (
+    DECODE16_CONSTRAINTS,
+    SCALED_TABLE_CONSTRAINTS,
+    decode16_ptx,
+    scaled_table_ptx,
+)
 from corolla.engine.quant.quant_weights import NF4Weight, counters_for_tiles
 
 MMA_MAX_ROWS = 64
@@ -47,10 +52,14 @@ NF4_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((128, 16, s, 4, 1) for s in (2, 4, 8)),
     *((64, 64, s, 4, 3) for s in (2, 4, 8)),
     *((128, 64, s, 8, 3) for s in (4, 8)),
+    *((128, 64, s, 4, 3) for s in (2, 4)),
 )
 
 _PTX16 = tl.constexpr(decode16_ptx())
 _CONSTRAINTS16 = tl.constexpr(DECODE16_CONSTRAINTS)
+_TABLE_BF16 = tl.constexpr(scaled_table_ptx(torch.bfloat16))
+_TABLE_F16 = tl.constexpr(scaled_table_ptx(torch.float16))
+_TABLE_CONSTRAINTS = tl.constexpr(SCALED_TABLE_CONSTRAINTS)
 
 
 @triton.jit
@@ -91,13 +100,15 @@ def _absmax_code(aq_ptrs, na_ptrs):
 
 @triton.jit
 def absmax_lookup(code, nested, nc_ptr, offset):
-    # the decoded absmax: nested_code[code] * nested + offset (fp32, one fma: the reference's value)
+    # the decoded absmax: nested_code[code] * nested, rounded, + offset, rounded (fp32: bitsandbytes' value, as
+    # NF4Weight.block_absmax forms it; an fma would round once and differ in the last bit)
     return tl.inline_asm_elementwise(
         """{
         .reg .b64 %a; .reg .f32 %e;
         mad.wide.u32 %a, $1, 4, $3;
         ld.global.nc.f32 %e, [%a];
-        fma.rn.f32 $0, %e, $2, $4;
+        mul.rn.f32 %e, %e, $2;
+        add.rn.f32 $0, %e, $4;
         }""",
         "=r,r,r,l,r", [code, nested, nc_ptr.to(tl.int64), offset],
         dtype=tl.float32, is_pure=True, pack=1,
@@ -105,58 +116,105 @@ def absmax_lookup(code, nested, nc_ptr, offset):
 
 
 @triton.jit
+def _scaled_table(scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BF16: tl.constexpr):
+    # [B] fp32 block absmaxes -> the 8 table words [B] of each block's dequantized levels (quant_prmt's folded table)
+    if BF16:
+        words = tl.inline_asm_elementwise(
+            _TABLE_BF16, _TABLE_CONSTRAINTS,
+            [scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+            dtype=(tl.int32,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        words = tl.inline_asm_elementwise(
+            _TABLE_F16, _TABLE_CONSTRAINTS,
+            [scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15],
+            dtype=(tl.int32,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    return words
+
+
+@triton.jit
+def _folded(words, scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+            BF16: tl.constexpr):  # fmt: skip
+    # words [B, C] int32 of one block of each row, scale [B] its absmax -> [B, 8 C] dequantized weights (16-bit)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _scaled_table(
+        scale, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BF16
+    )
+    return _levels(words, t0[:, None], t1[:, None], t2[:, None], t3[:, None], t4[:, None], t5[:, None],
+                   t6[:, None], t7[:, None], BF16)  # fmt: skip
+
+
+@triton.jit
 def _nf4_mma_kernel(
     x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
     t0, t1, t2, t3, t4, t5, t6, t7,
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr,
-    HAS_RES: tl.constexpr,
+    HAS_RES: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row tile): out^T[n tile, row tile] over the split's 64-value blocks. q_ptr: the packed
-    # bytes as int32 words (8 per block and row), stride_qn in words per row.
+    # bytes as int32 words (8 per block and row), stride_qn in words per row. Rows past N and blocks past the split
+    # are read clamped in bounds (their values never reach a stored output).
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.arange(0, 8)
     offs_k = tl.arange(0, 64)
     kb = K // 64
     per_split = tl.cdiv(kb, splits)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kb)
-    w_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_c[None, :]  # [BLOCK_N, 8] words of block 0
+    last = kb - 1
+    rows = tl.minimum(offs_n, N - 1)  # [BLOCK_N]
+    w_ptrs = q_ptr + rows[:, None] * stride_qn + tl.arange(0, 8)[None, :]  # [BLOCK_N, 8] words of block 0
     x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # [64, BLOCK_M] x^T of block 0
     x_mask = (offs_m < M)[None, :]
-    row_blocks = tl.minimum(offs_n, N - 1) * kb  # [BLOCK_N] first absmax block of each row (clamped)
+    row_blocks = rows * kb  # [BLOCK_N] first absmax block of each row
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # block b's wgmma is issued, then block b + 1 decoded, then block b's product scaled into acc: the decode runs
-    # while the matrix units work (its result waits in registers for the next step). Block b + 2's words and absmax
-    # code are loaded and block b + 1's absmax looked up (its code arrived a step ago) a step ahead, so no load
-    # latency (nor the code -> table chain) sits between two blocks. Indices past the split are clamped in bounds
-    # (their words masked to zero, their values unused); x is loaded where it is used, for the pipeliner.
-    last = kb - 1
-    words0 = tl.load(w_ptrs + lo * 8, mask=row_mask(offs_n, N, lo, hi)[:, None], other=0)
-    words1 = tl.load(w_ptrs + (lo + 1) * 8, mask=row_mask(offs_n, N, lo + 1, hi)[:, None], other=0)
+    # Block b + 2's words and absmax code are loaded and block b + 1's absmax looked up (its code arrived a step
+    # ago) a step ahead, so no load latency (nor the code -> table chain) sits between two blocks; x is loaded where
+    # it is used, for the pipeliner.
+    words0 = tl.load(w_ptrs + tl.minimum(lo, last) * 8)
+    words1 = tl.load(w_ptrs + tl.minimum(lo + 1, last) * 8)
     gb = row_blocks + tl.minimum(lo, last)
-    code0, nested0 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
+    code0, nested0 = _absmax_code(aq_ptr + gb, na_ptr + (gb >> 8))
     gb = row_blocks + tl.minimum(lo + 1, last)
-    code1, nested1 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
-    scale0 = absmax_lookup(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
-    w = _levels(words0, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # [BLOCK_N, 64] block lo
-    for b in range(lo, hi):
-        words2 = tl.load(w_ptrs + (b + 2) * 8, mask=row_mask(offs_n, N, b + 2, hi)[:, None], other=0)
-        gb = row_blocks + tl.minimum(b + 2, last)
-        code2, nested2 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
+    code1, nested1 = _absmax_code(aq_ptr + gb, na_ptr + (gb >> 8))
+    if FOLD:
+        # each block's table holds its dequantized weights (level x absmax, rounded once as bitsandbytes rounds
+        # them), so the matrix units accumulate straight into acc: no per-block product to scale. Block b + 1 is
+        # decoded while nothing waits on it (its table's absmax looked up a step ahead).
+        scale0 = absmax_lookup(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
+        w = _folded(words0, scale0, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BF16)
         scale1 = absmax_lookup(code1, nested1, nc_ptr, offset)
-        xt = tl.load(x_ptrs + b * 64, mask=x_mask, other=0.0)  # [64, BLOCK_M]
-        part = tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
-        w = _levels(words1, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # block b + 1
-        acc += part * scale0[:, None]
-        words1 = words2
-        code1 = code2
-        nested1 = nested2
-        scale0 = scale1
+        for b in range(lo, hi):
+            words2 = tl.load(w_ptrs + tl.minimum(b + 2, last) * 8)
+            gb = row_blocks + tl.minimum(b + 2, last)
+            code2, nested2 = _absmax_code(aq_ptr + gb, na_ptr + (gb >> 8))
+            xt = tl.load(x_ptrs + b * 64, mask=x_mask, other=0.0)  # [64, BLOCK_M]
+            acc = tl.dot(w, xt, acc)  # [BLOCK_N, BLOCK_M] fp32
+            w = _folded(words1, scale1, c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15, BF16)
+            scale1 = absmax_lookup(code2, nested2, nc_ptr, offset)
+            words1 = words2
+    else:
+        # block b's wgmma is issued, then block b + 1 decoded, then block b's product scaled into acc
+        scale0 = absmax_lookup(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
+        w = _levels(words0, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # [BLOCK_N, 64] block lo
+        for b in range(lo, hi):
+            words2 = tl.load(w_ptrs + tl.minimum(b + 2, last) * 8)
+            gb = row_blocks + tl.minimum(b + 2, last)
+            code2, nested2 = _absmax_code(aq_ptr + gb, na_ptr + (gb >> 8))
+            scale1 = absmax_lookup(code1, nested1, nc_ptr, offset)
+            xt = tl.load(x_ptrs + b * 64, mask=x_mask, other=0.0)  # [64, BLOCK_M]
+            part = tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
+            w = _levels(words1, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # block b + 1
+            acc += part * scale0[:, None]
+            words1 = words2
+            code1 = code2
+            nested1 = nested2
+            scale0 = scale1
     mask = (offs_n < N)[:, None] & x_mask  # [BLOCK_N, BLOCK_M]
     o_off = offs_m[None, :] * stride_om + offs_n[:, None]
     r_off = offs_m[None, :] * stride_rm + offs_n[:, None]
@@ -179,10 +237,16 @@ def _nf4_mma_kernel(
 
 
 def nf4_mma_matmul(
-    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
+    x: torch.Tensor,
+    weight: NF4Weight,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int, int],
+    fold: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (1 <= M <= MMA_MAX_ROWS, last dim contiguous, the weight's 16-bit dtype) @ W[N, K]^T (+ residual
-    [M, N]) -> [M, N] in the weight's dtype; ValueError for a bad shape, dtype, alignment or config."""
+    [M, N]) -> [M, N] in the weight's dtype; `fold`: each block decoded through its folded table (bitsandbytes'
+    dequantized weights, accumulated by the matrix units), else through the levels with the product scaled per
+    block. ValueError for a bad shape, dtype, alignment or config."""
     m, k = x.shape
     n, wk = weight.shape
     if wk != k or not 1 <= m <= MMA_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
@@ -206,9 +270,9 @@ def nf4_mma_matmul(
     _nf4_mma_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-        *weight.lut_words,
+        *weight.lut_words, *weight.levels,
         BLOCK_N=block_n, BLOCK_M=block_m, BF16=weight.dtype == torch.bfloat16, USE_WS=use_ws,
-        HAS_RES=residual is not None, num_warps=warps, num_stages=stages,
-        maxnreg=MAX_REGS_64 if block_m == 64 else None,
+        HAS_RES=residual is not None, FOLD=fold, num_warps=warps, num_stages=stages,
+        maxnreg=MAX_REGS_64 if block_m == 64 and block_n * block_m <= 32 * 32 * warps else None,
     )  # fmt: skip
     return out

@@ -106,3 +106,41 @@ def decode16_ptx() -> str:
 
 
 DECODE16_CONSTRAINTS = ",".join(["=h"] * 8 + ["r"] * 9)
+
+# The folded table (quant_mma's folded path): the 16 levels "c0".."c15" (fp32) times one block's absmax "s" (fp32),
+# each product rounded once to the 16-bit type (bitsandbytes' dequantized value, bit for bit: it multiplies the same
+# fp32 level and absmax and rounds to nearest), packed as the 8 table words "L0".."L3", "H0".."H3" that
+# DECODE16_PROGRAM reads: the lookup then yields the dequantized weights themselves. 16 mul + 8 cvt + 8 prmt.
+SCALED_TABLE_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
+    *(("mul", f"v{i}", (f"c{i}", "s")) for i in range(16)),
+    *(("cvt2", f"p{i}", (f"v{2 * i + 1}", f"v{2 * i}")) for i in range(8)),  # level 2i in the low half
+    *(("prmt", f"L{q}", (f"p{2 * q}", f"p{2 * q + 1}", 0x6420)) for q in range(4)),  # low bytes of levels 4q..4q+3
+    *(("prmt", f"H{q}", (f"p{2 * q}", f"p{2 * q + 1}", 0x7531)) for q in range(4)),  # their high bytes
+)
+SCALED_TABLE_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 17)
+
+
+def scaled_table_ptx(dtype: torch.dtype) -> str:
+    """SCALED_TABLE_PROGRAM as inline PTX: outputs $0..$7 (L0..L3, H0..H3), inputs $8 (the absmax) and $9..$24 (the
+    levels), all 32-bit registers; `dtype` (bf16 or fp16) picks the rounding conversion."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the folded table holds fp16 or bf16 products, not {dtype}")
+    cvt = "cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32"
+    operand = {name: f"${i}" for i, name in enumerate(TABLE_OPERANDS)}
+    operand["s"] = "$8"
+    operand.update({f"c{i}": f"${9 + i}" for i in range(16)})
+    operand.update({f"v{i}": f"%v{i}" for i in range(16)})
+    operand.update({f"p{i}": f"%p{i}" for i in range(8)})
+    lines = ["{", ".reg .b32 %v<16>, %p<8>;"]
+    for op, dst, src in SCALED_TABLE_PROGRAM:
+        d = operand[dst]
+        if op == "mul":
+            lines.append(f"mul.rn.f32 {d}, {operand[str(src[0])]}, {operand[str(src[1])]};")
+        elif op == "cvt2":  # d = {high: src[0], low: src[1]}
+            lines.append(f"{cvt} {d}, {operand[str(src[0])]}, {operand[str(src[1])]};")
+        elif op == "prmt":
+            lines.append(f"prmt.b32 {d}, {operand[str(src[0])]}, {operand[str(src[1])]}, 0x{int(src[2]):08x};")
+        else:
+            raise ValueError(f"unknown table op {op!r}")
+    lines.append("}")
+    return "\n".join(lines)

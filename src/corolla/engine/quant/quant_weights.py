@@ -82,6 +82,8 @@ class NF4Weight:
     # the 8 table words of quant_prmt's register lookup (levels in the compute dtype), derived from `code`; empty
     # for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
+    # the 16 levels as Python floats (the fp32 values of `code`: kernel arguments of quant_mma's folded table)
+    levels: tuple[float, ...] = field(init=False, repr=False)
     # [256] int32 fp16x2 level pairs of quant_pair_table (the tile GEMV's shared table), derived from `code`;
     # zeros for fp32
     pair_words16: torch.Tensor = field(init=False, repr=False)
@@ -106,6 +108,7 @@ class NF4Weight:
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
         self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code, self.dtype)
+        self.levels = tuple(float(v) for v in self.code.detach().to("cpu", torch.float32).tolist())
         fp32 = self.dtype == torch.float32
         pairs = torch.zeros(256, dtype=torch.int32) if fp32 else quant_pair_table.pair_words16(self.code)
         self.pair_words16 = pairs.to(self.code.device)
