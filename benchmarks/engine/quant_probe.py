@@ -41,13 +41,22 @@ TILE_SWEEP = [(24, 1, 1, 1, 0), (12, 2, 1, 1, 0), (16, 4, 1, 1, 0), (4, 4, 1, 2,
 FAMILIES = ("new", "fold", "tile")  # the matrix-unit kernel (levels; folded table), the tile GEMV (one row)
 
 
-def candidates(m: int, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False) -> dict[str, list]:
-    """{kernel family: [(label, call(x, w))]} for m rows (`tile_sweep`: the tile GEMV's wider sweep too)."""
+def candidates(
+    m: int, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False, reg_caps: tuple[int, ...] = ()
+) -> dict[str, list]:
+    """{kernel family: [(label, call(x, w))]} for m rows (`tile_sweep`: the tile GEMV's wider sweep too;
+    `reg_caps`: the folded configs that quant_mma caps also at each of these registers a thread)."""
     new, fold = [], []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
             fold.append((f"mmaf{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c, fold=True)))
+            cap = quant_mma.register_cap(c, fold=True)
+            for r in reg_caps if cap is not None else ():
+                if r != cap:
+                    fold.append(
+                        (f"mmaf{c}r{r}", lambda x, w, c=c, r=r: quant_mma.nf4_mma_matmul(x, w, None, c, True, r))
+                    )
     tile = []
     if m == 1:
         for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
@@ -104,6 +113,7 @@ def main() -> None:
     parser.add_argument("--tile_sweep", action="store_true", help="one row: the tile GEMV's wider sweep")
     parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families timed (default: all)")
     parser.add_argument("--gated", action="store_true", help="only the gated w_gate_up A/B (see the docstring)")
+    parser.add_argument("--reg_caps", default="", help="comma-separated register caps the folded configs also run")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -139,8 +149,9 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
+            caps = tuple(int(r) for r in args.reg_caps.split(",") if r)
             for family, cands in candidates(
-                m, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep
+                m, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep, caps
             ).items():
                 for label, call in cands:
                     try:

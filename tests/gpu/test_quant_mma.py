@@ -23,8 +23,8 @@ DEV = torch.device("cuda")
 # one tiling per row range, each with and without a split; the 64-row tiles also with x in 3 pipeline stages, as
 # NF4_MMA_CONFIGS runs them (compiled once for the whole file)
 CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 4, 3)]
-# the folded path: both row ranges with a split, and the 128-row weight tiles of one warpgroup
-FOLD_CONFIGS = [(64, 16, 3, 4, 1), (64, 64, 2, 4, 3), (128, 64, 2, 4, 3)]
+# the folded path: both row ranges with a split, and the 128-row weight tiles of two warpgroups without one
+FOLD_CONFIGS = [(64, 16, 3, 4, 1), (64, 64, 2, 4, 3), (128, 64, 1, 8, 3)]
 CASES = [(c, False) for c in CONFIGS] + [(c, True) for c in FOLD_CONFIGS]
 
 

@@ -43,6 +43,9 @@ MMA_MID_MAX_ROWS = 16  # DecodeOps serves 2 to this many rows with the 16-row-ti
 # registers a thread for 64-row tiles: ptxas fits them unspilled, and 4 programs of 4 warps (2 of 8) stay resident
 # on a multiprocessor (uncapped, the pipelined builds take 130 and one program fewer)
 MAX_REGS_64 = 128
+# the folded path's cap for the same tiles (its loop carries no per-block product): ptxas fits it unspilled in
+# FOLD_MAX_REGS, so more programs stay resident on a multiprocessor (80: 6 of 4 warps)
+FOLD_MAX_REGS = 80
 
 # (BLOCK_N, BLOCK_M, K splits, num_warps, num_stages): the tilings that came within 10% of the best on some Llama-3-8B
 # projection on an H200 (16 rows: 16-row tiles; 64 rows: 64-row tiles with x pipelined in 3 stages, each better than
@@ -50,9 +53,8 @@ MAX_REGS_64 = 128
 NF4_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((64, 16, s, 4, 1) for s in (2, 4, 8)),
     *((128, 16, s, 4, 1) for s in (2, 4, 8)),
-    *((64, 64, s, 4, 3) for s in (2, 4, 8)),
+    *((64, 64, s, 4, 3) for s in (1, 2, 3, 4, 6, 8)),
     *((128, 64, s, 8, 3) for s in (4, 8)),
-    *((128, 64, s, 4, 3) for s in (2, 4)),
 )
 
 _PTX16 = tl.constexpr(decode16_ptx())
@@ -236,17 +238,28 @@ def _nf4_mma_kernel(
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def register_cap(config: tuple[int, int, int, int, int], fold: bool) -> int | None:
+    """Registers a thread for `config`: 64-row tiles whose fp32 accumulator takes <= 32 registers a thread are capped
+    (FOLD_MAX_REGS folded, MAX_REGS_64 with the per-block product), others left to ptxas."""
+    block_n, block_m, _, warps, _ = config
+    if block_m == 64 and block_n * block_m <= 32 * 32 * warps:
+        return FOLD_MAX_REGS if fold else MAX_REGS_64
+    return None
+
+
 def nf4_mma_matmul(
     x: torch.Tensor,
     weight: NF4Weight,
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int, int],
     fold: bool = False,
+    max_regs: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (1 <= M <= MMA_MAX_ROWS, last dim contiguous, the weight's 16-bit dtype) @ W[N, K]^T (+ residual
     [M, N]) -> [M, N] in the weight's dtype; `fold`: each block decoded through its folded table (bitsandbytes'
     dequantized weights, accumulated by the matrix units), else through the levels with the product scaled per
-    block. ValueError for a bad shape, dtype, alignment or config."""
+    block. `max_regs`: the register cap per thread (None: `register_cap`'s). ValueError for a bad shape, dtype,
+    alignment or config."""
     m, k = x.shape
     n, wk = weight.shape
     if wk != k or not 1 <= m <= MMA_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
@@ -273,6 +286,6 @@ def nf4_mma_matmul(
         *weight.lut_words, *weight.levels,
         BLOCK_N=block_n, BLOCK_M=block_m, BF16=weight.dtype == torch.bfloat16, USE_WS=use_ws,
         HAS_RES=residual is not None, FOLD=fold, num_warps=warps, num_stages=stages,
-        maxnreg=MAX_REGS_64 if block_m == 64 and block_n * block_m <= 32 * 32 * warps else None,
+        maxnreg=register_cap(config, fold) if max_regs is None else max_regs,
     )  # fmt: skip
     return out
