@@ -51,7 +51,7 @@ def candidates(
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
             fold.append((f"mmaf{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c, fold=True)))
-            cap = quant_mma.register_cap(c, fold=True)
+            cap = quant_mma.register_cap(c)
             for r in reg_caps if cap is not None else ():
                 if r != cap:
                     fold.append(

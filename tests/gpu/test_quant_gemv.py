@@ -159,7 +159,7 @@ def _run(kernel: str, config, x, weight, res):
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     from corolla.engine.ops.decode_ops import DecodeOps
     from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_tile_gemv
-    from corolla.engine.quant.quant_choices import MMA_KERNELS
+    from corolla.engine.quant.quant_choices import mma_candidates
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
     ops = DecodeOps(DEV, 64, use_triton=True)
@@ -169,7 +169,7 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     # NF4: the tile GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
     # rows and its 64-row tiles above; INT8: the GEMV, tl.dot block kernel or row GEMV up to GEMV_MAX_ROWS rows (the
     # row GEMV: one row, then the block kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows), the block kernel above
-    mma = [(name, c) for name in MMA_KERNELS for c in quant_mma.NF4_MMA_CONFIGS]
+    mma = mma_candidates()
     blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
     streams = [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS] if kind == "nf4" else []
     gemvs = [] if kind == "nf4" else [("gemv", c) for c in _configs(kind)]  # NF4 16-bit: one row on the tile GEMV

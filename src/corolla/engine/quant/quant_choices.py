@@ -18,6 +18,18 @@ MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-
 MMA_KERNELS = ("mma", "mmaf")
 
 
+def mma_candidates() -> list[Choice]:
+    """The matrix-unit (kernel, config) candidates the tuner times for NF4 in 16-bit dtypes: both decodes on the
+    16-row tiles, the folded one on the 64-row tiles (the per-block product lost on every Llama-3-8B projection
+    there: docs/decisions/0097-nf4-mma-folded-table.md)."""
+    return [
+        (name, c)
+        for c in quant_mma.NF4_MMA_CONFIGS
+        for name in MMA_KERNELS
+        if name == "mmaf" or c[1] <= quant_mma.MMA_MID_MAX_ROWS
+    ]
+
+
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0, *, gated: bool = False):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
@@ -172,7 +184,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
             if key[0] == "int8" and items[0].dtype != torch.float32 and key[2] % quant_int8_gemv.CHUNK_VALUES == 0:
                 small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
-        mma = [(name, c) for name in MMA_KERNELS for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
+        mma = mma_candidates() if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
         fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted if p != "gated"]

@@ -1,21 +1,29 @@
 """NF4 projections on the matrix units for merged decode steps of 2 to `MMA_MAX_ROWS` rows (any 1..64 works),
 reading bitsandbytes' NF4 layout in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
 
-Each program decodes a 64-value block of BLOCK_N weight rows per step with the register lookup straight to levels
-in the compute dtype (`quant_prmt.DECODE16_PROGRAM`: 21 instructions per 8 values, no conversion; the weight's
-`lut_words` hold bf16 levels for bf16 weights, fp16 for fp16) and multiplies it with one `tl.dot` (wgmma on Hopper)
-against a [64, BLOCK_M] tile of x as it is (no conversion), padded with zero rows up to BLOCK_M (16 or 64); each
-block's fp32 partial product is scaled once by its decoded absmax (uint8 code -> nested code table * second-level
-absmax + offset) and accumulated in fp32. Block b + 1 is decoded while block b's wgmma runs (its product is
-consumed after the decode); the words and absmax codes of the next two blocks are in flight in registers, and
-with num_stages > 1 Triton's pipeliner streams the x tiles into shared memory ahead (cp.async). On an H200 this
-took a Llama-3-8B layer's four projections at 64 rows from 198 to 157 us (cuBLAS bf16: 136 us; 64 merged sessions
-8.86 -> 7.36 ms against bf16's 6.25 ms: docs/decisions/0068-nf4-mma-bf16-levels-deferred-product.md).
+Each program decodes a 64-value block of BLOCK_N weight rows per step with the register lookup
+(`quant_prmt.DECODE16_PROGRAM`: 21 instructions per 8 values, no conversion) and multiplies it with one `tl.dot`
+(wgmma on Hopper) against a [64, BLOCK_M] tile of x as it is (no conversion), padded with zero rows up to BLOCK_M
+(16 or 64). Two decodes (`fold`; the tuner times both, quant_choices "mma" / "mmaf"):
+- folded: each row's block gets its own table, the 16 levels times the block's absmax (fp32, rounded once to the
+  compute dtype: `quant_prmt.SCALED_TABLE_PROGRAM`, 32 instructions per row and block), so the lookup yields
+  bitsandbytes' dequantized weights themselves and the matrix units accumulate every block straight into one fp32
+  accumulator (no per-block product to zero, wait for and scale). Its block loop is 220 SASS instructions per warp
+  against 272 for the per-block product (sm_90a, 64x64 tiles). It serves 64-row tiles (faster on all four
+  Llama-3-8B projections of an H200: docs/decisions/0097-nf4-mma-folded-table.md) and competes at 16 rows.
+- levels: the table holds the levels in the compute dtype (`lut_words`: bf16 levels for bf16 weights, fp16 for
+  fp16); each block's fp32 product is scaled by its decoded absmax into the accumulator (decision 0068). 16-row
+  tiles only.
+The absmax is decoded as bitsandbytes decodes it (uint8 code -> nested code table * second-level absmax, rounded, +
+offset, rounded). The words and absmax codes of the next two blocks are in flight in registers, and with
+num_stages > 1 Triton's pipeliner streams the x tiles into shared memory ahead (cp.async). (Triton 3.6 waits for
+each block's wgmma right after issuing it, whichever decode: the SASS has WARPGROUP.DEPBAR right after the HGMMAs.)
 
-Numerics: the levels are rounded once to the compute dtype (bf16: relative error <= 2^-8, the size of the bf16
-rounding of bitsandbytes' own dequantized weight; fp16: <= 2^-11); the products are exact and summed in fp32.
-Against the bf16 reference (x @ dequantized W) the error stays within the bf16 rounding of the dequantized weights
-(relative 2.7e-3 on random rows, against 2.3e-3 with the fp16 levels and fp16-converted x this replaced).
+Numerics: folded, the weights are bitsandbytes' dequantized values bit for bit (a one-hot row reads them back
+exactly) and the exact products are summed in fp32; levels, each level is rounded once to the compute dtype (bf16:
+relative error <= 2^-8, the size of the bf16 rounding of bitsandbytes' own dequantized weight; fp16: <= 2^-11) and
+the exact products summed in fp32 (relative 2.7e-3 against x @ the dequantized weight on random rows, the folded
+path 1.7e-3: the output's own bf16 rounding).
 
 Batch invariance: each output element is its own column of the matrix product, computed by the same instructions
 in the same K order whatever the other rows hold; a split of K is summed in split order by the last program of
@@ -43,18 +51,16 @@ MMA_MID_MAX_ROWS = 16  # DecodeOps serves 2 to this many rows with the 16-row-ti
 # registers a thread for 64-row tiles: ptxas fits them unspilled, and 4 programs of 4 warps (2 of 8) stay resident
 # on a multiprocessor (uncapped, the pipelined builds take 130 and one program fewer)
 MAX_REGS_64 = 128
-# the folded path's cap for the same tiles (its loop carries no per-block product): ptxas fits it unspilled in
-# FOLD_MAX_REGS, so more programs stay resident on a multiprocessor (80: 6 of 4 warps)
-FOLD_MAX_REGS = 80
 
 # (BLOCK_N, BLOCK_M, K splits, num_warps, num_stages): the tilings that came within 10% of the best on some Llama-3-8B
-# projection on an H200 (16 rows: 16-row tiles; 64 rows: 64-row tiles with x pipelined in 3 stages, each better than
-# its 1-stage twin on every projection; docs/decisions/0068-nf4-mma-bf16-levels-deferred-product.md)
+# projection on an H200 (16 rows: 16-row tiles, both decodes; 64 rows: folded 64-row tiles with x pipelined in 3
+# stages, each better than its 1-stage twin on every projection; docs/decisions/0068, 0097: one warpgroup's 128-row
+# tiles lost on every projection)
 NF4_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((64, 16, s, 4, 1) for s in (2, 4, 8)),
     *((128, 16, s, 4, 1) for s in (2, 4, 8)),
     *((64, 64, s, 4, 3) for s in (1, 2, 3, 4, 6, 8)),
-    *((128, 64, s, 8, 3) for s in (4, 8)),
+    (128, 64, 8, 8, 3),
 )
 
 _PTX16 = tl.constexpr(decode16_ptx())
@@ -238,12 +244,13 @@ def _nf4_mma_kernel(
         tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def register_cap(config: tuple[int, int, int, int, int], fold: bool) -> int | None:
-    """Registers a thread for `config`: 64-row tiles whose fp32 accumulator takes <= 32 registers a thread are capped
-    (FOLD_MAX_REGS folded, MAX_REGS_64 with the per-block product), others left to ptxas."""
+def register_cap(config: tuple[int, int, int, int, int]) -> int | None:
+    """Registers a thread for `config`: MAX_REGS_64 for 64-row tiles whose fp32 accumulator takes <= 32 registers a
+    thread, others left to ptxas. (The folded path fits in 80 unspilled, 6 programs a multiprocessor, but ran slower
+    at 80 and 96 than at 128 on every Llama-3-8B projection: docs/decisions/0097-nf4-mma-folded-table.md.)"""
     block_n, block_m, _, warps, _ = config
     if block_m == 64 and block_n * block_m <= 32 * 32 * warps:
-        return FOLD_MAX_REGS if fold else MAX_REGS_64
+        return MAX_REGS_64
     return None
 
 
@@ -286,6 +293,6 @@ def nf4_mma_matmul(
         *weight.lut_words, *weight.levels,
         BLOCK_N=block_n, BLOCK_M=block_m, BF16=weight.dtype == torch.bfloat16, USE_WS=use_ws,
         HAS_RES=residual is not None, FOLD=fold, num_warps=warps, num_stages=stages,
-        maxnreg=register_cap(config, fold) if max_regs is None else max_regs,
+        maxnreg=register_cap(config) if max_regs is None else max_regs,
     )  # fmt: skip
     return out
