@@ -95,11 +95,14 @@ def kv_pool_bytes_for(spec: LlamaSpec, layers_n: int, sessions: int, tokens_per_
     )
 
 
+KERNEL_CHOICES_DIR: str | None = None  # --kernel_choices_dir: the tuner's choices kept there (a second run times none)
+
+
 def make_engine(
     spec: LlamaSpec, layers: list[LayerWeights], max_rows: int, pool_bytes: int = 0
 ) -> tuple[SpanEngine, dict]:
     """The engine over `layers` (a KV pool of at least `pool_bytes`) and its warm-up's kernel timings (empty on
-    CPU)."""
+    CPU; without timings where `KERNEL_CHOICES_DIR` held the choices)."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
@@ -108,6 +111,7 @@ def make_engine(
         max_seq_len_tokens=1024,
         max_batch_rows=max_rows,
         graph_buckets=buckets,
+        kernel_choices_dir=KERNEL_CHOICES_DIR,
     )
     engine = SpanEngine(model, config)
     report = engine.warmup() if engine.device.type == "cuda" else {}
@@ -251,6 +255,72 @@ def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     finally:
         del graphs.run  # the class's method again
     return {k: sorted(v)[len(v) // 2] for k, v in split.items()}
+
+
+def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
+    """The host-timed step's floor without the engine's Python (medians over STEPS, microseconds; CUDA only): after
+    one engine step staged the session's inputs, each timed from a synchronized, idle device to the synchronize
+    after it: `replay_us` the graph's replay call alone, `replay_events_us` the same with CUDA events around it and
+    `events_graph_us` their device time (launched onto an idle device; against the back-to-back replay), `inputs_us`
+    the step's device work as the engine queues it (the positions/tables copy from a pinned block, the hidden
+    states' device copy, the replay, the output's clone), and `python_us` = the engine's host-timed step less
+    `inputs_us` (the engine's own Python around the same calls)."""
+    graphs = engine.graphs
+    assert graphs is not None and engine.device.type == "cuda"
+    rows = len(sessions)
+    layers = sessions[0].layers
+    gen = torch.Generator(device=engine.device).manual_seed(11)
+    engine.decode_many(token_steps(engine, sessions, prefix, gen))  # stages the rows' positions and tables
+    target = graphs.inputs_for(rows)
+    head_end = target.layout.hidden_offset
+    head = target.block[:head_end].to("cpu").pin_memory()  # [head_end] uint8: the staged positions and tables
+    graph_head, graph_rows = target.block[:head_end], target.hidden[:rows].view(rows, 1, -1)  # [rows, 1, H]
+    x = torch.randn(rows, 1, engine.hidden_size, device=engine.device, generator=gen).to(engine.dtype)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def replay() -> None:
+        graphs.run(rows, layers, reset=False)
+
+    def replay_events() -> None:
+        start.record()
+        graphs.run(rows, layers, reset=False)
+        end.record()
+
+    tiny = torch.zeros(1, device=engine.device)
+    tiny_graph = torch.cuda.CUDAGraph()  # one small kernel: the launch and wake-up of any graph, against the span's
+    side = torch.cuda.Stream(engine.device)
+    side.wait_stream(torch.cuda.current_stream(engine.device))
+    with torch.cuda.stream(side):
+        tiny.add_(1)
+    torch.cuda.current_stream(engine.device).wait_stream(side)
+    with torch.cuda.graph(tiny_graph, stream=side):
+        tiny.add_(1)
+
+    def inputs() -> None:
+        graph_head.copy_(head, non_blocking=True)
+        graph_rows.copy_(x)
+        graphs.run(rows, layers, reset=False).clone()
+
+    out: dict[str, float] = {}
+    graph_times: list[float] = []
+    runs = (("tiny_graph_us", tiny_graph.replay), ("replay_us", replay), ("replay_events_us", replay_events),
+            ("inputs_us", inputs))  # fmt: skip
+    for name, fn in runs:
+        fn()
+        times = []
+        for _ in range(STEPS):
+            sync(engine.device)
+            t0 = time.perf_counter()
+            fn()
+            sync(engine.device)
+            times.append((time.perf_counter() - t0) * 1e6)
+            if fn is replay_events:
+                graph_times.append(start.elapsed_time(end) * 1e3)
+        out[name] = sorted(times)[len(times) // 2]
+    out["events_graph_us"] = sorted(graph_times)[len(graph_times) // 2]
+    out["step_us"] = step_ms(engine, sessions, prefix + 1)[0] * 1e3
+    out["python_us"] = out["step_us"] - out["inputs_us"]
+    return out
 
 
 def prologue_ab(engine: SpanEngine, sessions: list, prefix: int, lines: list[str], kind: str, floor: float) -> dict:
@@ -398,6 +468,15 @@ def bench_llama(
                            f"device start -> replay {hs['to_replay_us']:.1f}, graph {hs['graph_us']:.1f}")  # fmt: skip
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} step split failed: {type(e).__name__}: {str(e)[:300]}")
+            try:
+                bs = row["bare_steps"] = bare_steps(engine, one, prefix)
+                log(lines, f"  {kind} bare (us, medians from an idle device to the synchronize): a 1-kernel graph "
+                           f"{bs['tiny_graph_us']:.1f}; replay call "
+                           f"{bs['replay_us']:.1f}; with events {bs['replay_events_us']:.1f} (graph by events "
+                           f"{bs['events_graph_us']:.1f}); copies + replay + clone {bs['inputs_us']:.1f}; engine "
+                           f"step {bs['step_us']:.1f} = those + {bs['python_us']:.1f} of the engine's Python")  # fmt: skip
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} bare steps failed: {type(e).__name__}: {str(e)[:300]}")
         row["weight_bytes"] = engine.model.weight_bytes()
         row["warmup_s"] = warmup_s
         row["kernels"] = kernels
@@ -512,7 +591,7 @@ def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, 
 
 
 def main() -> None:
-    global STEPS, PROLOGUE_AB_PAIRS
+    global STEPS, PROLOGUE_AB_PAIRS, KERNEL_CHOICES_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefix_tokens", type=int, default=512)
@@ -529,7 +608,11 @@ def main() -> None:
     parser.add_argument("--host_split", action="store_true", help="each kind's step: host and device parts (CUDA)")
     parser.add_argument("--prologue_ab_pairs", type=int, default=PROLOGUE_AB_PAIRS,
                         help="alternated fused/separate prologue pairs of the quantized step; 0 skips them")  # fmt: skip
+    parser.add_argument("--kernel_choices_dir", default=None,
+                        help="the tuner's choices kept in this folder: a run after one that stored them times none "
+                             "(an A/B of two engines on the same kernels)")  # fmt: skip
     args = parser.parse_args()
+    KERNEL_CHOICES_DIR = args.kernel_choices_dir
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
     if not kinds or set(kinds) - {"bf16", "nf4", "int8"} or len(set(kinds)) < len(kinds):
         parser.error(f"--kinds takes a comma-separated subset of bf16,nf4,int8, got {args.kinds!r}")
