@@ -257,69 +257,89 @@ def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in split.items()}
 
 
+BARE_ROUNDS = 3  # alternated rounds of every bare variant (`bare_steps`)
+
+
 def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
-    """The host-timed step's floor without the engine's Python (medians over STEPS, microseconds; CUDA only): after
-    one engine step staged the session's inputs, each timed from a synchronized, idle device to the synchronize
-    after it: `replay_us` the graph's replay call alone, `replay_events_us` the same with CUDA events around it and
-    `events_graph_us` their device time (launched onto an idle device; against the back-to-back replay), `inputs_us`
-    the step's device work as the engine queues it (the positions/tables copy from a pinned block, the hidden
-    states' device copy, the replay, the output's clone), and `python_us` = the engine's host-timed step less
-    `inputs_us` (the engine's own Python around the same calls)."""
+    """The host-timed step's floor without the engine's Python, and what each device operation queued around the
+    graph's replay adds to it (CUDA only): after one engine step staged the session's inputs, each variant runs from
+    a synchronized, idle device to its wait's end, STEPS times per round over BARE_ROUNDS alternated rounds;
+    {variant: median microseconds}, and `engine_step_us` (the engine's step, host-timed). Variants: the replay alone
+    (`replay`), after or before an event record, the hidden states' device copy (memcpy or a kernel), the
+    positions/tables copy from a pinned block, the clone of the output, the engine's four operations (`step_ops`),
+    those with the host waiting for the copies before the replay (`step_ops_hostwait`), the copies captured as a
+    small graph of their own (`copy_graph+replay`), a 1-kernel graph (`tiny`), and waits by polling an event
+    (`_poll`) instead of `torch.cuda.synchronize`."""
     graphs = engine.graphs
-    assert graphs is not None and engine.device.type == "cuda"
+    dev = engine.device
+    assert graphs is not None and dev.type == "cuda"
     rows = len(sessions)
     layers = sessions[0].layers
-    gen = torch.Generator(device=engine.device).manual_seed(11)
+    gen = torch.Generator(device=dev).manual_seed(11)
     engine.decode_many(token_steps(engine, sessions, prefix, gen))  # stages the rows' positions and tables
     target = graphs.inputs_for(rows)
     head_end = target.layout.hidden_offset
     head = target.block[:head_end].to("cpu").pin_memory()  # [head_end] uint8: the staged positions and tables
     graph_head, graph_rows = target.block[:head_end], target.hidden[:rows].view(rows, 1, -1)  # [rows, 1, H]
-    x = torch.randn(rows, 1, engine.hidden_size, device=engine.device, generator=gen).to(engine.dtype)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def replay() -> None:
-        graphs.run(rows, layers, reset=False)
-
-    def replay_events() -> None:
-        start.record()
-        graphs.run(rows, layers, reset=False)
-        end.record()
-
-    tiny = torch.zeros(1, device=engine.device)
-    tiny_graph = torch.cuda.CUDAGraph()  # one small kernel: the launch and wake-up of any graph, against the span's
-    side = torch.cuda.Stream(engine.device)
-    side.wait_stream(torch.cuda.current_stream(engine.device))
+    x = torch.randn(rows, 1, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
+    event, done = torch.cuda.Event(), torch.cuda.Event()
+    side = torch.cuda.Stream(dev)
+    tiny_x = torch.zeros(1, device=dev)
+    tiny, copies = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        tiny.add_(1)
-    torch.cuda.current_stream(engine.device).wait_stream(side)
-    with torch.cuda.graph(tiny_graph, stream=side):
-        tiny.add_(1)
-
-    def inputs() -> None:
+        tiny_x.add_(1)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    with torch.cuda.graph(tiny, stream=side):
+        tiny_x.add_(1)
+    with torch.cuda.graph(copies, stream=side):  # the pinned block's copy and the hidden states' as graph nodes
         graph_head.copy_(head, non_blocking=True)
         graph_rows.copy_(x)
-        graphs.run(rows, layers, reset=False).clone()
 
-    out: dict[str, float] = {}
-    graph_times: list[float] = []
-    runs = (("tiny_graph_us", tiny_graph.replay), ("replay_us", replay), ("replay_events_us", replay_events),
-            ("inputs_us", inputs))  # fmt: skip
-    for name, fn in runs:
-        fn()
-        times = []
-        for _ in range(STEPS):
-            sync(engine.device)
-            t0 = time.perf_counter()
+    def run() -> torch.Tensor:
+        return graphs.run(rows, layers, reset=False)
+
+    def step_ops_hostwait() -> None:
+        graph_head.copy_(head, non_blocking=True)
+        graph_rows.copy_(x)
+        event.record()
+        event.synchronize()
+        run().clone()
+
+    variants = {
+        "tiny": tiny.replay,
+        "h2d+tiny": lambda: (graph_head.copy_(head, non_blocking=True), tiny.replay()),
+        "replay": run,
+        "replay_poll": run,
+        "record+replay": lambda: (event.record(), run()),
+        "replay+record": lambda: (run(), event.record()),
+        "d2d+replay": lambda: (graph_rows.copy_(x), run()),
+        "kernel_copy+replay": lambda: (torch.mul(x, 1, out=graph_rows), run()),
+        "h2d+replay": lambda: (graph_head.copy_(head, non_blocking=True), run()),
+        "replay+clone": lambda: run().clone(),
+        "step_ops": lambda: (graph_head.copy_(head, non_blocking=True), graph_rows.copy_(x), run().clone()),
+        "step_ops_poll": lambda: (graph_head.copy_(head, non_blocking=True), graph_rows.copy_(x), run().clone()),
+        "step_ops_hostwait": step_ops_hostwait,
+        "copy_graph+replay": lambda: (copies.replay(), run().clone()),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(BARE_ROUNDS):
+        for name, fn in variants.items():
+            poll = name.endswith("_poll")
             fn()
-            sync(engine.device)
-            times.append((time.perf_counter() - t0) * 1e6)
-            if fn is replay_events:
-                graph_times.append(start.elapsed_time(end) * 1e3)
-        out[name] = sorted(times)[len(times) // 2]
-    out["events_graph_us"] = sorted(graph_times)[len(graph_times) // 2]
-    out["step_us"] = step_ms(engine, sessions, prefix + 1)[0] * 1e3
-    out["python_us"] = out["step_us"] - out["inputs_us"]
+            for _ in range(STEPS):
+                sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                if poll:
+                    done.record()
+                    while not done.query():
+                        pass
+                else:
+                    sync(dev)
+                times[name].append((time.perf_counter() - t0) * 1e6)
+    out = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    out["engine_step_us"] = step_ms(engine, sessions, prefix + 1)[0] * 1e3
     return out
 
 
@@ -470,11 +490,8 @@ def bench_llama(
                 log(lines, f"  {kind} step split failed: {type(e).__name__}: {str(e)[:300]}")
             try:
                 bs = row["bare_steps"] = bare_steps(engine, one, prefix)
-                log(lines, f"  {kind} bare (us, medians from an idle device to the synchronize): a 1-kernel graph "
-                           f"{bs['tiny_graph_us']:.1f}; replay call "
-                           f"{bs['replay_us']:.1f}; with events {bs['replay_events_us']:.1f} (graph by events "
-                           f"{bs['events_graph_us']:.1f}); copies + replay + clone {bs['inputs_us']:.1f}; engine "
-                           f"step {bs['step_us']:.1f} = those + {bs['python_us']:.1f} of the engine's Python")  # fmt: skip
+                log(lines, f"  {kind} bare steps (us, medians from an idle device to the wait's end): "
+                           + ", ".join(f"{name} {us:.1f}" for name, us in bs.items()))  # fmt: skip
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} bare steps failed: {type(e).__name__}: {str(e)[:300]}")
         row["weight_bytes"] = engine.model.weight_bytes()
