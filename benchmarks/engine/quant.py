@@ -133,11 +133,11 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
         best_us = min(r["best_us"] for r in hits)
         row = {"n": n, "k": k, "bytes": nbytes, "floor_us": floor_us, "best_us": best_us, "x_floor": best_us / floor_us}
         row["best"] = str(min(hits, key=lambda r: r["best_us"])["best"])
-        row["all_us"] = hits[0]["all_us"]  # every candidate's time (the tuner's table)
-        if "gemm_best_us" in hits[0]:
-            row["gemm_all_us"] = hits[0]["gemm_all_us"]
+        row["all_us"] = hits[0].get("all_us", {})  # every candidate's time (the tuner's table)
+        if "gemm_best_us" in hits[0]:  # (no candidates' times where the choices came from --kernel_choices_dir)
+            row["gemm_all_us"] = hits[0].get("gemm_all_us", {})
             row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
-            row["gemm_best"] = str(hits[0]["gemm_best"])
+            row["gemm_best"] = str(hits[0].get("gemm_best"))
         row["families_us"] = kernel_families(kind, row)
         for prologue, r in hits[0].get("prologues", {}).items():  # the norm/SiLU pair against the fused kernels
             row[f"{prologue}_fusion"] = r
@@ -257,19 +257,18 @@ def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in split.items()}
 
 
-BARE_ROUNDS = 3  # alternated rounds of every bare variant (`bare_steps`)
+BARE_ROUNDS = 8  # alternated rounds of every bare variant (`bare_steps`)
 
 
 def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
-    """The host-timed step's floor without the engine's Python, and what each device operation queued around the
-    graph's replay adds to it (CUDA only): after one engine step staged the session's inputs, each variant runs from
-    a synchronized, idle device to its wait's end, STEPS times per round over BARE_ROUNDS alternated rounds;
-    {variant: median microseconds}, and `engine_step_us` (the engine's step, host-timed). Variants: the replay alone
-    (`replay`), after or before an event record, the hidden states' device copy (memcpy or a kernel), the
-    positions/tables copy from a pinned block, the clone of the output, the engine's four operations (`step_ops`),
-    those with the host waiting for the copies before the replay (`step_ops_hostwait`), the copies captured as a
-    small graph of their own (`copy_graph+replay`), a 1-kernel graph (`tiny`), and waits by polling an event
-    (`_poll`) instead of `torch.cuda.synchronize`."""
+    """What each device operation queued before the graph's replay adds to a host-timed step (CUDA only): after one
+    engine step staged the session's inputs, each variant runs from a synchronized, idle device to the synchronize
+    after it, STEPS // 2 times per round over BARE_ROUNDS alternated rounds; per variant the median microseconds
+    and the lowest and highest round medians. Variants: a 1-kernel graph (`tiny`), the replay alone, after an event
+    record, after the positions/tables copy from a pinned block (`h2d`), after the hidden states' device copy
+    (`d2d`), the engine's four operations (`step_ops`: both copies, the replay, the output's clone), one graph
+    holding both copies and the span (`graph_with_copies` + clone: no operation queued before the replay) and the
+    engine's own step (`engine_step`: `decode_many`, its requests made outside the timing)."""
     graphs = engine.graphs
     dev = engine.device
     assert graphs is not None and dev.type == "cuda"
@@ -282,64 +281,66 @@ def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     head = target.block[:head_end].to("cpu").pin_memory()  # [head_end] uint8: the staged positions and tables
     graph_head, graph_rows = target.block[:head_end], target.hidden[:rows].view(rows, 1, -1)  # [rows, 1, H]
     x = torch.randn(rows, 1, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
-    event, done = torch.cuda.Event(), torch.cuda.Event()
+    event = torch.cuda.Event()
     side = torch.cuda.Stream(dev)
     tiny_x = torch.zeros(1, device=dev)
-    tiny, copies = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    tiny = torch.cuda.CUDAGraph()
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         tiny_x.add_(1)
     torch.cuda.current_stream(dev).wait_stream(side)
     with torch.cuda.graph(tiny, stream=side):
         tiny_x.add_(1)
-    with torch.cuda.graph(copies, stream=side):  # the pinned block's copy and the hidden states' as graph nodes
-        graph_head.copy_(head, non_blocking=True)
-        graph_rows.copy_(x)
 
     def run() -> torch.Tensor:
         return graphs.run(rows, layers, reset=False)
 
-    def step_ops_hostwait() -> None:
+    def step_ops() -> None:
         graph_head.copy_(head, non_blocking=True)
         graph_rows.copy_(x)
-        event.record()
-        event.synchronize()
         run().clone()
 
     variants = {
         "tiny": tiny.replay,
-        "h2d+tiny": lambda: (graph_head.copy_(head, non_blocking=True), tiny.replay()),
         "replay": run,
-        "replay_poll": run,
         "record+replay": lambda: (event.record(), run()),
-        "replay+record": lambda: (run(), event.record()),
-        "d2d+replay": lambda: (graph_rows.copy_(x), run()),
-        "kernel_copy+replay": lambda: (torch.mul(x, 1, out=graph_rows), run()),
         "h2d+replay": lambda: (graph_head.copy_(head, non_blocking=True), run()),
-        "replay+clone": lambda: run().clone(),
-        "step_ops": lambda: (graph_head.copy_(head, non_blocking=True), graph_rows.copy_(x), run().clone()),
-        "step_ops_poll": lambda: (graph_head.copy_(head, non_blocking=True), graph_rows.copy_(x), run().clone()),
-        "step_ops_hostwait": step_ops_hostwait,
-        "copy_graph+replay": lambda: (copies.replay(), run().clone()),
+        "d2d+replay": lambda: (graph_rows.copy_(x), run()),
+        "step_ops": step_ops,
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    try:  # the copies as the first nodes of the span's own graph
+        whole = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream(dev))
+        span_args = (target.hidden, target.positions, target.block_tables, engine.pool, layers)
+        with torch.cuda.graph(whole, stream=side):
+            graph_head.copy_(head, non_blocking=True)
+            graph_rows.copy_(x)
+            whole_out = engine.model.decode(*span_args)  # [bucket, H]
+        variants["graph_with_copies"] = lambda: (whole.replay(), whole_out[:rows].clone())
+    except Exception as e:  # a measurement aid: the other variants stand
+        print(f"graph_with_copies failed: {type(e).__name__}: {str(e)[:300]}")
+    requests: list[list[StepRequest]] = []
+    variants["engine_step"] = lambda: engine.decode_many(requests.pop())
+    times: dict[str, list[list[float]]] = {name: [] for name in variants}
+    steps = max(1, STEPS // 2)
     for _ in range(BARE_ROUNDS):
         for name, fn in variants.items():
-            poll = name.endswith("_poll")
+            if name == "engine_step":  # the same position each time (rewritten), fresh requests
+                requests[:] = [token_steps(engine, sessions, prefix + 1, gen) for _ in range(steps + 1)]
             fn()
-            for _ in range(STEPS):
+            round_times = []
+            for _ in range(steps):
                 sync(dev)
                 t0 = time.perf_counter()
                 fn()
-                if poll:
-                    done.record()
-                    while not done.query():
-                        pass
-                else:
-                    sync(dev)
-                times[name].append((time.perf_counter() - t0) * 1e6)
-    out = {name: sorted(v)[len(v) // 2] for name, v in times.items()}
-    out["engine_step_us"] = step_ms(engine, sessions, prefix + 1)[0] * 1e3
+                sync(dev)
+                round_times.append((time.perf_counter() - t0) * 1e6)
+            times[name].append(round_times)
+    out: dict[str, dict[str, float]] = {}
+    for name, rounds in times.items():
+        flat = sorted(t for r in rounds for t in r)
+        medians = [sorted(r)[len(r) // 2] for r in rounds]
+        out[name] = {"median_us": flat[len(flat) // 2], "round_min_us": min(medians), "round_max_us": max(medians)}
     return out
 
 
@@ -490,8 +491,9 @@ def bench_llama(
                 log(lines, f"  {kind} step split failed: {type(e).__name__}: {str(e)[:300]}")
             try:
                 bs = row["bare_steps"] = bare_steps(engine, one, prefix)
-                log(lines, f"  {kind} bare steps (us, medians from an idle device to the wait's end): "
-                           + ", ".join(f"{name} {us:.1f}" for name, us in bs.items()))  # fmt: skip
+                log(lines, f"  {kind} bare steps (us from an idle device to the synchronize; median [round medians' "
+                           "range]): " + ", ".join(f"{name} {v['median_us']:.1f} [{v['round_min_us']:.1f}-"
+                                                   f"{v['round_max_us']:.1f}]" for name, v in bs.items()))  # fmt: skip
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} bare steps failed: {type(e).__name__}: {str(e)[:300]}")
         row["weight_bytes"] = engine.model.weight_bytes()
