@@ -260,7 +260,7 @@ def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
 BARE_ROUNDS = 8  # alternated rounds of every bare variant (`bare_steps`)
 
 
-def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
+def bare_steps(engine: SpanEngine, prefix: int, gen: torch.Generator) -> dict:
     """What each device operation queued before the graph's replay adds to a host-timed step (CUDA only): after one
     engine step staged the session's inputs, each variant runs from a synchronized, idle device to the synchronize
     after it, STEPS // 2 times per round over BARE_ROUNDS alternated rounds; per variant the median microseconds
@@ -268,13 +268,14 @@ def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     record, after the positions/tables copy from a pinned block (`h2d`), after the hidden states' device copy
     (`d2d`), the engine's four operations (`step_ops`: both copies, the replay, the output's clone), one graph
     holding both copies and the span (`graph_with_copies` + clone: no operation queued before the replay) and the
-    engine's own step (`engine_step`: `decode_many`, its requests made outside the timing)."""
+    engine's own step (`engine_step`: `decode_many` of a session of its own at the next position each time, the
+    requests made outside the timing)."""
     graphs = engine.graphs
     dev = engine.device
     assert graphs is not None and dev.type == "cuda"
-    rows = len(sessions)
-    layers = sessions[0].layers
-    gen = torch.Generator(device=dev).manual_seed(11)
+    steps = max(1, STEPS // 2)
+    session = open_prefilled(engine, 1, prefix, gen, tokens=prefix + BARE_ROUNDS * (steps + 1) + 4)[0]
+    sessions, rows, layers = [session], 1, session.layers
     engine.decode_many(token_steps(engine, sessions, prefix, gen))  # stages the rows' positions and tables
     target = graphs.inputs_for(rows)
     head_end = target.layout.hidden_offset
@@ -322,11 +323,11 @@ def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
     requests: list[list[StepRequest]] = []
     variants["engine_step"] = lambda: engine.decode_many(requests.pop())
     times: dict[str, list[list[float]]] = {name: [] for name in variants}
-    steps = max(1, STEPS // 2)
     for _ in range(BARE_ROUNDS):
         for name, fn in variants.items():
-            if name == "engine_step":  # the same position each time (rewritten), fresh requests
-                requests[:] = [token_steps(engine, sessions, prefix + 1, gen) for _ in range(steps + 1)]
+            if name == "engine_step":  # each at the session's next position (popped from the end)
+                start = session.length_tokens
+                requests[:] = [token_steps(engine, sessions, start + j, gen) for j in reversed(range(steps + 1))]
             fn()
             round_times = []
             for _ in range(steps):
@@ -336,6 +337,7 @@ def bare_steps(engine: SpanEngine, sessions: list, prefix: int) -> dict:
                 sync(dev)
                 round_times.append((time.perf_counter() - t0) * 1e6)
             times[name].append(round_times)
+    session.close()
     out: dict[str, dict[str, float]] = {}
     for name, rounds in times.items():
         flat = sorted(t for r in rounds for t in r)
@@ -366,10 +368,11 @@ def prologue_ab(engine: SpanEngine, sessions: list, prefix: int, lines: list[str
     return {**times, "median_fused_ms": med["fused_ms"], "median_unfused_ms": med["unfused_ms"]}
 
 
-def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Generator) -> list:
+def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Generator, tokens: int = 0) -> list:
+    """`count` sessions of up to `tokens` tokens (default: prefix + 64), each prefilled with `prefix` random ones."""
     sessions = []
     for _ in range(count):
-        s = engine.open_session(1, prefix + 64)
+        s = engine.open_session(1, tokens or prefix + 64)
         hidden = torch.randn(1, prefix, engine.hidden_size, device=engine.device, generator=gen).to(engine.dtype)
         engine.step(s, hidden, 0)
         sessions.append(s)
@@ -490,7 +493,7 @@ def bench_llama(
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} step split failed: {type(e).__name__}: {str(e)[:300]}")
             try:
-                bs = row["bare_steps"] = bare_steps(engine, one, prefix)
+                bs = row["bare_steps"] = bare_steps(engine, prefix, gen)
                 log(lines, f"  {kind} bare steps (us from an idle device to the synchronize; median [round medians' "
                            "range]): " + ", ".join(f"{name} {v['median_us']:.1f} [{v['round_min_us']:.1f}-"
                                                    f"{v['round_max_us']:.1f}]" for name, v in bs.items()))  # fmt: skip
