@@ -10,7 +10,10 @@ Llama-3-8B-wide layer whose CUDA-graph forward is a timed no-op on a simulated d
 The clients are one forked process driving `--sessions` unix-socket streams as corolla's socket client does (the
 hello, an opening step of `--prompt` tokens with `max_length`, then one decode step each as soon as the last reply
 came: Petals' args structure, `session_id`, a fresh `step_id`, `start_from_position`); its requests are built with
-protobuf per step, its replies read and dropped. It is not the server's CPU and is not counted.
+protobuf per step, its replies read and dropped. It is not the server's CPU and is not counted. `--transport p2p`:
+the same sessions over hivemind's p2pd instead (a daemon of the server's, with the handler's rpcs registered as a
+server registers them, `add_p2p_handlers`, and a spawned client process with a daemon of its own writing each stream
+as a stock Petals stub does, hivemind's framing); the daemons' CPU is not counted either, but they share the machine.
 
 The process runs with a GPU server's GIL switch interval (`engine_executor.shorten_gil_switch_interval`). Timed
 over the decode phase (from all sessions' prefill done to the last reply), `--repeats` runs after one untimed
@@ -34,6 +37,7 @@ import functools
 import importlib
 import io
 import json
+import multiprocessing
 import os
 import pstats
 import selectors
@@ -44,18 +48,21 @@ import threading
 import time
 import traceback
 import uuid
+from multiprocessing.connection import Connection
 from pathlib import Path
 from unittest import mock
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from benchmarks.field.verify_cost import standin_backend
 from benchmarks.users.device_cpu import SPEC, simulated_engine
 from corolla.protocol import local_stream as ls
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.stream_frames import END_OF_STREAM_FRAME, FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
 from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.runtime import Runtime
@@ -77,6 +84,7 @@ SPLIT_FUNCTIONS = (
     ("corolla.server.core.engine_executor", "EngineExecutor", "step_task"),
     ("corolla.server.core.runtime", "Runtime", "queue"),
     ("corolla.server.front.stream_endpoint", "FrameConnection", "take_frame"),
+    ("corolla.server.front.stream_endpoint", "StreamLease", "charge"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "_request"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply"),
     ("corolla.server.front.inference_stream", "StepOrder", "_wait"),
@@ -84,6 +92,8 @@ SPLIT_FUNCTIONS = (
 PEER = PeerID(b"\x12\x20" + bytes(range(32)))
 DHT_PREFIX = "bench"
 MAX_REPLY_BYTES = 1 << 24
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 
 
 def _request(record: runtime_pb2.Tensor, empty: runtime_pb2.Tensor, metadata: dict) -> bytes:
@@ -270,6 +280,141 @@ def _handle_kind(handle: asyncio.Handle) -> str:
     return "task woken otherwise (a frame, ...)"
 
 
+class _SocketTransport:
+    """The same-host socket (`LocalEndpoint`) and its forked client process (`client`)."""
+
+    def __init__(self, endpoint: LocalEndpoint, pid: int, control_fd: int):
+        self.endpoint, self.pid, self.control_fd = endpoint, pid, control_fd
+
+    @classmethod
+    async def start(
+        cls, handler: TransformerConnectionHandler, args: argparse.Namespace, hidden: bytes, directory: Path
+    ) -> _SocketTransport:
+        endpoint = LocalEndpoint(handler, PEER, directory=directory)
+        assert await endpoint.start() and endpoint.path is not None
+        control_r, control_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the client process
+            os.close(control_r)
+            try:
+                client(str(endpoint.path), args.sessions, args.prompt, args.steps, hidden, control_w)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(0)
+        os.close(control_w)
+        return cls(endpoint, pid, control_r)
+
+    def read_mark(self) -> bytes:
+        return os.read(self.control_fd, 1)
+
+    async def stop(self) -> None:
+        os.close(self.control_fd)
+        await self.endpoint.stop()
+        await asyncio.get_running_loop().run_in_executor(None, os.waitpid, self.pid, 0)
+
+
+class _P2PTransport:
+    """hivemind's p2pd (a daemon of the server's and one of the client's) and the spawned client process
+    (`p2p_client`): the server's `rpc_inference` streams as registered for p2p (`add_p2p_handlers`)."""
+
+    def __init__(self, p2p: P2P, process: multiprocessing.process.BaseProcess, control: Connection):
+        self.p2p, self.process, self.control = p2p, process, control
+        self.control_fd = control.fileno()
+
+    @classmethod
+    async def start(
+        cls, handler: TransformerConnectionHandler, args: argparse.Namespace, hidden: bytes
+    ) -> _P2PTransport:
+        p2p = await P2P.create(host_maddrs=LOOPBACK, **P2P_FLAGS)
+        await handler.add_p2p_handlers(p2p)
+        maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        context = multiprocessing.get_context("spawn")  # (a fresh interpreter: no inherited loop or daemon)
+        control_r, control_w = context.Pipe(duplex=False)
+        process = context.Process(
+            target=p2p_client,
+            args=(maddrs, p2p.peer_id.to_base58(), f"{type(handler).__name__}.rpc_inference", args.sessions,
+                  args.prompt, args.steps, hidden, control_w),
+        )  # fmt: skip
+        process.start()
+        control_w.close()
+        return cls(p2p, process, control_r)
+
+    def read_mark(self) -> bytes:
+        try:
+            return self.control.recv_bytes()
+        except EOFError:
+            return b""
+
+    async def stop(self) -> None:
+        self.control.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join)
+        await self.p2p.shutdown()
+
+
+def p2p_client(
+    maddrs: list[str], server: str, handle: str, sessions: int, prompt: int, steps: int, hidden: bytes,
+    control: Connection,
+) -> None:  # fmt: skip
+    """The spawned p2p client process: `client`'s sessions over p2pd streams (hivemind's framing, as a stock Petals
+    client's stub writes it); sends b"S" to `control` when every session has prefilled and b"E" after the last
+    decode reply."""
+    try:
+        asyncio.run(_p2p_sessions(maddrs, server, handle, sessions, prompt, steps, hidden, control))
+    finally:
+        control.close()
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes) -> None:
+    writer.write(frame_header(MESSAGE_MARKER, len(body)) + body)
+    header = await reader.readexactly(FRAME_HEADER_BYTES)
+    payload = await reader.readexactly(int.from_bytes(header[1:], "big"))
+    if header[0] != MESSAGE_MARKER:
+        raise RuntimeError(f"the server refused: {RPCError.FromString(payload).message}")
+
+
+async def _p2p_sessions(
+    maddrs: list[str], server: str, handle: str, sessions: int, prompt: int, steps: int, hidden: bytes,
+    control: Connection,
+) -> None:  # fmt: skip
+    row = SPEC.hidden_size * 2
+    empty = serialize_tensor(torch.empty(0))
+    prefill = runtime_pb2.Tensor(
+        compression=0, buffer=hidden[: prompt * row], size=(1, prompt, SPEC.hidden_size), dtype="bfloat16"
+    )
+    decode = runtime_pb2.Tensor(compression=0, buffer=hidden[:row], size=(1, 1, SPEC.hidden_size), dtype="bfloat16")
+    common = {"points": 0.0, "active_adapter": "", "args_structure": PETALS_STEP_STRUCTURE}
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK, **P2P_FLAGS)
+    try:
+        peer = PeerID.from_base58(server)
+        streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        for _ in range(sessions):
+            _, reader, writer = await p2p.call_binary_stream_handler(peer, handle)
+            streams.append((reader, writer))
+        ids = [str(uuid.uuid4()) for _ in range(sessions)]
+
+        async def opening(i: int) -> None:
+            md = {"session_id": ids[i], "step_id": str(uuid.uuid4()), "start_from_position": 0,
+                  "max_length": prompt + steps + 1, **common}  # fmt: skip
+            await _exchange(streams[i][0], streams[i][1], _request(prefill, empty, md))
+
+        async def decoding(i: int) -> None:
+            for position in range(prompt, prompt + steps):
+                md = {"session_id": ids[i], "step_id": str(uuid.uuid4()), "start_from_position": position, **common}
+                await _exchange(streams[i][0], streams[i][1], _request(decode, empty, md))
+
+        await asyncio.gather(*(opening(i) for i in range(sessions)))
+        control.send_bytes(b"S")
+        await asyncio.gather(*(decoding(i) for i in range(sessions)))
+        control.send_bytes(b"E")
+        for _, writer in streams:
+            writer.write(END_OF_STREAM_FRAME)
+            await writer.drain()
+            writer.close()
+    finally:
+        await p2p.shutdown()
+
+
 def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None) -> dict:
     """One fresh server and client process; the decode phase's figures (the module docstring)."""
     engine = simulated_engine(args.sessions, args.prompt + args.steps + 1, args.forward_ms / 1e3)
@@ -296,24 +441,16 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
 
         async def main() -> dict:
             loop = asyncio.get_running_loop()
-            endpoint = LocalEndpoint(handler, PEER, directory=Path(directory))
-            assert await endpoint.start() and endpoint.path is not None
-            control_r, control_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the client process
-                os.close(control_r)
-                try:
-                    client(str(endpoint.path), args.sessions, args.prompt, args.steps, hidden_bytes, control_w)
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    os._exit(0)
-            os.close(control_w)
+            transport: _SocketTransport | _P2PTransport
+            if args.transport == "p2p":
+                transport = await _P2PTransport.start(handler, args, hidden_bytes)
+            else:
+                transport = await _SocketTransport.start(handler, args, hidden_bytes, Path(directory))
             marks: dict[bytes, tuple[float, float, float, int, int]] = {}
             ended = loop.create_future()
 
             def on_control() -> None:
-                mark = os.read(control_r, 1)
+                mark = transport.read_mark()
                 if mark == b"S" and profile is not None:
                     profile.enable()
                 if mark == b"E" and profile is not None:
@@ -324,13 +461,11 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                 if mark in (b"E", b"") and not ended.done():
                     ended.set_result(None)
 
-            loop.add_reader(control_r, on_control)
+            loop.add_reader(transport.control_fd, on_control)
             await ended
-            loop.remove_reader(control_r)
-            os.close(control_r)
+            loop.remove_reader(transport.control_fd)
             await asyncio.sleep(0.2)  # the client's END frames
-            await endpoint.stop()
-            await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+            await transport.stop()
             if b"S" not in marks or b"E" not in marks:
                 raise RuntimeError("the client process ended before its decode phase did")
             (l0, r0, w0, b0, t0), (l1, r1, w1, b1, t1) = marks[b"S"], marks[b"E"]
@@ -356,6 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", type=Path, default=None, help="cProfile of the serving loop (last run) to FILE")
     p.add_argument("--split", action="store_true", help="one more run, its loop CPU split (the module docstring)")
+    p.add_argument(
+        "--transport",
+        choices=("socket", "p2p"),
+        default="socket",
+        help="the same-host socket, or p2p through hivemind's p2pd (a daemon each side)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -376,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                      **timers.report(args.sessions * args.steps)}  # fmt: skip
         finally:
             timers.remove()
-    result = {"sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
+    result = {"transport": args.transport, "sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
               **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
               "runs": {k: [round(r[k], 1) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step")},
               "split": split}  # fmt: skip

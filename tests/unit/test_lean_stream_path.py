@@ -19,7 +19,8 @@ from corolla.server.core.admission import SessionTicket
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
 from corolla.server.core.push_guard import SessionPushGuard
 from corolla.server.front.inference_stream import SessionState, StepOrder
-from corolla.server.front.stream_guard import StreamBudget, StreamLease, _read_message
+from corolla.server.front.stream_endpoint import StreamBudget, StreamLease
+from corolla.server.front.stream_guard import _read_message
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
 

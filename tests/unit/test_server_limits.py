@@ -30,7 +30,7 @@ from corolla.server.core.limits import (
 )
 from corolla.server.core.refusals import rejection_reason
 from corolla.server.front.inference_stream import SessionState, StepOrder
-from corolla.server.front.stream_guard import StreamBudget
+from corolla.server.front.stream_endpoint import StreamBudget
 from corolla.utils.errors import AllocationFailed
 
 KIB = 1024

@@ -12,8 +12,7 @@ import pytest
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
-from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, read_frame
-from corolla.server.front.stream_guard import StreamBudget, StreamLease
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamBudget, StreamLease, read_frame
 
 IDLE_S = 0.5
 

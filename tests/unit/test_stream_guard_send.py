@@ -13,7 +13,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.codecs import serialize_tensor
+from corolla.server.core.limits import PeerLimits
 from corolla.server.front import stream_guard
+from corolla.server.front.stream_endpoint import StreamBudget
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 
@@ -82,10 +84,10 @@ def _serve_refusing_stream(end_delay_s: float) -> tuple[_StreamWriter, float]:
     async def run() -> tuple[_StreamWriter, float]:
         reader = asyncio.StreamReader()
         writer = _StreamWriter(reader)
-        budget = stream_guard.StreamBudget(stream_guard.PeerLimits())
+        budget = StreamBudget(PeerLimits())
         p2p = type("P2PStub", (), {"peer_id": "server"})()
         handle = stream_guard.guarded_stream_handler(
-            p2p, "rpc_forward_stream", refuse_second, budget, per_message=False, on_reject=lambda *_: None
+            p2p, "rpc_forward_stream", refuse_second, budget, on_reject=lambda *_: None
         )
         body = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
         part = P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
@@ -137,10 +139,10 @@ def test_a_method_failing_on_a_cancelled_wait_answers_an_error_instead_of_closin
     async def run() -> _StreamWriter:
         reader = asyncio.StreamReader()
         writer = _StreamWriter(reader)
-        budget = stream_guard.StreamBudget(stream_guard.PeerLimits())
+        budget = StreamBudget(PeerLimits())
         p2p = type("P2PStub", (), {"peer_id": "server"})()
         handle = stream_guard.guarded_stream_handler(
-            p2p, "rpc_backward_stream", fails_on_cancelled_future, budget, per_message=False, on_reject=lambda *_: None
+            p2p, "rpc_backward_stream", fails_on_cancelled_future, budget, on_reject=lambda *_: None
         )
         body = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
         reader.feed_data(P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)

@@ -36,12 +36,13 @@ from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
     FrameConnection,
+    StreamBudget,
+    StreamLease,
     StreamRpcs,
     check_hello,
     read_hello,
     serve_connection,
 )
-from corolla.server.front.stream_guard import StreamBudget, StreamLease
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 

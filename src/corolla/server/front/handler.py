@@ -37,7 +37,8 @@ from corolla.server.front.direct_endpoint import DirectTicketRpc
 from corolla.server.front.inference_stream import InferenceStreams, SessionHandoff, SessionRegistry
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.prefix_keys import PrefixTrust
-from corolla.server.front.stream_guard import StreamBudget, register_handlers
+from corolla.server.front.stream_endpoint import StreamBudget
+from corolla.server.front.stream_guard import register_handlers
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError
 from corolla.utils.logging import get_logger

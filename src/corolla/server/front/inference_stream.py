@@ -4,7 +4,7 @@ steps (`StepOrder`: client steps and pushed ones, de-duplicated by `step_id`, un
 `session_timeout`), how each step runs
 (`SessionSteps`: decoded once by `block_functions`, sent to the core through the one seam (`CoreClient.step`), its
 reply written from the step's completion and pushed on to the next server), the transport's end of it (`StepPort`:
-`PeerPort` for p2p, the socket's in `stream_endpoint`), the registry of this front's streams (ended on shutdown) and
+`stream_endpoint`'s over a connection, p2p's too; `PeerPort` for an in-process caller of `rpc_inference`), the registry of this front's streams (ended on shutdown) and
 the KV hand-off of a draining server's sessions (`SessionHandoff`). `InferenceStreams` is the stream half of
 `handler.TransformerConnectionHandler`."""
 
@@ -547,8 +547,9 @@ class StepPort(Protocol):
 
 
 class PeerPort:
-    """A p2p stream's `StepPort` (`InferenceStreams.rpc_inference`): one task reads the client's requests (a request
-    ahead of the session at most: it waits for room while the session holds one), the replies wait here for the
+    """`InferenceStreams.rpc_inference`'s `StepPort` (the stream as an async generator, for a caller in this process;
+    p2p's streams run over their connection, `stream_guard.steps_handler`): one task reads the client's requests (a
+    request ahead of the session at most: it waits for room while the session holds one), the replies wait here for the
     stream's generator."""
 
     def __init__(self) -> None:
@@ -752,7 +753,9 @@ class InferenceStreams:
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A p2p stream: `serve_steps` in a task of its own, its replies yielded as they come (`PeerPort`)."""
+        """The stream as an async generator (hivemind's servicer method, for a caller in this process: p2p's streams
+        are served over their connection by `stream_guard.steps_handler`): `serve_steps` in a task of its own, its
+        replies yielded as they come (`PeerPort`)."""
         port = PeerPort()
         serving = asyncio.ensure_future(self.serve_steps(requests, context, port))
         serving.add_done_callback(port.wake)

@@ -1,21 +1,29 @@
-"""Streams served outside p2pd, for the same-host socket (`local_endpoint`) and the direct port (`direct_endpoint`):
-the connections a listener serves (`Connections`), the hello every connection starts with (`read_hello`,
-`check_hello`), one connection from its hello to its close (`serve_connection`, the task's own coroutine: a listener's
-code runs at the hello and at the end, not on each step's way), and one `rpc_inference` stream: frames in (`protocol.local_stream` framing, each payload opened by
-a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference` (or the `rpc_forward_stream` /
-`rpc_backward_stream` of a training call: the hello names the rpc), its responses out as frames. Shared by the
-same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
+"""Framed streams and their byte budgets: the same-host socket's (`local_endpoint`) and the direct port's
+(`direct_endpoint`) connections, and p2p's inference streams once `stream_guard` takes their connection from p2pd's.
+Here: the byte budgets every stream is read under (`StreamBudget`, a stream's `StreamLease`), a connection as an
+asyncio `Protocol` that hands out whole frames (`FrameConnection`: the local stream's framing, or hivemind's,
+`PeerFrames`), the step port that runs an inference stream's steps by callbacks over it (`SocketPort`; p2p's
+`PeerStreamPort`, which answers refusals as p2p does), and a listener's connections: the connections it serves
+(`Connections`), the hello every connection starts with (`read_hello`, `check_hello`), one connection from its hello to
+its close (`serve_connection`, the task's own coroutine: a listener's code runs at the hello and at the end, not on
+each step's way), and one stream (`serve_inference`: frames in, each payload opened by a `FrameCodec`, the handler's
+`serve_steps`, or the `rpc_forward_stream` / `rpc_backward_stream` of a training call: the hello names the rpc).
+A decode step on every transport crosses this file and no other of the transport's.
 
-A connection is a `FrameConnection` (an asyncio `Protocol` handing out whole frames). Every
-frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
-given (a remote peer's stream) the payload is charged to the handler's per-peer and total stream byte budget before
-it is waited for and released once the handler has taken the next message, and a started payload that stops
-arriving for `idle_s` ends the stream, as on p2p (`stream_guard`)."""
+Every frame's declared length is checked against its bound before its payload is read; where a `StreamLease` is given
+(a remote peer's stream: the direct port's, p2p's) the payload is charged to the handler's per-peer and total stream
+byte budget before it is waited for and released once the handler has taken the next message, and a started payload
+that stops arriving for `idle_s` ends the stream (`StreamStalled`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import gc
+import struct
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,12 +31,13 @@ from typing import Any, Protocol
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
-from corolla.server.core.limits import StreamStalled
+from corolla.protocol.stream_frames import ERROR_MARKER, FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
+from corolla.server.core.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
-from corolla.server.front.stream_guard import StreamLease
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -43,6 +52,102 @@ LINGER_S = 2.0  # after its last frame, how long the server waits for the client
 
 DEFAULT_LIMIT_BYTES = 1 << 16
 INSIDE_A_MESSAGE = "inside a message"
+TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
+TRIM_DELAY_S = 0.5
+
+
+class StreamBudget:
+    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only)."""
+
+    def __init__(self, limits: PeerLimits):
+        self.limits = limits
+        self.total_bytes = 0
+        self.per_peer: dict[str, int] = defaultdict(int)
+        self._freed_since_trim = 0
+
+    def charge(self, peer: str, nbytes: int) -> None:
+        limits = self.limits
+        if nbytes <= 0:
+            return  # an empty message (e.g. the end of a session) holds nothing
+        if limits.max_stream_message_bytes and nbytes > limits.max_stream_message_bytes:
+            raise PeerLimitExceeded(
+                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={limits.max_stream_message_bytes}",
+                reason="stream_message_too_big",
+            )
+        held = self.per_peer.get(peer, 0)
+        if limits.max_stream_bytes_per_peer and held + nbytes > limits.max_stream_bytes_per_peer:
+            raise PeerLimitExceeded(
+                f"stream message of {nbytes} bytes refused: this peer already has {held} bytes of unfinished "
+                f"requests, the limit is max_stream_bytes_per_peer={limits.max_stream_bytes_per_peer}",
+                reason="peer_stream_bytes",
+            )
+        if limits.max_stream_bytes_total and self.total_bytes + nbytes > limits.max_stream_bytes_total:
+            raise ServerLimitExceeded(
+                f"stream message of {nbytes} bytes refused: the server holds {self.total_bytes} bytes of unfinished "
+                f"requests, the limit is max_stream_bytes_total={limits.max_stream_bytes_total}; retry later",
+                reason="stream_bytes_full",
+            )
+        self.per_peer[peer] = held + nbytes
+        self.total_bytes += nbytes
+
+    def release(self, peer: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        left = self.per_peer.get(peer, 0) - nbytes
+        assert left >= 0 and self.total_bytes >= nbytes, "stream budget released more than it charged"
+        if left:
+            self.per_peer[peer] = left
+        else:
+            self.per_peer.pop(peer, None)
+        self.total_bytes -= nbytes
+        self._freed_since_trim += nbytes
+
+    def maybe_trim(self) -> None:
+        """After large frees with nothing left in flight, asks glibc to return free heap pages to the OS."""
+        if self._freed_since_trim >= TRIM_AFTER_BYTES and self.total_bytes == 0:
+            self._freed_since_trim = 0
+            gc.collect(1)  # a refused message's buffer may sit in an exception's traceback cycle
+            malloc_trim()
+            logger.debug("stream_endpoint.trimmed")
+
+
+_libc: Any = None
+
+
+def malloc_trim() -> bool:
+    """`malloc_trim(0)` where the C library has it (glibc); False elsewhere."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    trim = getattr(_libc, "malloc_trim", None) if _libc else None
+    if trim is None:
+        return False
+    return bool(trim(0))
+
+
+class StreamLease:
+    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left."""
+
+    def __init__(self, budget: StreamBudget, peer: str):
+        self.budget, self.peer, self.held = budget, peer, 0
+
+    def charge(self, nbytes: int) -> None:
+        self.budget.charge(self.peer, nbytes)
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self.held)
+        self.held -= nbytes
+        self.budget.release(self.peer, nbytes)
+
+    def close(self) -> None:
+        self.release(self.held)
+        # trim once the stream's handler has unwound (its frames still hold the buffers now)
+        asyncio.get_running_loop().call_later(TRIM_DELAY_S, self.budget.maybe_trim)
 
 
 class FrameConnection(asyncio.Protocol):
@@ -53,20 +158,26 @@ class FrameConnection(asyncio.Protocol):
     (`read_frame`: it waits once for the bytes the frame still needs, where a `StreamReader` wakes its reader per chunk
     and reads a frame in two awaited calls) or by a callback (`deliver`: told when bytes or the end of the input arrive,
     no task woken: an inference stream's steps). A declared length is checked, and charged where asked, when its header
-    is parsed, before the payload is waited for. A payload that stops arriving for `idle_s` ends the stream
+    is parsed, before the payload is waited for. A frame begun that stops arriving for `idle_s` ends the stream
     (`StreamStalled`): one timer per wait, re-armed from the last byte's arrival when it fires early, not moved per
     chunk. Reading pauses while more than `2 * limit_bytes` wait unread and nothing waits for them, as a `StreamReader`
     with that limit does; writing follows the transport's flow control (`drain`, `writing_paused`, `on_writable`).
 
     `serve`, where given, runs as the connection's task once the transport is made (a listener's protocol
-    factory)."""
+    factory). The frames' header is the local stream's (`protocol.local_stream`) unless `header_bytes` and
+    `parse_header` name another (a p2pd stream's: `PeerFrames`, a connection taken over from hivemind's reader with
+    `take_over`)."""
 
     def __init__(
         self,
         limit_bytes: int = DEFAULT_LIMIT_BYTES,
         serve: Callable[[FrameConnection], Coroutine[Any, Any, None]] | None = None,
+        *,
+        header_bytes: int = ls.HEADER_BYTES,
+        parse_header: Callable[[bytearray, int], tuple[int, int]] = ls.parse_header,
     ):
         self.transport: asyncio.Transport | None = None
+        self._header_bytes, self._parse_header = header_bytes, parse_header
         self._serve = serve
         self._limit = limit_bytes
         self._buffer = bytearray()
@@ -84,6 +195,26 @@ class FrameConnection(asyncio.Protocol):
         self._last_data_at = 0.0
         self._timer: asyncio.TimerHandle | None = None  # the pending wait's idle timer
         self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def take_over(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, **kwargs: Any) -> FrameConnection:
+        """The connection a `StreamReader` was reading (a p2pd stream, whose header hivemind's listener read): its
+        transport is this protocol's from now on, with what the reader had buffered and whether its input had ended.
+        (asyncio has no public way to take a reader's buffer: its `_buffer` and `_eof`, alike from 3.8 to 3.13.)"""
+        conn = cls(**kwargs)
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        buffered: bytearray | None = getattr(reader, "_buffer", None)
+        if buffered:
+            conn._buffer += buffered
+            buffered.clear()
+        if getattr(reader, "_eof", False) or transport.is_closing():
+            conn.at_eof = True
+        elif not transport.is_reading():  # (the reader had paused it: its buffer was full)
+            transport.resume_reading()
+        return conn
 
     # ---- asyncio.Protocol
 
@@ -160,27 +291,33 @@ class FrameConnection(asyncio.Protocol):
         buffer = self._buffer
         header = self._header
         if header is None:
-            if len(buffer) < ls.HEADER_BYTES:
+            if len(buffer) < self._header_bytes:
                 return None
-            header = ls.parse_header(buffer, max_payload_bytes)
+            header = self._parse_header(buffer, max_payload_bytes)
             if charge is not None and header[0] == ls.MESSAGE:
                 charge(header[1])
             self._header = header
         kind, length = header
-        end = ls.HEADER_BYTES + length
+        start = self._header_bytes
+        end = start + length
         if len(buffer) < end:
             return None
         self._header = None
-        payload = bytes(buffer[ls.HEADER_BYTES : end]) if length else b""
+        payload = bytes(buffer[start:end]) if length else b""
         del buffer[:end]
         if self._reading_paused and len(buffer) <= self._limit and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
         return kind, payload
 
+    @property
+    def _started(self) -> bool:
+        """Some of the next frame is buffered (its header, or part of it): the rest must come within `idle_s`."""
+        return self._header is not None or len(self._buffer) > 0
+
     def _needed(self) -> int:
         """The bytes the next frame needs buffered: its header, or (parsed) the whole frame."""
-        return ls.HEADER_BYTES if self._header is None else ls.HEADER_BYTES + self._header[1]
+        return self._header_bytes if self._header is None else self._header_bytes + self._header[1]
 
     def _resume_reading(self) -> None:
         if self._reading_paused and self.transport is not None:
@@ -212,9 +349,9 @@ class FrameConnection(asyncio.Protocol):
         self, max_payload_bytes: int, *, charge: Callable[[int], None] | None = None, idle_s: float | None = None
     ) -> tuple[int, bytes]:
         """The next (kind, payload) (`take_frame`), waiting for its bytes: IncompleteReadError at the end of the input,
-        StreamStalled after `idle_s` without a byte inside a payload (None: no limit)."""
+        StreamStalled after `idle_s` without a byte inside a frame begun (None: no limit)."""
         while (frame := self.take_frame(max_payload_bytes, charge)) is None:
-            await self._wait_for(self._needed(), idle_s if self._header is not None else None)
+            await self._wait_for(self._needed(), idle_s if self._started else None)
         return frame
 
     async def _wait_for(self, nbytes: int, idle_s: float | None) -> None:
@@ -243,10 +380,10 @@ class FrameConnection(asyncio.Protocol):
         self, on_data: Callable[[], None], *, idle_s: float | None = None, fail: Callable[[BaseException], None]
     ) -> None:
         """Calls `on_data` as bytes or the end of the input arrive, until `stop_delivery` (it takes frames itself with
-        `take_frame`); `fail(StreamStalled)` where a started payload stops arriving for `idle_s`."""
+        `take_frame`); `fail(StreamStalled)` where a frame begun stops arriving for `idle_s`."""
         self._on_data = on_data
         self._resume_reading()
-        if idle_s is not None and self._header is not None:
+        if idle_s is not None and self._started:
             self._arm_idle(idle_s, fail)
 
     def stop_delivery(self) -> None:
@@ -408,6 +545,45 @@ class PlainFrames:
         return payload
 
 
+_PEER_HEADER = struct.Struct(">BQ")  # hivemind's marker byte and 8-byte big-endian length
+MAX_END_BYTES = 64 * 1024  # the caller's end-of-stream (an `RPCError`): small, read and ignored
+
+
+class PeerFrames:
+    """A p2pd stream's frames (hivemind's framing, `protocol.stream_frames`, which stock Petals peers read and write)
+    in the local stream's kinds: a message is MESSAGE, the caller's end-of-stream (the error marker: an empty `RPCError`
+    from a stock client, its text not read) is END; an ERROR written goes out as an `RPCError` with its text."""
+
+    overhead_bytes = 0
+    header_bytes = FRAME_HEADER_BYTES
+
+    @staticmethod
+    def parse_header(buffer: bytes | bytearray, max_payload_bytes: int) -> tuple[int, int]:
+        """(kind, payload length) of the frame `buffer` begins with; ValueError for an unknown marker, an end-of-stream
+        over `MAX_END_BYTES` or a message over `max_payload_bytes`."""
+        marker, length = _PEER_HEADER.unpack_from(buffer)
+        if marker == ERROR_MARKER:
+            if length > MAX_END_BYTES:
+                raise ValueError(f"end-of-stream message of {length} bytes is larger than {MAX_END_BYTES}")
+            return ls.END, length
+        if marker != MESSAGE_MARKER:
+            raise ValueError("invalid stream message marker")
+        if length > max_payload_bytes:
+            raise ValueError(f"stream message of {length} bytes exceeds the limit of {max_payload_bytes} bytes")
+        return ls.MESSAGE, length
+
+    def encode(self, kind: int, payload: bytes) -> list[bytes]:
+        if kind == ls.ERROR:
+            payload = RPCError(message=payload.decode(errors="replace")).SerializeToString()
+            return [frame_header(ERROR_MARKER, len(payload)), payload]
+        if kind != ls.MESSAGE:
+            raise ValueError(f"a p2pd stream has no frame of kind {kind}")
+        return [frame_header(MESSAGE_MARKER, len(payload)), payload]  # the payload is not copied
+
+    def decode(self, kind: int, payload: bytes) -> bytes:
+        return payload
+
+
 @dataclass(frozen=True)
 class AcceptedStream:
     """What a listener's hello check grants a connection: its stream's context, framing and budget."""
@@ -499,6 +675,7 @@ class SocketPort:
         self.charged = 0  # the last message's bytes in `lease`, released once the handler takes the next
         self._charge = None if lease is None else self._charge_lease
         self.order: StepOrder | None = None
+        self.input_over = False  # the client's input ended (its END frame, or a failure `_input_failed` took)
         self._handing = False  # inside `ready`
         self._again = False  # `ready` was called again meanwhile
 
@@ -516,6 +693,7 @@ class SocketPort:
         """The request a frame holds; None for END; ValueError for another kind or a payload that is no request."""
         payload = self.codec.decode(kind, payload)
         if kind == ls.END:
+            self.input_over = True
             return None
         if kind != ls.MESSAGE:
             raise ValueError(f"expected a request frame, got kind {kind}")
@@ -527,6 +705,15 @@ class SocketPort:
             self.timeline.request_read()
         return request
 
+    def _input_failed(self, error: Exception) -> bool:
+        """Whether a failure to read the client's input only ends that input (True: the session ends as at the end of
+        its stream) or ends the session with it (False: answered as the session's error). The socket's: the client
+        went away (True), anything else (False)."""
+        if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
+            self.input_over = True
+            return True
+        return False
+
     async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         while True:
             self._release()
@@ -534,9 +721,11 @@ class SocketPort:
                 kind, payload = await self.conn.read_frame(
                     self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s
                 )
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the client went away: the handler ends the session
-            request = self._request(kind, payload)
+                request = self._request(kind, payload)
+            except Exception as e:
+                if self._input_failed(e):
+                    return
+                raise
             if request is None:
                 return
             yield request
@@ -566,6 +755,7 @@ class SocketPort:
             return
         conn = self.conn
         if conn.lost:  # no reply can reach the client: what it sent before leaving is not run
+            self._input_failed(ConnectionResetError("Connection lost"))
             order.client(None)
             return
         if conn.writing_paused:  # the client does not take its replies: its next request waits
@@ -577,17 +767,28 @@ class SocketPort:
             if frame is None:
                 if conn.at_eof:
                     conn.stop_delivery()
+                    self._input_failed(asyncio.IncompleteReadError(b"", None))
                     order.client(None)  # the client went away: the session ends
                 else:
-                    conn.deliver(self.ready, idle_s=self.idle_s, fail=order.fail)
+                    conn.deliver(self.ready, idle_s=self.idle_s, fail=self._input_error)
                 return
             conn.stop_delivery()
             request = self._request(*frame)
         except Exception as e:
             conn.stop_delivery()
-            order.fail(e)
+            self._input_error(e)
             return
         order.client(request)
+
+    def _input_error(self, error: BaseException) -> None:
+        """The client's input failed (a refused frame, a stalled payload): its end, or the session's error."""
+        order = self.order
+        if order is None or order.ended:
+            return
+        if isinstance(error, Exception) and self._input_failed(error):
+            order.client(None)
+        else:
+            order.fail(error)
 
     def reply(self, response: runtime_pb2.ExpertResponse) -> None:
         self.conn.writelines(self.codec.encode(ls.MESSAGE, response.SerializeToString()))
@@ -601,6 +802,42 @@ class SocketPort:
         self.order = None
         self.conn.stop_delivery()
         self.conn.on_writable = None
+
+
+STREAM_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)  # a stream's input refused
+
+
+class PeerStreamPort(SocketPort):
+    """A p2pd stream's `SocketPort` (`stream_guard`'s `rpc_inference` handler, over a connection taken from hivemind's
+    reader, `PeerFrames`): as the socket's, but a refused input (`STREAM_REFUSALS`: a message over a byte budget, a
+    stalled payload, a malformed frame) only ends the client's input and is kept in `refused`, for the handler to
+    count and answer once the session is over; and an input that breaks off (the caller closed or died, mid-message or
+    without its end-of-stream) is `broken`: nobody is answered (as hivemind's own stream handler)."""
+
+    refused: BaseException | None = None
+    broken = False
+
+    def _input_failed(self, error: Exception) -> bool:
+        if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
+            self.broken = True
+        elif isinstance(error, STREAM_REFUSALS):
+            if self.refused is None:
+                self.refused = error
+        else:
+            return False
+        self.input_over = True
+        return True
+
+    async def drop_rest(self, timeout_s: float) -> None:
+        """Reads (and drops) what is left of the client's input up to its end-of-stream, for at most `timeout_s`: a
+        unix socket closed with unread bytes resets, and p2pd may then drop the reply it has not delivered yet."""
+
+        async def drop() -> None:
+            async for _ in self.requests():
+                pass
+
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(drop(), timeout_s)
 
 
 async def serve_inference(

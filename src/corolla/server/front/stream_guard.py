@@ -1,19 +1,19 @@
-"""Bounded reading of streamed RPCs (`rpc_*_stream`, `rpc_inference`): the same wire framing as hivemind's
+"""p2p's streamed RPCs (`rpc_*_stream`, `rpc_inference`) with bounded reading: the same wire framing as hivemind's
 protobuf stream handler (marker byte, 8-byte length, message; an error marker ends the input), but a message's
-declared length is checked and charged to per-stream, per-peer and global byte budgets BEFORE its bytes are read,
-a peer that stops sending mid-message (or between the parts of a forward stream) is cut off after
-`stream_idle_timeout_s`, and every charged byte is given back when the message is processed or the stream ends."""
+declared length is checked and charged to per-stream, per-peer and global byte budgets (`stream_endpoint`'s
+`StreamBudget`) BEFORE its bytes are read, a peer that stops sending mid-message (or between the parts of a forward
+stream) is cut off after `stream_idle_timeout_s`, and every charged byte is given back when the message is processed
+or the stream ends. An inference stream's steps run by callbacks over the connection taken from hivemind's reader, as
+the socket's do (`steps_handler`); a forward or backward stream is read by a task and gathered (`guarded_stream_handler`);
+`register_handlers` registers them all."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import gc
 import logging
+import sys
 import time
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
@@ -21,8 +21,18 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
-from corolla.server.core.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
+from corolla.server.core.limits import MiB, StreamStalled, peer_key
+from corolla.server.front.inference_stream import StepPort
+from corolla.server.front.stream_endpoint import (
+    STREAM_REFUSALS,
+    FrameConnection,
+    PeerFrames,
+    PeerStreamPort,
+    StreamBudget,
+    StreamLease,
+)
 from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
 
@@ -30,106 +40,10 @@ logger = get_logger(__name__)
 
 READ_CHUNK_BYTES = 1 * MiB
 MAX_PREFETCH_MESSAGES = 5  # as hivemind's handler: messages read ahead of the one being processed
-TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
-TRIM_DELAY_S = 0.5
-# streams whose handler reads one message at a time, each governed by the handler's own step timeout
-PER_MESSAGE_RPCS = ("rpc_inference",)
+# streams of steps, served by callbacks (`steps_handler`), each governed by the session's own step timeout
+STEP_RPCS = ("rpc_inference",)
 FINISH_INPUT_S = 1.0  # after the reply: how long the rest of a caller's input is read (and dropped) before closing
 FINISH_INPUT_POLL_S = 0.01  # how often the dropped messages are taken off the full read-ahead queue meanwhile
-
-
-class StreamBudget:
-    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only)."""
-
-    def __init__(self, limits: PeerLimits):
-        self.limits = limits
-        self.total_bytes = 0
-        self.per_peer: dict[str, int] = defaultdict(int)
-        self._freed_since_trim = 0
-
-    def charge(self, peer: str, nbytes: int) -> None:
-        limits = self.limits
-        if nbytes <= 0:
-            return  # an empty message (e.g. the end of a session) holds nothing
-        if limits.max_stream_message_bytes and nbytes > limits.max_stream_message_bytes:
-            raise PeerLimitExceeded(
-                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={limits.max_stream_message_bytes}",
-                reason="stream_message_too_big",
-            )
-        held = self.per_peer.get(peer, 0)
-        if limits.max_stream_bytes_per_peer and held + nbytes > limits.max_stream_bytes_per_peer:
-            raise PeerLimitExceeded(
-                f"stream message of {nbytes} bytes refused: this peer already has {held} bytes of unfinished "
-                f"requests, the limit is max_stream_bytes_per_peer={limits.max_stream_bytes_per_peer}",
-                reason="peer_stream_bytes",
-            )
-        if limits.max_stream_bytes_total and self.total_bytes + nbytes > limits.max_stream_bytes_total:
-            raise ServerLimitExceeded(
-                f"stream message of {nbytes} bytes refused: the server holds {self.total_bytes} bytes of unfinished "
-                f"requests, the limit is max_stream_bytes_total={limits.max_stream_bytes_total}; retry later",
-                reason="stream_bytes_full",
-            )
-        self.per_peer[peer] = held + nbytes
-        self.total_bytes += nbytes
-
-    def release(self, peer: str, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        left = self.per_peer.get(peer, 0) - nbytes
-        assert left >= 0 and self.total_bytes >= nbytes, "stream budget released more than it charged"
-        if left:
-            self.per_peer[peer] = left
-        else:
-            self.per_peer.pop(peer, None)
-        self.total_bytes -= nbytes
-        self._freed_since_trim += nbytes
-
-    def maybe_trim(self) -> None:
-        """After large frees with nothing left in flight, asks glibc to return free heap pages to the OS."""
-        if self._freed_since_trim >= TRIM_AFTER_BYTES and self.total_bytes == 0:
-            self._freed_since_trim = 0
-            gc.collect(1)  # a refused message's buffer may sit in an exception's traceback cycle
-            malloc_trim()
-            logger.debug("stream_guard.trimmed")
-
-
-_libc: Any = None
-
-
-def malloc_trim() -> bool:
-    """`malloc_trim(0)` where the C library has it (glibc); False elsewhere."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _libc = ctypes.CDLL(name) if name else False
-        except OSError:
-            _libc = False
-    trim = getattr(_libc, "malloc_trim", None) if _libc else None
-    if trim is None:
-        return False
-    return bool(trim(0))
-
-
-class StreamLease:
-    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left."""
-
-    def __init__(self, budget: StreamBudget, peer: str):
-        self.budget, self.peer, self.held = budget, peer, 0
-
-    def charge(self, nbytes: int) -> None:
-        self.budget.charge(self.peer, nbytes)
-        self.held += nbytes
-
-    def release(self, nbytes: int) -> None:
-        nbytes = min(nbytes, self.held)
-        self.held -= nbytes
-        self.budget.release(self.peer, nbytes)
-
-    def close(self) -> None:
-        self.release(self.held)
-        # trim once the stream's handler has unwound (its frames still hold the buffers now)
-        asyncio.get_running_loop().call_later(TRIM_DELAY_S, self.budget.maybe_trim)
 
 
 ONE_WRITE_MAX_BYTES = 1 * MiB  # a reply up to this size goes out in one write (one copy of its body)
@@ -244,7 +158,7 @@ async def _read_message_tasks(
     return request, length
 
 
-_READ_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)  # a stream's input refused
+_READ_REFUSALS = STREAM_REFUSALS  # a stream's input refused
 
 
 async def _answer_refusal(
@@ -295,13 +209,10 @@ def guarded_stream_handler(
     method: StreamHandlerFn,
     budget: StreamBudget,
     *,
-    per_message: bool,
     on_reject: Callable[[str, BaseException], None],
 ) -> Callable[..., Any]:
-    """A binary stream handler serving `method` (an async-generator rpc) with bounded reading. `per_message`: the
-    method takes one message at a time (`rpc_inference`): its task reads each message itself (`_inline_handler`)."""
-    if per_message:
-        return _inline_handler(p2p, name, method, budget, on_reject=on_reject)
+    """A binary stream handler serving `method` (an async-generator rpc: a forward or backward stream, its request
+    gathered whole) with bounded reading: one reader task per stream reads ahead of the method."""
     limits = budget.limits
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -396,92 +307,53 @@ def guarded_stream_handler(
     return handle
 
 
-class _InlineInput:
-    """A per-message stream's input, read by the task that asks for the next request: no reader task and no queue
-    between them (one task wake-up and one loop iteration less per message). Each message is read under the same
-    bounds as `receive`'s (charged before its body is read, `idle_s` inside it, its bytes given back once it is
-    the method's); a refusal, the caller's end and a broken input end the requests and are kept for the handler,
-    which answers them once the method is done."""
-
-    def __init__(self, reader: asyncio.StreamReader, lease: StreamLease, idle_s: float):
-        self.reader, self.lease, self.idle_s = reader, lease, idle_s
-        self.deadlines = TaskDeadline()  # the reads' deadlines: one lazily moved timer for the stream
-        self.ended = False  # the caller's end-of-stream was read, or its input failed
-        self.broken = False  # the caller closed or died mid-message: nothing more to read or answer
-        self.refused: BaseException | None = None  # a message over a limit, a stalled peer, a malformed frame
-
-    async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        while not self.ended:
-            try:
-                request, nbytes = await _read_message(
-                    self.reader, self.lease, idle_s=self.idle_s, between_s=None, deadlines=self.deadlines
-                )
-            except (asyncio.IncompleteReadError, ConnectionError):
-                self.ended = self.broken = True
-                return
-            except _READ_REFUSALS as e:
-                self.ended, self.refused = True, e
-                return
-            if request is None:
-                self.ended = True
-                return
-            self.lease.release(nbytes)  # processed one at a time: its bytes are the handler's now
-            yield request
-
-    async def drop_rest(self) -> None:
-        """Reads (and drops) what is left of the input for at most FINISH_INPUT_S: see `finish_input`."""
-
-        async def drop() -> None:
-            async for _ in self.requests():
-                pass
-
-        with suppress(asyncio.TimeoutError, Exception):
-            await asyncio.wait_for(drop(), FINISH_INPUT_S)
+StepsFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext, StepPort], Awaitable[None]]
 
 
-def _inline_handler(
-    p2p: P2P,
-    name: str,
-    method: StreamHandlerFn,
-    budget: StreamBudget,
-    *,
-    on_reject: Callable[[str, BaseException], None],
+def steps_handler(
+    p2p: P2P, name: str, serve: StepsFn, budget: StreamBudget, *, on_reject: Callable[[str, BaseException], None]
 ) -> Callable[..., Any]:
-    """`guarded_stream_handler` for a per-message method: the method's task reads the messages (`_InlineInput`).
-    Refusals are answered as there (counted, their bytes given back, the error sent), after the method has seen
-    the end of its input; the rest of a caller's input is read before the stream closes, as `finish_input`."""
-    idle_s = budget.limits.stream_idle_timeout_s
+    """A binary stream handler for `rpc_inference`'s p2p streams: the stream's connection taken from hivemind's reader
+    (`FrameConnection.take_over`, `PeerFrames`) and served by `serve` (the handler's `serve_steps`) through a
+    `PeerStreamPort`, so that its steps run by callbacks as the socket's do (no task and no await per step), under the
+    same bounds as the other streams (each message charged before its body is buffered, `stream_idle_timeout_s` inside
+    a message). A refused input is answered once the session is over (counted, its bytes given back, the error sent);
+    the session's own error is sent as an `RPCError`; the rest of a caller's input is read before the stream closes, as
+    `finish_input`; a caller that closed or died gets nothing."""
+    idle_s = budget.limits.stream_idle_timeout_s or None
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
         lease = StreamLease(budget, peer_key(context))
-        source = _InlineInput(reader, lease, idle_s)
+        conn = FrameConnection.take_over(
+            reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
+        )
+        codec = PeerFrames()
+        port = PeerStreamPort(conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None)
         failure: Exception | None = None
         try:
             try:
-                async for response in method(source.requests(), context):
-                    try:
-                        await send_message(response, writer)
-                    except Exception:
-                        logger.debug("stream_guard.send_failed", exc_info=True)
-                        break
+                await serve(port.requests(), context, port)
             except Exception as e:
                 failure = e
-            if source.broken:
+            port.detach()
+            if port.broken or conn.lost:
                 return  # the caller closed or died
-            if source.refused is not None:
-                await _answer_refusal(name, source.refused, lease, writer, on_reject)
-                return
-            if failure is not None:
-                with suppress(Exception):
-                    await send_message(RPCError(message=str(failure)), writer)
-            if not source.ended:
-                await source.drop_rest()
+            error: BaseException | None = failure
+            if port.refused is not None:
+                on_reject(name, port.refused)
+                lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
+                error = port.refused
+            if error is not None:
+                conn.writelines(codec.encode(ls.ERROR, str(error).encode()))
+                with suppress(asyncio.TimeoutError, Exception):  # (a caller that does not read is not waited for)
+                    await asyncio.wait_for(conn.drain(), FINISH_INPUT_S)
+            if not port.input_over:
+                await port.drop_rest(FINISH_INPUT_S)
         finally:
+            port.detach()
             lease.close()
-            source.deadlines.close()
-            with suppress(Exception):
-                writer.close()
+            conn.close()
 
     return handle
 
@@ -490,8 +362,9 @@ async def register_handlers(
     servicer: Any, p2p: P2P, budget: StreamBudget, on_reject: Any, *, balanced: bool = False
 ) -> list[str]:
     """Registers the servicer's rpcs on `p2p` like hivemind's `ServicerBase.add_p2p_handlers`, with every
-    stream-input rpc read through `guarded_stream_handler` (`balanced`: shared with other processes' registrations
-    of the same names). Returns the names of the guarded handles."""
+    stream-input rpc read under bounds: `rpc_inference` through `steps_handler` and the servicer's `serve_steps`,
+    the others through `guarded_stream_handler` (`balanced`: shared with other processes' registrations of the same
+    names). Returns the names of the guarded handles."""
     servicer._collect_rpc_handlers()
     guarded: list[str] = []
     calls = []
@@ -499,10 +372,13 @@ async def register_handlers(
         handle_name = servicer._get_handle_name(None, handler.method_name)
         method = getattr(servicer, handler.method_name)
         if handler.stream_input and handler.stream_output:
-            per_message = handler.method_name in PER_MESSAGE_RPCS
-            stream_handle = guarded_stream_handler(
-                p2p, handle_name, method, budget, per_message=per_message, on_reject=on_reject
-            )
+            if handler.method_name in STEP_RPCS:
+                serve = getattr(servicer, "serve_steps", None)
+                if serve is None:
+                    continue  # a servicer that serves no inference streams (a bench's stand-in) registers none
+                stream_handle = steps_handler(p2p, handle_name, serve, budget, on_reject=on_reject)
+            else:
+                stream_handle = guarded_stream_handler(p2p, handle_name, method, budget, on_reject=on_reject)
             calls.append(p2p.add_binary_stream_handler(handle_name, stream_handle, balanced=balanced))
             guarded.append(handle_name)
         else:
