@@ -20,7 +20,7 @@ from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvi
 from corolla.server.core.push_guard import SessionPushGuard
 from corolla.server.front.inference_stream import SessionState, StepOrder
 from corolla.server.front.stream_endpoint import StreamBudget, StreamLease
-from corolla.server.front.stream_guard import _read_message
+from corolla.server.front.stream_guard import read_message
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
 
@@ -38,7 +38,7 @@ async def test_a_silent_peer_is_cut_off_between_the_parts_of_a_request() -> None
     reader = asyncio.StreamReader()  # nothing ever arrives
     started = time.monotonic()
     with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s between the parts"):
-        await asyncio.wait_for(_read_message(reader, _lease(), idle_s=5.0, between_s=0.2), BOUND_S)
+        await asyncio.wait_for(read_message(reader, _lease(), idle_s=5.0, between_s=0.2), BOUND_S)
     assert time.monotonic() - started < 1.5  # its own 0.2 s, not the 5 s meant for reads inside a message
 
 
@@ -48,7 +48,7 @@ async def test_a_peer_that_stops_inside_a_message_is_cut_off() -> None:
     reader.feed_data(message[:-10])  # all but the last bytes of the body
     lease = _lease()
     with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s inside a message"):
-        await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+        await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
     assert lease.held == len(message) - 1 - P2P.HEADER_LEN  # charged before the body was read
 
 
@@ -64,7 +64,7 @@ async def test_each_read_gets_its_own_idle_timeout() -> None:
             await asyncio.sleep(0.12)
 
     feeding = asyncio.create_task(trickle())
-    parsed, _ = await asyncio.wait_for(_read_message(reader, _lease(), idle_s=0.3, between_s=0.3), BOUND_S)
+    parsed, _ = await asyncio.wait_for(read_message(reader, _lease(), idle_s=0.3, between_s=0.3), BOUND_S)
     await feeding
     assert parsed == request
 
@@ -74,9 +74,9 @@ async def test_a_complete_message_is_read_and_charged_and_the_end_is_none() -> N
     request = runtime_pb2.ExpertRequest(uid="p.0 p.1", metadata=b"m")
     reader.feed_data(_framed(request) + P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
     lease = _lease()
-    parsed, nbytes = await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
+    parsed, nbytes = await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
     assert parsed == request and nbytes == request.ByteSize() == lease.held
-    end, zero = await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
+    end, zero = await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
     assert end is None and zero == 0
 
 
@@ -85,7 +85,7 @@ async def test_an_oversized_declared_length_is_refused_before_the_body() -> None
     reader.feed_data(P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
     lease = _lease(max_message_bytes=1 << 20)
     with pytest.raises(PeerLimitExceeded, match="max_stream_message_bytes"):
-        await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+        await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
     assert lease.held == 0
 
 

@@ -26,6 +26,7 @@ from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_h
 from corolla.server.core.limits import MiB, StreamStalled, peer_key
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.stream_endpoint import (
+    MAX_END_BYTES,
     STREAM_REFUSALS,
     FrameConnection,
     PeerFrames,
@@ -73,7 +74,7 @@ async def within_idle(awaitable: Any, timeout_s: float | None, what: str) -> Any
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
 
 
-async def _read_message(
+async def read_message(
     reader: asyncio.StreamReader,
     lease: StreamLease,
     *,
@@ -101,8 +102,8 @@ async def _read_message(
             header = await reader.readexactly(P2P.HEADER_LEN)
             length = int.from_bytes(header, P2P.BYTEORDER)
             if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
-                if length > 64 * 1024:
-                    raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
+                if length > MAX_END_BYTES:
+                    raise ValueError(f"end-of-stream message of {length} bytes is larger than {MAX_END_BYTES}")
                 scope.move(None if inside_s is None else loop.time() + inside_s)
                 await reader.readexactly(length)
                 return None, 0
@@ -135,13 +136,13 @@ async def _read_message(
 async def _read_message_tasks(
     reader: asyncio.StreamReader, lease: StreamLease, *, idle_s: float, between_s: float | None
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
-    """`_read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
+    """`read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
     marker = await within_idle(reader.readexactly(1), between_s, "between the parts of a streamed request")
     header = await within_idle(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
     length = int.from_bytes(header, P2P.BYTEORDER)
     if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
-        if length > 64 * 1024:
-            raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
+        if length > MAX_END_BYTES:
+            raise ValueError(f"end-of-stream message of {length} bytes is larger than {MAX_END_BYTES}")
         await within_idle(reader.readexactly(length), idle_s, "inside a message")
         return None, 0
     if marker != P2P.MESSAGE_MARKER:
@@ -156,9 +157,6 @@ async def _read_message_tasks(
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(memoryview(data))
     return request, length
-
-
-_READ_REFUSALS = STREAM_REFUSALS  # a stream's input refused
 
 
 async def _answer_refusal(
@@ -248,7 +246,7 @@ def guarded_stream_handler(
             """The stream's one reader: messages into the queue until the end of the input (a task per stream,
             not per message)."""
             while True:
-                item = await _read_message(
+                item = await read_message(
                     reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, deadlines=read_deadlines
                 )
                 await queue.put(item)
@@ -286,7 +284,7 @@ def guarded_stream_handler(
             if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
                 unanswered(name, context, "caller_closed", error)
                 return  # the caller closed or died mid-request: processing is cancelled below
-            if not isinstance(error, _READ_REFUSALS):
+            if not isinstance(error, STREAM_REFUSALS):
                 raise error
             processing.cancel()
             with suppress(asyncio.CancelledError, Exception):
