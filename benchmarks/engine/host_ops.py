@@ -48,7 +48,11 @@ def main() -> None:
     pageable = torch.zeros(512, dtype=torch.uint8)
     block = torch.zeros(64 << 10, dtype=torch.uint8, device=dev)
     head, graph_head = pinned[:512], block[:512]
-    rows_in, rows_out = pinned[: 8 << 10 | 512], block[: 8 << 10 | 512]  # head + one bf16 row of 4096
+    step_bytes = 512 + 2 * h  # the head + one bf16 row of H: a batch-1 step's one copy
+    if step_bytes > pinned.numel():
+        parser.error(f"--hidden_size {h}: one row does not fit the {pinned.numel()}-byte block")
+    rows_in, rows_out = pinned[:step_bytes], block[:step_bytes]
+    step_label = f"H2D copy_ {step_bytes / 1024:.1f} KiB pinned, non_blocking"  # 8.5 KiB at H 4096
     x = torch.randn(1, 1, h, device=dev).to(torch.bfloat16)
     graph_rows = torch.zeros(1, 1, h, device=dev, dtype=torch.bfloat16)
     static_out = torch.zeros(64, h, device=dev, dtype=torch.bfloat16)
@@ -70,13 +74,13 @@ def main() -> None:
         "event.synchronize() (passed)": event.synchronize,
         "H2D copy_ 512 B pinned, non_blocking": lambda: graph_head.copy_(head, non_blocking=True),
         "H2D copy_ 512 B pageable, non_blocking": lambda: graph_head.copy_(pageable, non_blocking=True),
-        "H2D copy_ 8.5 KiB pinned, non_blocking": lambda: rows_out.copy_(rows_in, non_blocking=True),
+        step_label: lambda: rows_out.copy_(rows_in, non_blocking=True),
         "D2D copy_ [1, 1, H] bf16": lambda: graph_rows.copy_(x),
         "x.reshape(-1, H).to(dev, bf16)": lambda: x.reshape(-1, h).to(dev, torch.bfloat16),
         "torch.cat([x.reshape(-1, H)])": lambda: torch.cat([x.reshape(-1, h)]),
         "static_out[:1]": lambda: static_out[:1],
         "static_out[:1].clone()": lambda: static_out[:1].clone(),
-        "out.split([1])": lambda: static_out.split([1, 63]),
+        "static_out.split([1, 63])": lambda: static_out.split([1, 63]),
         "D2H copy_ [1, H] bf16 pinned, non_blocking": lambda: out_pinned.copy_(static_out[:1], non_blocking=True),
         "graph.replay() (256 small kernels)": graph.replay,
     }
