@@ -4,7 +4,8 @@ shapes): `python -m benchmarks.engine.quant --out DIR`.
 Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
 Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
 bandwidth) and the replay of its graph alone (CUDA events: the rest of the step is the host's part), optionally
-its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step); 64 NF4 sessions in one
+its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step) and where its host part goes
+(`--host_split`: `host_split`, `bare_steps`); 64 NF4 sessions in one
 merged step against one; whether two identical NF4 sessions merged in one step give identical
 rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
 and a log under --out."""
@@ -460,7 +461,8 @@ def bench_llama(
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
     single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer;
-    `split`: where the single-session host-timed step's time goes (`host_split`). NF4
+    `split`: where the single-session host-timed step's time goes (`host_split`) and what each device operation
+    before the replay adds (`bare_steps`). NF4
     and bf16 also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
@@ -627,7 +629,8 @@ def main() -> None:
     )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
-    parser.add_argument("--host_split", action="store_true", help="each kind's step: host and device parts (CUDA)")
+    parser.add_argument("--host_split", action="store_true",
+                        help="each kind's step: host and device parts, then the bare steps (CUDA)")  # fmt: skip
     parser.add_argument("--prologue_ab_pairs", type=int, default=PROLOGUE_AB_PAIRS,
                         help="alternated fused/separate prologue pairs of the quantized step; 0 skips them")  # fmt: skip
     parser.add_argument("--kernel_choices_dir", default=None,
