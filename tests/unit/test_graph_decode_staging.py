@@ -4,7 +4,7 @@ channel's frame copy) and block tables with memoryview copies equal what `torch.
 bucket's rows past the live ones point at the trash page, one copy of the staging block writes a bucket's graph
 inputs (positions, tables, the live rows' hidden states) and no other bucket's, the block's layout (aligned parts,
 hidden states last), views are made once per row count, the collected output
-owns its memory; a step's bytes that disagree with its hidden states are refused where the step enters; a STEP_BATCH
+owns its memory, a merged output is one view per request in its shape (one request too: no split call); a step's bytes that disagree with its hidden states are refused where the step enters; a STEP_BATCH
 step's bytes are the memory its hidden states view."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from corolla.engine.graph_decode import (
     HostStaging,
     PendingDecode,
     merge_rows,
+    split_rows,
     stage_hidden_bytes,
     stage_row_inputs,
 )
@@ -174,6 +175,21 @@ def test_the_collected_output_owns_its_rows_and_splits_per_request() -> None:
     assert torch.equal(torch.cat([first, second]).view(3, H), want) and done.waited == 1
     with pytest.raises(RuntimeError, match="twice"):
         pending.wait()
+
+
+@pytest.mark.parametrize("splits,shapes", [([2], None), ([6], {0: (2, 3, H)}), ([2, 6, 1], {1: (3, 2, H)})])
+def test_split_rows_views_each_requests_rows_in_its_shape(splits: list[int], shapes: dict | None) -> None:
+    # one request (a lone session's step) takes the shortcut without a split call: the same views as the split
+    rows = sum(splits)
+    out = torch.randn(rows, 1, H)
+    pieces = split_rows(out, splits, shapes)
+    assert len(pieces) == len(splits)
+    start = 0
+    for i, (piece, n) in enumerate(zip(pieces, splits, strict=True)):
+        want = (shapes or {}).get(i, (n, 1, H))
+        assert piece.shape == want and piece.data_ptr() == out[start].data_ptr()  # a view, no copy
+        assert torch.equal(piece.reshape(n, 1, H), out[start : start + n])
+        start += n
 
 
 def test_bytes_that_disagree_with_the_hidden_states_are_refused_where_the_step_enters() -> None:
