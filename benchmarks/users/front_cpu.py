@@ -102,6 +102,19 @@ def _request(record: runtime_pb2.Tensor, empty: runtime_pb2.Tensor, metadata: di
     ).SerializeToString()
 
 
+def _step_parts(hidden: bytes, prompt: int) -> tuple[runtime_pb2.Tensor, runtime_pb2.Tensor, runtime_pb2.Tensor, dict]:
+    """A client's request parts, as a Petals stub sends them (both transports): the opening step's hidden states
+    [1, prompt, H] and a decode step's [1, 1, H] (bf16, from `hidden`), the empty tensor of the prompts and hypo ids,
+    and the metadata every step carries."""
+    row = SPEC.hidden_size * 2
+    prefill = runtime_pb2.Tensor(
+        compression=0, buffer=hidden[: prompt * row], size=(1, prompt, SPEC.hidden_size), dtype="bfloat16"
+    )
+    decode = runtime_pb2.Tensor(compression=0, buffer=hidden[:row], size=(1, 1, SPEC.hidden_size), dtype="bfloat16")
+    common = {"points": 0.0, "active_adapter": "", "args_structure": PETALS_STEP_STRUCTURE}
+    return prefill, decode, serialize_tensor(torch.empty(0)), common
+
+
 class _Session:
     """One client stream: its socket, what it has read, its position and the steps it has left."""
 
@@ -146,13 +159,7 @@ def _run_until_replied(sel: selectors.BaseSelector, sessions: list[_Session], on
 def client(path: str, sessions: int, prompt: int, steps: int, hidden: bytes, control: int) -> None:
     """The forked client process (the module docstring); writes b"S" to `control` when every session has prefilled
     and b"E" after the last decode reply."""
-    row = SPEC.hidden_size * 2
-    empty = serialize_tensor(torch.empty(0))
-    prefill = runtime_pb2.Tensor(
-        compression=0, buffer=hidden[: prompt * row], size=(1, prompt, SPEC.hidden_size), dtype="bfloat16"
-    )
-    decode = runtime_pb2.Tensor(compression=0, buffer=hidden[:row], size=(1, 1, SPEC.hidden_size), dtype="bfloat16")
-    common = {"points": 0.0, "active_adapter": "", "args_structure": PETALS_STEP_STRUCTURE}
+    prefill, decode, empty, common = _step_parts(hidden, prompt)
     sel = selectors.DefaultSelector()
     streams = []
     for _ in range(sessions):
@@ -377,13 +384,7 @@ async def _p2p_sessions(
     maddrs: list[str], server: str, handle: str, sessions: int, prompt: int, steps: int, hidden: bytes,
     control: Connection,
 ) -> None:  # fmt: skip
-    row = SPEC.hidden_size * 2
-    empty = serialize_tensor(torch.empty(0))
-    prefill = runtime_pb2.Tensor(
-        compression=0, buffer=hidden[: prompt * row], size=(1, prompt, SPEC.hidden_size), dtype="bfloat16"
-    )
-    decode = runtime_pb2.Tensor(compression=0, buffer=hidden[:row], size=(1, 1, SPEC.hidden_size), dtype="bfloat16")
-    common = {"points": 0.0, "active_adapter": "", "args_structure": PETALS_STEP_STRUCTURE}
+    prefill, decode, empty, common = _step_parts(hidden, prompt)
     p2p = await P2P.create(initial_peers=maddrs, host_maddrs=LOOPBACK, **P2P_FLAGS)
     try:
         peer = PeerID.from_base58(server)
