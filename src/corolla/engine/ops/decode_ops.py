@@ -140,8 +140,9 @@ class DecodeOps:
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
         # (kind, N, K) -> (kernel, config) of quant_choices.quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
         # (quant_small: "gemv", "tile", "i8mma" or "block"; one row only where quant_mid has the shape), of 2 to
-        # quant_choices.MID_MAX_ROWS rows (quant_mid: NF4's "mma" / "mmaf" with 16-row tiles, INT8's "block" where "i8mma"
-        # serves one row) and for larger merged steps (quant_gemm: "block", "mma" or "mmaf"); filled by tune_quantized
+        # quant_choices.MID_MAX_ROWS rows (quant_mid: NF4's "mma" / "mmaf" with 16-row tiles, INT8's "block" where
+        # "i8mma" serves one row) and for larger merged steps (quant_gemm: INT8's "block", NF4's "mmaf" with 64-row
+        # tiles: quant_choices.mma_candidates); filled by tune_quantized
         self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_mid: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
