@@ -2,7 +2,8 @@
 movement (which lane loads which bytes of rows g and g + 8, which B lanes hold which x, each column's block and
 absmax, each warp's range of units and the row's slots added in warp order) emulated through the PTX fragment
 layout of `mma.m16n8k16` gives x @ the weight for ragged shapes (rows padded to a tile, blocks short of a unit, more
-warps than units), bf16 and fp16. The kernel itself runs in tests/gpu/test_quant_tile_gemv.py."""
+warps than units), bf16 and fp16; the ALIGNED table's room in a program's shared memory. The kernel itself runs in
+tests/gpu/test_quant_tile_gemv.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 from tests.helpers.kernel_emulation import emulate_expert_group, emulate_tile_gemv, program_row_tiles, warp_units
 
 from benchmarks.common.quantize import quantize_nf4
-from corolla.engine.quant.quant_tile_gemv import GROUP_ROWS, expert_groups
+from corolla.engine.quant.quant_tile_gemv import (
+    ALIGNED,
+    GROUP_ROWS,
+    NF4_TILE_CONFIGS,
+    WINDOW_RESERVED_BYTES,
+    expert_groups,
+    shared_bytes,
+)
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:
@@ -115,3 +123,24 @@ def test_expert_groups_bound_is_reached() -> None:
     # 16 rows over 8 experts and the ids outside (one key): 9 keys of one row, 7 rows more, one group per 4 of them
     routes = [0] * 8 + list(range(1, 8)) + [8]  # expert 0 chosen 8 times (2 groups), 1-7 once, one id outside
     assert sum(1 for s in range(12) if emulate_expert_group(routes, 8, s)) == expert_groups(16, 8) == 10
+
+
+TABLE_BYTES = 256 * 256  # the pair table the kernel places at a 64 KiB boundary of the shared window (ALIGNED)
+H200_OPTIN_BYTES = 227 * 1024  # the most dynamic shared memory a program may opt in to on sm_90
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("k", [4096, 14336])
+@pytest.mark.parametrize("row_tiles", [1, 2, 8])
+def test_aligned_table_fits_where_the_kernel_places_it(grouped: bool, k: int, row_tiles: int) -> None:
+    # the kernel puts the table at the first 64 KiB boundary of the window after its data (the window starting at
+    # its dynamic shared memory's address, `sbase`) and traps unless the table ends inside the dynamic bytes; the
+    # one-row form has room for any start below 64 KiB, the grouped one for a start up to the reserved 1 KiB
+    config = next(c for c in NF4_TILE_CONFIGS if c[2] == ALIGNED)
+    data, dyn = shared_bytes(config, k, row_tiles, grouped=grouped)
+    starts = (0, 16, WINDOW_RESERVED_BYTES) if grouped else (0, 16, WINDOW_RESERVED_BYTES, 65535)
+    for sbase in starts:
+        table = -(-(sbase + data) // 65536) * 65536  # window address of the table
+        assert table - sbase >= data and table - sbase + TABLE_BYTES <= dyn, (sbase, data, dyn)
+    if grouped and k == 14336 and row_tiles <= 2:  # Mixtral's w_down: four rows' x fit beside the table on an H200
+        assert dyn <= H200_OPTIN_BYTES < data + TABLE_BYTES + 65536
