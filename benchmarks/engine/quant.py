@@ -261,6 +261,12 @@ def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
 BARE_ROUNDS = 8  # alternated rounds of every bare variant (`bare_steps`)
 
 
+def bare_session_tokens(prefix: int) -> int:
+    """The length `bare_steps`' own session is opened for: its prefix, its first step, then one step per engine-step
+    call of every round (and a few spare)."""
+    return prefix + BARE_ROUNDS * (max(1, STEPS // 2) + 1) + 4
+
+
 def bare_steps(engine: SpanEngine, prefix: int, gen: torch.Generator) -> dict:
     """What each device operation queued before the graph's replay adds to a host-timed step (CUDA only): after one
     engine step staged the session's inputs, each variant runs from a synchronized, idle device to the synchronize
@@ -271,11 +277,20 @@ def bare_steps(engine: SpanEngine, prefix: int, gen: torch.Generator) -> dict:
     holding both copies and the span (`graph_with_copies` + clone: no operation queued before the replay) and the
     engine's own step (`engine_step`: `decode_many` of a session of its own at the next position each time, the
     requests made outside the timing)."""
+    assert engine.graphs is not None and engine.device.type == "cuda"
+    steps = max(1, STEPS // 2)
+    session = open_prefilled(engine, 1, prefix, gen, tokens=bare_session_tokens(prefix))[0]
+    try:
+        return _bare_steps(engine, session, steps, prefix, gen)
+    finally:
+        session.close()  # (also where a variant failed: the merged step after it needs the pages)
+
+
+def _bare_steps(engine: SpanEngine, session, steps: int, prefix: int, gen: torch.Generator) -> dict:
+    """`bare_steps` over its own `session`."""
     graphs = engine.graphs
     dev = engine.device
-    assert graphs is not None and dev.type == "cuda"
-    steps = max(1, STEPS // 2)
-    session = open_prefilled(engine, 1, prefix, gen, tokens=prefix + BARE_ROUNDS * (steps + 1) + 4)[0]
+    assert graphs is not None
     sessions, rows, layers = [session], 1, session.layers
     engine.decode_many(token_steps(engine, sessions, prefix, gen))  # stages the rows' positions and tables
     target = graphs.inputs_for(rows)
@@ -338,7 +353,6 @@ def bare_steps(engine: SpanEngine, prefix: int, gen: torch.Generator) -> dict:
                 sync(dev)
                 round_times.append((time.perf_counter() - t0) * 1e6)
             times[name].append(round_times)
-    session.close()
     out: dict[str, dict[str, float]] = {}
     for name, rounds in times.items():
         flat = sorted(t for r in rounds for t in r)
@@ -470,9 +484,13 @@ def bench_llama(
     bf16_ms = None
     for kind in kinds:
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
-        # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
+        # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens); with
+        # `split` also the bare steps' own (closed before the merged step opens its sessions, but int8 has no room
+        # beside `one` without it)
         merged = kind in ("nf4", "bf16")
         pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if merged else 1, prefix + 64)
+        if split:
+            pool += kv_pool_bytes_for(spec, layers_n, 1, bare_session_tokens(prefix))
         started = time.perf_counter()
         # [1, 64] rows: graph buckets
         engine, report = make_engine(spec, layers, 64 if merged else 1, pool)
