@@ -115,6 +115,10 @@ def main() -> None:
     parser.add_argument("--gated", action="store_true", help="only the gated w_gate_up A/B (see the docstring)")
     parser.add_argument("--reg_caps", default="", help="comma-separated register caps the folded configs also run")
     args = parser.parse_args()
+    families = tuple(f for f in args.families.split(",") if f)
+    if not families or set(families) - set(FAMILIES):  # (an unknown name was dropped: nothing timed for it)
+        parser.error(f"--families takes a comma-separated subset of {','.join(FAMILIES)}, got {args.families!r}")
+    caps = tuple(int(r) for r in args.reg_caps.split(",") if r)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bw = copy_bandwidth_bytes_per_s(dev)
@@ -149,10 +153,7 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
-            caps = tuple(int(r) for r in args.reg_caps.split(",") if r)
-            for family, cands in candidates(
-                m, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep, caps
-            ).items():
+            for family, cands in candidates(m, families, args.tile_sweep, caps).items():
                 for label, call in cands:
                     try:
                         err = rel_err(call(x, nf4[0]), ref)
