@@ -1,6 +1,6 @@
 """The frame reader shared by the same-host socket and the direct port: a payload arriving in pieces, each within the
-idle timeout, is read whole however long it takes in all; a gap longer than the timeout inside a payload ends the
-stream (`StreamStalled`); a declared length over the limit, or one the budget refuses, is refused before any of the
+idle timeout, is read whole however long it takes in all; a gap longer than the timeout inside a frame (its payload
+or its header) ends the stream (`StreamStalled`), one before a frame does not; a declared length over the limit, or one the budget refuses, is refused before any of the
 payload is read."""
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def test_a_gap_inside_a_payload_ends_the_stream() -> None:
     frame = b"".join(ls.frame(ls.MESSAGE, b"x" * 100))
     with pytest.raises(StreamStalled, match="sent nothing"):
         _read([frame[:20], frame[20:]], gap_s=IDLE_S * 3)
+
+
+def test_a_gap_inside_a_header_ends_the_stream_and_a_gap_between_frames_does_not() -> None:
+    # a frame is timed from its first byte (bbc3a44): a header begun counts as a frame begun
+    frame = b"".join(ls.frame(ls.MESSAGE, b"x" * 100))
+    assert ls.HEADER_BYTES > 2
+    with pytest.raises(StreamStalled, match="sent nothing"):
+        _read([frame[:2], frame[2:]], gap_s=IDLE_S * 3)
+    assert _read([b"", frame], gap_s=IDLE_S * 2) == (ls.MESSAGE, b"x" * 100, 0)  # idle before a frame: no limit
 
 
 def test_declared_lengths_are_refused_before_the_payload_is_read() -> None:

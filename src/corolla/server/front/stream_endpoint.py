@@ -194,6 +194,8 @@ class FrameConnection(asyncio.Protocol):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_data_at = 0.0
         self._timer: asyncio.TimerHandle | None = None  # the pending wait's idle timer
+        # the pending `read_frame` wait's idle limit and failure, armed by the first byte of a frame (`_started`)
+        self._wait_idle: tuple[float, Callable[[BaseException], None]] | None = None
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -238,6 +240,8 @@ class FrameConnection(asyncio.Protocol):
             self._last_data_at = self._loop.time()
             if len(buffer) >= self._want:
                 self._wake()
+            elif self._wait_idle is not None and self._timer is None:  # a frame begun during the wait
+                self._arm_idle(*self._wait_idle)
         elif len(buffer) > 2 * self._limit and not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
@@ -351,11 +355,12 @@ class FrameConnection(asyncio.Protocol):
         """The next (kind, payload) (`take_frame`), waiting for its bytes: IncompleteReadError at the end of the input,
         StreamStalled after `idle_s` without a byte inside a frame begun (None: no limit)."""
         while (frame := self.take_frame(max_payload_bytes, charge)) is None:
-            await self._wait_for(self._needed(), idle_s if self._started else None)
+            await self._wait_for(self._needed(), idle_s)
         return frame
 
     async def _wait_for(self, nbytes: int, idle_s: float | None) -> None:
-        """Until `nbytes` are buffered (one wake-up, when they are) or the input ends."""
+        """Until `nbytes` are buffered (one wake-up, when they are) or the input ends; StreamStalled after `idle_s`
+        without a byte once a frame has begun (now, or when its first bytes arrive during the wait)."""
         if self.at_eof:
             raise asyncio.IncompleteReadError(bytes(self._buffer), nbytes)
         loop = self._loop
@@ -369,11 +374,13 @@ class FrameConnection(asyncio.Protocol):
                 if not waiter.done():
                     waiter.set_exception(error)
 
-            self._arm_idle(idle_s, stalled)
+            self._wait_idle = (idle_s, stalled)
+            if self._started:
+                self._arm_idle(idle_s, stalled)
         try:
             await waiter
         finally:
-            self._waiter, self._want = None, 0
+            self._waiter, self._want, self._wait_idle = None, 0, None
             self._cancel_idle()
 
     def deliver(
