@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -38,12 +39,16 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.demo.checkpoint import ensure_demo_checkpoint
+from corolla.protocol import local_stream as ls
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
 from corolla.protocol.uids import make_chain
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, serve_inference
 from corolla.server.slowdown import BLOCK_DELAY_ENV
 
 RETRY_S = 0.02  # a refused or ended hoarder opens again this soon
+MAX_FRAME_OVERHEAD_BYTES = 1 << 20  # a frame's bound over the handler's largest message (as `LocalEndpoint`'s)
+MAX_REPLY_BYTES = 1 << 30
 
 
 def step_request(uid: str, hidden: torch.Tensor, **metadata: Any) -> runtime_pb2.ExpertRequest:
@@ -68,7 +73,7 @@ class HoardingAttack:
     it with a step of `tokens_per_step` tokens (0: zero-token keep-alives) every `keepalive_s`, opening again at once
     when the server refuses or ends it; with `reopen_s`, it sends no step after the opening one (its prefill of
     `tokens_per_step` tokens) and closes and opens the session again every `reopen_s`. Runs in the server's event loop
-    against its handler."""
+    against its handler, each session a `HandlerStream`."""
 
     def __init__(
         self,
@@ -102,16 +107,13 @@ class HoardingAttack:
         return step_request(self.uid, hidden, **metadata)
 
     async def _hold(self, peer: PeerID, stop: asyncio.Event) -> None:
-        context = P2PContext(handle_name="hoard", local_id=self.server_peer, remote_id=peer)
+        context = P2PContext(handle_name="rpc_inference", local_id=self.server_peer, remote_id=peer)
         while not stop.is_set():
-            queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-            replies: asyncio.Queue[Any] = asyncio.Queue()
-            # the handler's stream driven as the p2p layer drives it: each reply read as soon as it is made
-            pump = asyncio.create_task(_pump(self.handler.rpc_inference(_drain(queue), context), replies))
+            stream = await HandlerStream.open(self.handler, context)
             opened = False
             try:
-                queue.put_nowait(self._request(max_length=self.max_length, alloc_timeout=self.alloc_timeout_s))
-                await _reply(replies)
+                stream.send(self._request(max_length=self.max_length, alloc_timeout=self.alloc_timeout_s))
+                await stream.reply()
                 opened = True
                 self.stats.opened += 1
                 if self.reopen_s is not None:  # closed and opened again before its pace is read: always fresh
@@ -120,8 +122,8 @@ class HoardingAttack:
                     continue
                 while not stop.is_set():
                     await asyncio.sleep(self.keepalive_s)
-                    queue.put_nowait(self._request())
-                    await _reply(replies)
+                    stream.send(self._request())
+                    await stream.reply()
             except Exception:  # refused, ended by the server, or the stream closed
                 if opened:
                     self.stats.ended += 1
@@ -129,29 +131,50 @@ class HoardingAttack:
                     self.stats.refused += 1
                 await asyncio.sleep(RETRY_S)
             finally:
-                queue.put_nowait(None)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(pump, 5)
+                await stream.close()
 
 
-async def _pump(responses: AsyncIterator[Any], replies: asyncio.Queue[Any]) -> None:
-    """Reads a stream's replies into `replies` as they come; its end (None) or error last."""
-    try:
-        async for response in responses:
-            replies.put_nowait(response)
-        replies.put_nowait(None)
-    except Exception as e:
-        replies.put_nowait(e)
+class HandlerStream:
+    """One `rpc_inference` stream of the peer `context.remote_id` against a handler in this process, served as the
+    server serves its sockets' streams (`stream_endpoint.serve_inference`: the handler's `serve_steps`, the one
+    session code of every transport) over a socket pair: an identity costs no daemon."""
 
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: FrameConnection, serving: asyncio.Task
+    ):
+        self.reader, self.writer, self.conn, self.serving = reader, writer, conn, serving
 
-async def _reply(replies: asyncio.Queue[Any]) -> Any:
-    """The next reply of a pumped stream; raises its error, EOFError at its end."""
-    reply = await asyncio.wait_for(replies.get(), 30)
-    if isinstance(reply, Exception):
-        raise reply
-    if reply is None:
+    @classmethod
+    async def open(cls, handler: Any, context: P2PContext) -> HandlerStream:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        max_frame_bytes = int(handler.max_stream_bytes) + MAX_FRAME_OVERHEAD_BYTES
+        serving = loop.create_task(serve_inference(handler, conn, context, PlainFrames(), max_frame_bytes))
+        return cls(reader, writer, conn, serving)
+
+    def send(self, request: runtime_pb2.ExpertRequest) -> None:
+        self.writer.writelines(ls.frame(ls.MESSAGE, request.SerializeToString()))
+
+    async def reply(self, timeout_s: float = 30.0) -> runtime_pb2.ExpertResponse:
+        """The next reply; raises the server's error (RuntimeError with its text), EOFError at the stream's end."""
+        kind, payload = await asyncio.wait_for(ls.read_frame(self.reader, MAX_REPLY_BYTES), timeout_s)
+        if kind == ls.MESSAGE:
+            return runtime_pb2.ExpertResponse.FromString(payload)
+        if kind == ls.ERROR:
+            raise RuntimeError(payload.decode(errors="replace"))
         raise EOFError("the server ended the stream")
-    return reply
+
+    async def close(self) -> None:
+        """Ends the input (the session ends with it) and waits for the server's side of the stream to end."""
+        with contextlib.suppress(Exception):
+            self.writer.writelines(ls.frame(ls.END))
+            self.writer.write_eof()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self.serving, 5)
+        self.writer.close()
+        self.conn.close()
 
 
 async def _drain(queue: asyncio.Queue[runtime_pb2.ExpertRequest | None]) -> AsyncIterator[runtime_pb2.ExpertRequest]:

@@ -22,9 +22,9 @@ class _Handler:
 
     max_stream_bytes = 1 << 20
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: object):
+    async def serve_steps(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: object, port) -> None:
         async for _ in requests:
-            yield runtime_pb2.ExpertResponse()
+            port.reply(runtime_pb2.ExpertResponse())
 
 
 def test_stop_ends_open_connections_without_a_logged_exception() -> None:

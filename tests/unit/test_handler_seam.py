@@ -1,6 +1,7 @@
-"""The RPC handler against a fake executor with `EngineExecutor`'s methods (no model, no network): what reaches the
-executor is validated once and typed (positions, rollback, lone session), refusals are typed and counted under their
-reason (too long, bad request, cache full) before any device work, and `rpc_info` names the serving path."""
+"""The RPC handler against a fake executor with `EngineExecutor`'s methods (no model, no network; its sessions through
+the same-host socket's port): what reaches the executor is validated once and typed (positions, rollback, lone
+session), refusals are counted under their type's reason (too long, bad request, cache full) before any device work and
+told to the client, and `rpc_info` names the serving path."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from corolla.server.core.executor import (
     StepInputs,
 )
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
-from corolla.server.core.refusals import BadRequest, TooLong
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
@@ -37,6 +37,7 @@ from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.prefix_keys import with_hit
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
+from helpers.socket_session import socket_session
 
 H = 8
 LIMITS = ServingLimits(
@@ -135,15 +136,16 @@ def _request(hidden: torch.Tensor, **metadata) -> runtime_pb2.ExpertRequest:
     )
 
 
-async def _session(handler: TransformerConnectionHandler, requests: list[runtime_pb2.ExpertRequest]) -> list:
-    async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        for r in requests:
-            yield r
+async def _session(
+    handler: TransformerConnectionHandler, requests: list[runtime_pb2.ExpertRequest]
+) -> tuple[list[runtime_pb2.ExpertResponse], str | None]:
+    """One stream through the same-host socket's port: its replies and its error text (None: it ended cleanly)."""
+    payloads, error = await socket_session(handler, requests)
+    return [runtime_pb2.ExpertResponse.FromString(p) for p in payloads], error
 
-    outputs = []
-    async for response in handler.rpc_inference(stream(), _Context()):  # type: ignore[arg-type]
-        outputs.append(deserialize_tensor(response.tensors[0]))
-    return outputs
+
+def _outputs(responses: list[runtime_pb2.ExpertResponse]) -> list[torch.Tensor]:
+    return [deserialize_tensor(r.tensors[0]) for r in responses]
 
 
 def _rejected(handler: TransformerConnectionHandler, reason: str) -> float:
@@ -161,7 +163,7 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
     executor = FakeExecutor()
     handler = _handler(executor)
     a, b, c = torch.randn(1, 3, H), torch.randn(1, 1, H), torch.randn(1, 2, H)
-    outputs = _run(
+    responses, error = _run(
         _session(
             handler,
             [
@@ -172,7 +174,8 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
             ],
         )
     )
-    assert [o.shape[1] for o in outputs] == [3, 1, 2, 0]
+    outputs = _outputs(responses)
+    assert error is None and [o.shape[1] for o in outputs] == [3, 1, 2, 0]
     assert torch.equal(outputs[0], a * 2) and torch.equal(outputs[2], c * 2)
     assert [s.prefix_length for s in executor.steps] == [0, 3, 2]
     assert all(s.lone_session and s.prompts is None and s.hypo_ids is None for s in executor.steps)
@@ -181,25 +184,28 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
 
 
 @pytest.mark.parametrize(
-    "requests, error, reason",
+    "requests, start, reason",
     [
-        ([_request(torch.randn(1, 1, H), max_length=33)], TooLong, "too_long"),  # over inference_max_length
-        ([_request(torch.randn(1, 5, H), max_length=8), _request(torch.randn(1, 4, H))], TooLong, "too_long"),
-        ([_request(torch.randn(1, 1, H))], BadRequest, "bad_request"),  # no max_length
-        ([_request(torch.randn(1, 1, H + 1), max_length=8)], BadRequest, "bad_request"),
-        ([_request(torch.full((1, 1, H), float("nan")), max_length=8)], BadRequest, "bad_request"),
+        ([_request(torch.randn(1, 1, H), max_length=33)], "Cannot allocate KV cache for max_length=33", "too_long"),
+        ([_request(torch.randn(1, 5, H), max_length=8), _request(torch.randn(1, 4, H))],
+         "Maximum length exceeded: prefix 5 + current 4", "too_long"),
+        ([_request(torch.randn(1, 1, H))], "the first inference request must set metadata['max_length']",
+         "bad_request"),
+        ([_request(torch.randn(1, 1, H + 1), max_length=8)], "hidden_states last dimension must be hidden_size=8",
+         "bad_request"),
+        ([_request(torch.full((1, 1, H), float("nan")), max_length=8)], "hidden_states contains NaN", "bad_request"),
         ([_request(torch.randn(1, 1, H), max_length=8), _request(torch.randn(1, 1, H), start_from_position=5)],
-         BadRequest, "bad_request"),
-        ([_request(torch.randn(2, 1, H), max_length=32)], AllocationFailed, "cache_full"),
+         "start_from_position=5 must be in [0, 1]", "bad_request"),
+        ([_request(torch.randn(2, 1, H), max_length=32)], "Could not allocate 12800 bytes", "cache_full"),
     ],
 )  # fmt: skip
-def test_refusals_are_typed_and_counted_once(requests, error, reason) -> None:
+def test_refusals_are_typed_and_counted_once(requests, start, reason) -> None:
     executor = FakeExecutor(max_size_bytes=2 * 32 * 2 * BYTES_PER_TOKEN - 1)  # a batch of 2 x 32 tokens won't fit
     handler = _handler(executor)
     handler.core.configure(PeerLimits(max_kv_fraction_per_peer=1.0))  # the cache itself refuses, not a peer cap
-    with pytest.raises(error):
-        _run(_session(handler, requests))
-    assert _rejected(handler, reason) == 1
+    _, message = _run(_session(handler, requests))
+    assert message is not None and message.startswith(start)  # the client hears why
+    assert _rejected(handler, reason) == 1  # counted once, under the reason its type names
     assert sum(s.hidden_states.shape[1] for s in executor.steps) <= 5  # only steps before the refused one ran
 
 
@@ -216,20 +222,11 @@ def test_prefix_keys_reach_the_executor_under_the_clients_identity_and_the_probe
     handler = _handler(executor)
     keys = PrefixKeys(0, (b"a" * 16, b"b" * 16))
     more = PrefixKeys(2, (b"c" * 16,))
-    answers: list[runtime_pb2.ExpertResponse] = []
-
-    async def session(requests: list[runtime_pb2.ExpertRequest]) -> None:
-        async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            for r in requests:
-                yield r
-
-        async for response in handler.rpc_inference(stream(), _Context()):  # type: ignore[arg-type]
-            answers.append(response)
-
-    _run(session([
+    answers, error = _run(_session(handler, [
         _request(torch.randn(1, 0, H), max_length=32, session_id="s", **{PREFIX_KEY: keys.to_wire()}),
         _request(torch.randn(1, 3, H), **{PREFIX_KEY: more.to_wire()}),  # no start_from_position: at the hit
     ]))  # fmt: skip
+    assert error is None
     assert decode_metadata(answers[0].metadata)[PREFIX_HIT_KEY] == 16
     assert not answers[1].metadata or PREFIX_HIT_KEY not in decode_metadata(answers[1].metadata)
     assert [s.prefix_length for s in executor.steps] == [16]  # the zero-token probe never reaches the executor
@@ -247,10 +244,10 @@ def test_a_probe_that_rewinds_or_a_first_step_with_tokens_reuses_nothing() -> No
     executor = FakeExecutor()
     handler = _handler(executor)
     keys = PrefixKeys(0, (b"a" * 16,)).to_wire()
-    _run(_session(handler, [_request(torch.randn(1, 2, H), max_length=32, **{PREFIX_KEY: keys})]))
-    _run(
-        _session(handler, [_request(torch.randn(1, 0, H), max_length=32, start_from_position=0, **{PREFIX_KEY: keys})])
-    )
+    tokens = _request(torch.randn(1, 2, H), max_length=32, **{PREFIX_KEY: keys})
+    rewinds = _request(torch.randn(1, 0, H), max_length=32, start_from_position=0, **{PREFIX_KEY: keys})
+    for request in (tokens, rewinds):
+        assert _run(_session(handler, [request]))[1] is None
     assert [call[0] for call in executor.prefix_calls] == ["add", "add"]  # recorded for publication, never attached
     assert [s.prefix_length for s in executor.steps] == [0]
 

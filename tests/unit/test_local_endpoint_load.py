@@ -20,9 +20,9 @@ from corolla.server.front.local_endpoint import LocalEndpoint
 class _Handler:
     max_stream_bytes = 1 << 20
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: object):
+    async def serve_steps(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: object, port) -> None:
         async for _ in requests:
-            yield runtime_pb2.ExpertResponse()
+            port.reply(runtime_pb2.ExpertResponse())
 
 
 PEER = PeerID(b"\x12\x20" + bytes(range(32)))

@@ -29,6 +29,7 @@ from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.tensor_bytes import as_tensor
+from helpers.socket_session import socket_session
 
 H = 8
 NONE = runtime_pb2.CompressionType.NONE
@@ -307,11 +308,9 @@ def _requests(dtype: torch.dtype) -> list[runtime_pb2.ExpertRequest]:
     return requests
 
 
-class _Context:
-    remote_id = None
-
-
-async def _serve(dtype: torch.dtype) -> tuple[list[bytes], BaseException | None, int]:
+async def _serve(dtype: torch.dtype) -> tuple[list[bytes], str | None, int, str]:
+    """A session of `_requests` through the same-host socket's port: its replies' payloads, its error text, the steps
+    that reached the executor as bytes and the handler's metrics."""
     executor = _DoublingExecutor()
     handler = TransformerConnectionHandler(
         limits=_limits(dtype),
@@ -319,30 +318,21 @@ async def _serve(dtype: torch.dtype) -> tuple[list[bytes], BaseException | None,
         timeouts=SessionTimeouts(5, 30, 5),
         metrics=ServerMetrics(),
     )
-
-    async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        for request in _requests(dtype):
-            yield request
-
-    replies: list[bytes] = []
-    try:
-        async for response in handler.rpc_inference(stream(), _Context()):
-            replies.append(response.SerializeToString())
-    except Exception as e:
-        return replies, e, executor.byte_steps
-    return replies, None, executor.byte_steps
+    replies, error = await socket_session(handler, _requests(dtype))
+    return replies, error, executor.byte_steps, handler.metrics.render().decode()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 async def test_a_session_answers_its_steps_and_refuses_a_poisoned_one_with_the_general_error(dtype) -> None:
-    replies, error, byte_steps = await _serve(dtype)
+    replies, error, byte_steps, metrics = await _serve(dtype)
     assert byte_steps == 3  # the prefill and two decode steps; the poisoned step went the general way and was refused
     expected = []
     for request in _requests(dtype)[:3]:
         hidden = bf.deserialize_request(request.tensors)[0]
         expected.append(runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden * 2)]).SerializeToString())
     assert replies == expected
-    assert type(error) is bf.BadRequest and str(error) == "hidden_states contains NaN or infinite values"
+    assert error == "hidden_states contains NaN or infinite values"
+    assert 'corolla_requests_rejected_total{reason="bad_request"} 1.0' in metrics  # refused as a BadRequest, once
 
 
 def test_known_empty_records_answer_by_comparison_and_forgeries_still_take_the_full_check(monkeypatch) -> None:

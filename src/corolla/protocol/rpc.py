@@ -2,7 +2,9 @@
 (libp2p protocol ids) are `"TransformerConnectionHandler.rpc_<name>"`; message types come from the type hints.
 
 The server subclasses `TransformerConnectionHandler` and overrides the methods (its module must import the hinted
-names at module level: hivemind resolves hints with `typing.get_type_hints`). Clients use `get_stub(p2p, peer_id)`."""
+names at module level: hivemind resolves hints with `typing.get_type_hints`), but for `rpc_inference`: its streams are
+served over their connection (`server.front.stream_guard.steps_handler`), the declaration here names its handle and
+types. Clients use `get_stub(p2p, peer_id)`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`DirectEndpoint`: serves `rpc_inference` to corolla clients on the server's direct TCP port (`--direct_port`;
-protocol in `protocol.direct_stream`), through the handler's own `rpc_inference` as the p2p stream does. A client
+protocol in `protocol.direct_stream`), through the handler's own `serve_steps` as the p2p stream does. A client
 first gets a ticket over p2p (`DirectTicketRpc.rpc_direct_ticket`, a unary RPC stock Petals peers never call), then
 connects here; the stream's peer is the one the ticket was issued to, and its per-peer limits (sessions, KV share,
 stream bytes, idle timeouts) are that peer's, as on p2p.
@@ -103,7 +103,7 @@ class DirectTicketRpc:
 
 class DirectFront(StreamRpcs, Protocol):
     """What the direct port needs of the front it serves (`handler.TransformerConnectionHandler`): its
-    `rpc_inference`, the offer its ticket RPC hands out, its metrics, per-peer limits and stream byte budget."""
+    `serve_steps`, the offer its ticket RPC hands out, its metrics, per-peer limits and stream byte budget."""
 
     direct_offer: tuple[DirectListen, ds.TicketSecret] | None
     metrics: ServerMetrics

@@ -4,14 +4,14 @@ steps (`StepOrder`: client steps and pushed ones, de-duplicated by `step_id`, un
 `session_timeout`), how each step runs
 (`SessionSteps`: decoded once by `block_functions`, sent to the core through the one seam (`CoreClient.step`), its
 reply written from the step's completion and pushed on to the next server), the transport's end of it (`StepPort`:
-`stream_endpoint`'s over a connection, p2p's too; `PeerPort` for an in-process caller of `rpc_inference`), the registry of this front's streams (ended on shutdown) and
+`stream_endpoint`'s over a connection, p2p's too: `stream_guard.steps_handler`), the registry of this front's streams
+(ended on shutdown) and
 the KV hand-off of a draining server's sessions (`SessionHandoff`). `InferenceStreams` is the stream half of
 `handler.TransformerConnectionHandler`."""
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -546,59 +546,6 @@ class StepPort(Protocol):
         ...
 
 
-class PeerPort:
-    """`InferenceStreams.rpc_inference`'s `StepPort` (the stream as an async generator, for a caller in this process;
-    p2p's streams run over their connection, `stream_guard.steps_handler`): one task reads the client's requests (a
-    request ahead of the session at most: it waits for room while the session holds one), the replies wait here for the
-    stream's generator."""
-
-    def __init__(self) -> None:
-        self.replies: collections.deque[runtime_pb2.ExpertResponse] = collections.deque()
-        self.waiter: asyncio.Future[None] | None = None  # the generator's wait for a reply or the session's end
-        self._room: asyncio.Future[None] | None = None
-        self._reader: asyncio.Task[None] | None = None
-
-    def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read(order, requests))
-
-    async def _read(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
-        try:
-            while not order.ended:
-                try:
-                    request: runtime_pb2.ExpertRequest | None = await requests.__anext__()
-                except StopAsyncIteration:
-                    request = None
-                if order.holds_client_request:  # (a pushed step runs and the client's next waits for it)
-                    self._room = asyncio.get_running_loop().create_future()
-                    await self._room
-                order.client(request)
-                if request is None or not request.tensors:
-                    return
-        except Exception as e:  # the stream's own errors (a bad message, a membership proof refused)
-            order.fail(e)
-
-    def ready(self) -> None:
-        room = self._room
-        if room is not None and not room.done():
-            room.set_result(None)
-
-    def reply(self, response: runtime_pb2.ExpertResponse) -> None:
-        self.replies.append(response)
-        self.wake()
-
-    def wake(self, _: object = None) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def drain(self) -> None:
-        return None
-
-    def detach(self) -> None:
-        if self._reader is not None and self._reader is not asyncio.current_task():
-            self._reader.cancel()
-
-
 class SessionSteps:
     """How one session runs the steps its `StepOrder` hands it (`run`), without a task per step: the first step's
     prefix probe, a draining server's KV export, a re-sent step's cached reply, else the step decoded once and sent to
@@ -735,8 +682,9 @@ class SessionSteps:
 
 class InferenceStreams:
     """The stream half of the front's RPC service (`handler.TransformerConnectionHandler`, which sets these
-    attributes): `rpc_inference` (p2p) and `serve_steps` (every transport: the socket's streams call it directly),
-    their steps, the pushes on to the next server, and the refusals' one count."""
+    attributes): `serve_steps`, every transport's `rpc_inference` stream (p2p's through `stream_guard.steps_handler`,
+    the sockets' through `stream_endpoint.serve_inference`), its steps, the pushes on to the next server, and the
+    refusals' one count."""
 
     limits: ServingLimits
     core: CoreClient  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
@@ -749,29 +697,6 @@ class InferenceStreams:
     prefix_trust: PrefixTrust  # whose cached prefixes a session reuses (the operator may share them all)
     p2p: P2P | None
     _push_tasks: set[asyncio.Task]
-
-    async def rpc_inference(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """The stream as an async generator (hivemind's servicer method, for a caller in this process: p2p's streams
-        are served over their connection by `stream_guard.steps_handler`): `serve_steps` in a task of its own, its
-        replies yielded as they come (`PeerPort`)."""
-        port = PeerPort()
-        serving = asyncio.ensure_future(self.serve_steps(requests, context, port))
-        serving.add_done_callback(port.wake)
-        try:
-            while True:
-                while port.replies:
-                    yield port.replies.popleft()
-                if serving.done():
-                    break
-                port.waiter = asyncio.get_running_loop().create_future()
-                await port.waiter
-            serving.result()  # the session's error, if any
-        finally:
-            port.waiter = None
-            if not serving.done():
-                serving.cancel()
 
     async def serve_steps(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort

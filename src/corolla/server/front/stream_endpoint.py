@@ -509,11 +509,7 @@ class StreamRpcs(Protocol):
 
     max_stream_bytes: int  # the largest message the front takes (a frame's payload bound follows from it)
 
-    def rpc_inference(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
-
-    async def serve_steps(
+    async def serve_steps(  # `rpc_inference`
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort
     ) -> None: ...
 
