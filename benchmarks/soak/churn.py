@@ -320,7 +320,7 @@ def _probe_abandoned_client(config: ChurnConfig, report: ChurnReport, swarm: Loc
         report.probe_result = results[-1].error or "its generation finished before the swarm stopped"
 
 
-def _collect(report: ChurnReport, clients: Sequence[ChildProcess], reference: Sequence[Sequence[int]]) -> None:
+def collect_results(report: ChurnReport, clients: Sequence[ChildProcess], reference: Sequence[Sequence[int]]) -> None:
     """Counts every client's results into `report`: failed and differing generations, the slowest one, and the
     steps refused because other servers outvoted the server's answer (the liar's lies caught)."""
     for client in clients:
@@ -461,7 +461,7 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                         time.sleep(0.1)
                     logger.info(f"churn.chaos_over({chaos.counters})")
                     _wait_clients_done(generating, chaos, faults, config.client_finish_timeout_s)
-                    _collect(report, generating, reference)
+                    collect_results(report, generating, reference)
                     if hoarder is not None:
                         try:
                             report.hoarding = _hoarder_counts(hoarder, config.client_finish_timeout_s)

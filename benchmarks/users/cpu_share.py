@@ -36,7 +36,7 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[str, int, float] | None:
+def process_stat(pid: int) -> tuple[str, int, float] | None:
     """(name, parent pid, CPU seconds: utime + stime) of a live process, from /proc/<pid>/stat."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -49,7 +49,7 @@ def _stat(pid: int) -> tuple[str, int, float] | None:
 
 
 def _process_cpu_s(pid: int) -> float:
-    stat = _stat(pid)
+    stat = process_stat(pid)
     return stat[2] if stat is not None else 0.0
 
 
@@ -58,7 +58,7 @@ def _p2pd_children_cpu_s(parent: int) -> float:
     total = 0.0
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            stat = _stat(int(entry))
+            stat = process_stat(int(entry))
             if stat is not None and stat[0] == "p2pd" and stat[1] == parent:
                 total += stat[2]
     return total

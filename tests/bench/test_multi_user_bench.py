@@ -120,10 +120,10 @@ def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_the_socket_a
 
 
 def _p2pd_children() -> list[int]:
-    from benchmarks.users.cpu_share import _stat
+    from benchmarks.users.cpu_share import process_stat
 
     pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
-    return [p for p in pids if (s := _stat(p)) is not None and s[0] == "p2pd" and s[1] == os.getpid()]
+    return [p for p in pids if (s := process_stat(p)) is not None and s[0] == "p2pd" and s[1] == os.getpid()]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.soak.churn import ChurnConfig, ChurnReport, _collect, run_churn
+from benchmarks.soak.churn import ChurnConfig, ChurnReport, collect_results, run_churn
 from benchmarks.soak.leftovers import RUN_MARKER_ENV, find_leftovers, kill_all, orphans_among
 from benchmarks.soak.worker import DONE_LINE, GenerationResult
 
@@ -110,7 +110,7 @@ def test_collect_counts_wrong_failed_and_unfinished_generations() -> None:
     wrong = GenerationResult("a", 1, 0, True, [5, 6, 8], 0.3)
     failed = GenerationResult("b", 0, 0, False, [], 4.0, "MissingBlocksError: no servers")
     report = ChurnReport(seed=0, duration_s=1.0)
-    _collect(report, [_client("a", [good, wrong]), _client("b", [failed, good], done=False)], reference)
+    collect_results(report, [_client("a", [good, wrong]), _client("b", [failed, good], done=False)], reference)
     assert report.generations == 4
     assert report.differing == 1 and "prompt 0" in report.differences[0]
     assert report.failed == 2  # the error, and client b's generation that never finished
@@ -119,7 +119,7 @@ def test_collect_counts_wrong_failed_and_unfinished_generations() -> None:
     assert not report.ok
 
     clean = ChurnReport(seed=0, duration_s=1.0)
-    _collect(clean, [_client("a", [good, good])], reference)
+    collect_results(clean, [_client("a", [good, good])], reference)
     assert clean.ok and clean.generations == 2
 
 

@@ -144,12 +144,12 @@ def test_web_tools_stop_with_the_swarm_while_still_starting(tmp_path: Path) -> N
     """The health page and the API belong to the demo's swarm: leaving its block (Ctrl-C at any point) stops them
     with the servers, even while they still start up and the demo's own process lives on. (They were once left to
     their parent-death signal, and a tool caught mid-start-up outlived the demo in CI.)"""
-    from corolla.cli.demo import _launch_web_tools
+    from corolla.cli.demo import launch_web_tools
     from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
     with LocalSwarm(LocalSwarmConfig(log_dir=tmp_path, stop_grace_s=5.0)) as swarm:
         swarm.start_bootstrap()
-        tools = _launch_web_tools(swarm, DEMO_CHECKPOINT_DIR)
+        tools = launch_web_tools(swarm, DEMO_CHECKPOINT_DIR)
         assert [tool.name for tool in tools] == ["health", "api"]
         time.sleep(1.0)  # they are importing and joining the DHT, not yet serving
         assert all(tool.process.proc.poll() is None for tool in tools)

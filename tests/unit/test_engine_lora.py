@@ -156,15 +156,15 @@ def test_serving_rule_keeps_adapters_off_spans_without_support() -> None:
 
 
 def test_adapters_on_an_nf4_span_equal_the_quantized_blocks() -> None:
-    bnb = pytest.importorskip("bitsandbytes")
-    from corolla.models.quantization import QuantType, _quantized_linear
+    pytest.importorskip("bitsandbytes")
+    from corolla.models.quantization import QuantType, quantized_linear
 
     blocks = make_blocks(adapters={})
     for block in blocks:  # as the server places a block: quantized first (CPU here), adapters after
         for parent in list(block.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
-                    setattr(parent, name, _quantized_linear(child, QuantType.NF4, bnb).to("cpu"))
+                    setattr(parent, name, quantized_linear(child, QuantType.NF4).to("cpu"))
     torch.manual_seed(3)
     rank_modules = {"mid": (4, ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"])}
     config = blocks[0].config

@@ -26,7 +26,7 @@ from corolla.engine.moe.routed_experts import (
 )
 from corolla.engine.quant.quant_weights import quantized_weight_of
 from corolla.models.layers import SparseMoE
-from corolla.models.quantization import KEEP_FULL_PRECISION, QuantType, _quantized_linear
+from corolla.models.quantization import KEEP_FULL_PRECISION, QuantType, quantized_linear
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
 from helpers.numerics import rel_err
@@ -141,7 +141,7 @@ def quantize_on_cpu(block: nn.Module, kind: str) -> nn.Module:
     for parent in list(block.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in KEEP_FULL_PRECISION:
-                setattr(parent, name, _quantized_linear(child, QuantType.parse(kind), bnb).to("cpu"))
+                setattr(parent, name, quantized_linear(child, QuantType.parse(kind)).to("cpu"))
     return block
 
 

@@ -74,7 +74,7 @@ def test_int8_format_matches_bitsandbytes() -> None:
     assert torch.allclose(ref.dequantize().float(), weight.float(), atol=float(row_absmax.max()) / 127)
 
 
-def test_quantized_linear_matches_bitsandbytes_layer() -> None:
+def testquantized_linear_matches_bitsandbytes_layer() -> None:
     torch.manual_seed(2)
     ops = DecodeOps(torch.device("cpu"), 64, use_triton=False)
     weight = (torch.randn(256, 512) * 0.03).to(torch.bfloat16)
@@ -194,11 +194,11 @@ def test_qwen3_layer_matches_transformers() -> None:
 def test_int8_weight_is_read_after_a_plain_forward_moved_its_scales() -> None:
     """bitsandbytes moves an Int8 layer's row scales from `weight.SCB` to `module.state.SCB` on its first forward;
     the engine must still read them (a server whose plain path ran once before the engine is built)."""
-    from corolla.models.quantization import QuantType, _quantized_linear
+    from corolla.models.quantization import QuantType, quantized_linear
 
     torch.manual_seed(3)
     linear = torch.nn.Linear(128, 64, bias=False).to(torch.float16)
-    module = _quantized_linear(linear, QuantType.parse("int8"), bnb).to("cpu")
+    module = quantized_linear(linear, QuantType.parse("int8")).to("cpu")
     before = quantized_weight_of(module, torch.float16)
     module(torch.randn(2, 128, dtype=torch.float16))
     assert getattr(module.weight, "SCB", None) is None  # the move this test is about happened

@@ -59,22 +59,25 @@ def backend() -> SpanBackend:
     return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
 
 
-def _engine(backend: SpanBackend, runtime: Runtime, *, fused: bool) -> EngineExecutor:
+def make_executor(backend: SpanBackend, runtime: Runtime, *, fused: bool) -> EngineExecutor:
     config = EngineConfig(kv_pool_bytes=POOL_BYTES, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
     engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=fused)
     assert engine.fused == fused
     return EngineExecutor(backend, engine, runtime, ServerMetrics())
 
 
-def _fused(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
-    return _engine(backend, runtime, fused=True)
+def fused_executor(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
+    return make_executor(backend, runtime, fused=True)
 
 
-def _eager(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
-    return _engine(backend, runtime, fused=False)
+def eager_executor(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
+    return make_executor(backend, runtime, fused=False)
 
 
-EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], EngineExecutor]] = {"eager": _eager, "fused": _fused}
+EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], EngineExecutor]] = {
+    "eager": eager_executor,
+    "fused": fused_executor,
+}
 
 
 # a handler process's seam to the core (`--num_handlers` > 1) over a socketpair to a device channel serving the
@@ -83,7 +86,7 @@ KINDS = sorted(EXECUTORS) + ["proxy_eager", "proxy_fused"]
 
 
 @contextlib.asynccontextmanager
-async def _proxied(real: EngineExecutor, core: SpanCore | None = None) -> AsyncIterator[DeviceLink]:
+async def proxied_executor(real: EngineExecutor, core: SpanCore | None = None) -> AsyncIterator[DeviceLink]:
     device_end, handler_end = socket.socketpair()
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
@@ -135,7 +138,7 @@ async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[EngineExec
     with Runtime(max_batch_size_tokens=1024) as runtime:
         if kind.startswith("proxy_"):
             real = EXECUTORS[kind.removeprefix("proxy_")](backend, runtime)
-            async with _proxied(real) as link:
+            async with proxied_executor(real) as link:
                 yield _ThroughCore(RemoteCore(link), real)  # type: ignore[misc]
         else:
             yield EXECUTORS[kind](backend, runtime)
@@ -365,10 +368,10 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
 
     limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _eager(backend, runtime)
+        real = eager_executor(backend, runtime)
         core = SpanCore(real, limits)
         device_admission = core.admission
-        async with _proxied(real, core) as first, _proxied(real, core) as second:
+        async with proxied_executor(real, core) as first, proxied_executor(real, core) as second:
             spec = SessionSpec(SPAN, 1, 16)
             async with RemoteCore(first).open_session("peer-a", spec, 0, None, None) as (ticket, cache):
                 assert cache is not None and device_admission.num_open == 1
@@ -388,10 +391,10 @@ async def test_the_device_admission_learns_what_an_opening_request_brings(backen
     that such an open does not wait in the page line."""
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _eager(backend, runtime)
+        real = eager_executor(backend, runtime)
         core = SpanCore(real, PeerLimits(max_kv_fraction_per_peer=1.0))
         device_admission = core.admission
-        async with _proxied(real, core) as proxy:
+        async with proxied_executor(real, core) as proxy:
             for opening in (0, 7, None):
                 async with RemoteCore(proxy).open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, None, None,
                                                           opening_tokens=opening):  # fmt: skip
@@ -405,9 +408,9 @@ async def test_forward_slots_are_the_device_processes(backend) -> None:
 
     hidden = torch.randn(1, 3, H)
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _eager(backend, runtime)
+        real = eager_executor(backend, runtime)
         core = SpanCore(real, PeerLimits(max_forwards_per_peer=1))
-        async with _proxied(real, core) as proxy:
+        async with proxied_executor(real, core) as proxy:
             remote = RemoteCore(proxy)
             inputs = ForwardInputs(hidden, None, "")
             async with core.forward_slots.hold("peer-a"):  # the peer's one slot, taken through another front
@@ -425,9 +428,9 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
     from corolla.server.front.inference_stream import PushInbox
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _eager(backend, runtime)
+        real = eager_executor(backend, runtime)
         core = SpanCore(real)
-        async with _proxied(real, core) as holder, _proxied(real, core) as other:
+        async with proxied_executor(real, core) as holder, proxied_executor(real, core) as other:
             holding, receiving = RemoteCore(holder), RemoteCore(other)
             inbox = PushInbox("session-1", SessionPushGuard(upstream="upstream"))
             queue = inbox.queue

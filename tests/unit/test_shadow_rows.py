@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from tests.unit.test_executor_contract import SPAN, _eager, _engine, _proxied, backend  # noqa: F401  (a fixture)
+from tests.unit.test_executor_contract import SPAN, backend, eager_executor, make_executor, proxied_executor  # noqa: F401  (a fixture)
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
@@ -101,7 +101,7 @@ async def test_a_shadows_positions_ride_as_rows_and_equal_a_real_sessions_steps(
     torch.manual_seed(4)
     inputs = torch.randn(1, 12, H)
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        executor = _engine(backend, runtime, fused=fused)
+        executor = make_executor(backend, runtime, fused=fused)
         decoded: list[list[int]] = []
         decode_many = executor.engine.decode_many
 
@@ -151,7 +151,7 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
     lead_after_s = 0.4  # (longer than the server's, so that a loaded machine's late wake-up cannot pass it)
     monkeypatch.setattr(engine_executor, "SHADOW_LEAD_AFTER_S", lead_after_s)
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        executor = _eager(backend, runtime)
+        executor = eager_executor(backend, runtime)
         async with (
             executor.open_session(SessionSpec(SPAN, 1, 32), None) as real,
             executor.open_session(SessionSpec(SPAN, 1, 32, shadow=True), None) as shadow,
@@ -270,7 +270,7 @@ def test_the_queue_ranks_a_held_step_at_its_lead_time() -> None:
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _eager(backend, runtime)
+        real = eager_executor(backend, runtime)
         opened: list[SessionSpec] = []
         open_real = real.open_session
 
@@ -279,7 +279,7 @@ async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> Non
             return open_real(spec, alloc_timeout_s)
 
         real.open_session = spying  # type: ignore[method-assign]
-        async with _proxied(real) as link:
+        async with proxied_executor(real) as link:
             core = RemoteCore(link)
             for shadow in (True, False):
                 async with core.open_session("peer", SessionSpec(SPAN, 1, 16, shadow=shadow), None, None, None):

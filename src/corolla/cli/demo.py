@@ -110,7 +110,7 @@ def _port_open(port: int) -> bool:
 
 
 @dataclass
-class _WebTool:
+class WebTool:
     """The health page or the OpenAI-compatible API, started beside the swarm on a free loopback port."""
 
     name: str
@@ -123,7 +123,7 @@ class _WebTool:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _launch_web_tools(swarm: LocalSwarm, model_dir: Path) -> list[_WebTool]:
+def launch_web_tools(swarm: LocalSwarm, model_dir: Path) -> list[WebTool]:
     """Starts `corolla-health` and `corolla-api` for the swarm without waiting (they boot while servers load).
     The swarm owns them: they stop with its servers (SIGTERM, then SIGKILL after the grace) however the demo ends,
     Ctrl-C while they still start included, rather than being left to their parent-death signal."""
@@ -140,7 +140,7 @@ def _launch_web_tools(swarm: LocalSwarm, model_dir: Path) -> list[_WebTool]:
             continue
         port = _free_loopback_port()
         process = swarm.start_process(module, *args, "--host", "127.0.0.1", "--port", str(port), name=name)
-        started.append(_WebTool(name, process, port, line.format(port=port)))
+        started.append(WebTool(name, process, port, line.format(port=port)))
     return started
 
 
@@ -151,7 +151,7 @@ def _http_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float
         return json.loads(response.read())
 
 
-def _show_web_tools(tools: Sequence[_WebTool], prompt: str, timeout_s: float) -> list[str]:
+def _show_web_tools(tools: Sequence[WebTool], prompt: str, timeout_s: float) -> list[str]:
     """Waits (bounded) until each tool answers, shows what it says about the swarm, returns the URL lines."""
     lines = []
     deadline = time.monotonic() + timeout_s
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         with LocalSwarm(config) as swarm:
             swarm.start(model_dir, block_ranges, wait=False)  # the servers load their blocks in the background
             print(f"Bootstrap node: {swarm.initial_peers[0]}", flush=True)
-            tools = [] if args.no_web else _launch_web_tools(swarm, model_dir)
+            tools = [] if args.no_web else launch_web_tools(swarm, model_dir)
             client_config = ClientConfig(daemon_startup_timeout_s=args.startup_timeout_s, request_timeout_s=60.0,
                                          max_retries=3, show_route="never")  # fmt: skip
             # the client joins (and loads the embeddings and head) while the servers load their blocks

@@ -51,7 +51,10 @@ def _import_bnb():
     return bnb
 
 
-def _quantized_linear(linear: nn.Linear, quant_type: QuantType, bnb) -> nn.Module:
+def quantized_linear(linear: nn.Linear, quant_type: QuantType) -> nn.Module:
+    """`linear` as bitsandbytes' layer of `quant_type` (INT8 or NF4), on the CPU (bitsandbytes quantizes there too;
+    `quantize_block` moves it to its device)."""
+    bnb = _import_bnb()
     weight = linear.weight.detach().cpu()
     has_bias = linear.bias is not None
     # The layers are built on the meta device: their own (random, fp32, CPU) initial weight is replaced below, and
@@ -91,14 +94,14 @@ def quantize_block(block: nn.Module, quant_type: QuantType | str, device: torch.
         return block if getattr(block, "tensor_parallel_devices", None) else block.to(device)
     if device.type != "cuda":
         raise ValueError(f"quant_type {quant_type.label} needs a CUDA device, got {device}")
-    bnb = _import_bnb()
+    _import_bnb()  # (refused before any layer is replaced)
     block.requires_grad_(False)
     replaced = 0
     for parent in list(block.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in KEEP_FULL_PRECISION:
                 target = child.weight.device if child.weight.device.type == "cuda" else device
-                setattr(parent, name, _quantized_linear(child, quant_type, bnb).to(target))
+                setattr(parent, name, quantized_linear(child, quant_type).to(target))
                 replaced += 1
     if not getattr(block, "tensor_parallel_devices", None):
         block.to(device)
