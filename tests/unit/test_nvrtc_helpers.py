@@ -11,6 +11,7 @@ import pytest
 
 import corolla.engine.kernels.nvrtc_kernels as nvrtc_kernels
 import corolla.engine.quant as quant
+from corolla.engine.quant import quant_tile_gemv
 
 HELPERS = ("ld_stream", "ld_stream_256", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded",
            "silu_times", "unpack_pair", "pack_pair", "sum_squares", "norm_pair", "grid_release", "grid_wait",
@@ -83,3 +84,25 @@ def test_launch_config_has_cuda_h_layout() -> None:
     assert (config.shared_bytes, config.stream, config.num_attrs) == (4096, 1234, 1)
     assert (config.attrs.contents.id, config.attrs.contents.value) == (6, 1)
     assert nvrtc_kernels.launch_config((1, 1, 1), 32, 0, 0, False)[0].num_attrs == 0
+
+
+def _compile_tile(grouped: bool, prologue: int, experts: bool) -> bytes:
+    """The NF4 tile GEMV compiled for an H200 (sm_90a) on the CPU; skipped where NVRTC is not found."""
+    kernel = quant_tile_gemv.tile_kernel(
+        quant_tile_gemv.NF4_TILE_CONFIGS[0], True, True, False, prologue, True, experts, grouped
+    )
+    options = ["--gpu-architecture=sm_90a", "--std=c++17", *(f"-D{k}={v}" for k, v in kernel.defines.items())]
+    try:
+        return nvrtc_kernels.compile_cubin(kernel.source, kernel.name, options)
+    except RuntimeError as e:
+        if "NVRTC not found" in str(e):
+            pytest.skip(str(e)[:200])
+        raise
+
+
+def test_the_grouped_tile_gemv_refuses_the_prologue_at_compile_time() -> None:
+    # GROUPED places the warps' sums right after the group's x: with the prologue's gain there too they would overlap
+    assert _compile_tile(grouped=False, prologue=quant_tile_gemv.RMSNORM, experts=False)
+    assert _compile_tile(grouped=True, prologue=0, experts=True)
+    with pytest.raises(RuntimeError, match="the grouped experts form runs no RMSNorm prologue"):
+        _compile_tile(grouped=True, prologue=quant_tile_gemv.RMSNORM, experts=True)

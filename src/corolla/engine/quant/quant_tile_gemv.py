@@ -99,6 +99,9 @@ typedef unsigned char u8;
 #define THREADS (WARPS * 32)
 #define SLOTS (DEPTH + 1)  // register slots of units: DEPTH in flight while one is decoded
 #define XS_OFF 1024  // shared memory: [0, 1024) nested code table, then x, then the warps' sums
+// GROUPED places the warps' sums after the group's GROUP x with no room for the RMSNorm prologue's gain (the
+// experts form runs no prologue): a build with both would overlap them
+static_assert(!(GROUPED && PRO), "the grouped experts form runs no RMSNorm prologue");
 
 extern __shared__ __align__(16) unsigned char smem[];
 
@@ -521,7 +524,7 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad NF4 tile GEMV config {config}")
 
 
-def _kernel(
+def tile_kernel(
     config: tuple[int, int, int, int, int],
     x_bf16: bool,
     out_bf16: bool,
@@ -531,6 +534,8 @@ def _kernel(
     experts: bool = False,
     grouped: bool = False,
 ) -> NvrtcKernel:
+    """The kernel's build for these dtypes (bf16, else fp16), residual, prologue (PROLOGUE_CODES), gated and experts
+    forms (one per process, compiled on its first launch; `grouped` with a prologue is refused when it compiles)."""
     key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(grouped))
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
@@ -616,7 +621,7 @@ def nf4_tile_gemv(
     out = torch.empty((m, n // 2 if gated else n), dtype=weight.dtype, device=x.device)
     res = residual if residual is not None else out
     gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
-    kernel = _kernel(config, x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, residual is not None,
+    kernel = tile_kernel(config, x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, residual is not None,
                      prologue, gated)  # fmt: skip
     ptr = ctypes.c_void_p
     weights = [ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr())]
@@ -671,7 +676,9 @@ def nf4_tile_gemv_experts(
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
     out = torch.empty((a, n // 2 if gated else n), dtype=first.dtype, device=x.device)
-    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, grouped)
+    kernel = tile_kernel(
+        config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, grouped
+    )
     ptr = ctypes.c_void_p
     experts = [ptr(addresses.data_ptr()), ptr(offsets.data_ptr()), ptr(routes.data_ptr()), ctypes.c_int(e),
                ctypes.c_int(rows_per_x), ctypes.c_int(a)]  # fmt: skip
