@@ -61,7 +61,7 @@ def route_for(prompt: str, step: int) -> list[tuple[FakeSpan, str]]:
 
 
 class RoutedBackend:
-    """Greedy text "abcabc..." (never EOS), `token_delay_s` per step; reports `route_for(prompt, step)` each step
+    """Text "abcabc..." under any sampling (never EOS), `token_delay_s` per step; reports `route_for(prompt, step)` each step
     as `SwarmBackend` reports its session's chain."""
 
     model_id = MODEL
@@ -90,8 +90,10 @@ class RoutedBackend:
             for step in range(max_length - len(prompt_ids)):
                 time.sleep(self.token_delay_s)
                 trace.step(route_for(prompt, step))
-                logits = torch.zeros(NUM_LOGITS)
-                logits[1 + step % 3] = 10.0
+                # every other token (EOS too) impossible: requests sample at the API's default temperature 1.0,
+                # under which a margin of 10 still drew another token now and then (EOS ~1 step in 22,000)
+                logits = torch.full((NUM_LOGITS,), float("-inf"))
+                logits[1 + step % 3] = 0.0
                 yield logits
         finally:
             trace.finish()
