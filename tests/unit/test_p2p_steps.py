@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -16,7 +17,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
 from corolla.server.front import stream_guard
-from corolla.server.front.stream_endpoint import PeerFrames, StreamBudget
+from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, PeerStreamPort, StreamBudget
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 BOUND_S = 5.0
@@ -205,3 +206,70 @@ def test_a_caller_that_stops_inside_a_header_is_cut_off_and_answered() -> None:
     assert runtime_pb2.ExpertResponse.FromString(frames[0][1]).metadata == b"p.0"
     assert len(rejected) == 1 and isinstance(rejected[0], StreamStalled)
     assert frames[-1][0] == P2P.ERROR_MARKER and "stream_idle_timeout" in RPCError.FromString(frames[-1][1]).message
+
+
+class _Transport(asyncio.Transport):
+    """Records whether the connection's reading is paused (nothing is written anywhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data) -> None:
+        pass
+
+    def writelines(self, list_of_data) -> None:
+        pass
+
+
+class _HoldingOrder:
+    """A session waiting for the client's next request (its port delivering) that records what it is handed."""
+
+    ended = False
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def client(self, request: runtime_pb2.ExpertRequest | None) -> None:
+        self.seen.append("" if request is None else request.uid)
+
+    def fail(self, error: BaseException) -> None:
+        self.ended = True
+
+
+def test_a_caller_that_does_not_read_its_replies_cannot_make_the_server_buffer_its_input() -> None:
+    """While the caller takes no replies (a pushed step's reply filled the pipe as its next request was awaited), its
+    requests wait, and so must its bytes: reading pauses once `2 * limit_bytes` wait unread, as it does between steps
+    (the port's delivery callback, left armed, took every chunk and paused nothing: the server buffered whatever the
+    caller sent)."""
+
+    async def run() -> tuple[_Transport, FrameConnection, _HoldingOrder]:
+        conn = FrameConnection(header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header)
+        transport = _Transport()
+        conn.connection_made(transport)
+        port = PeerStreamPort(conn, PeerFrames(), sys.maxsize, lease=None, idle_s=None, timeline=None)
+        order = _HoldingOrder()
+        port.attach(order, None)  # type: ignore[arg-type]
+        port.ready()  # nothing buffered: the next request is delivered when its bytes arrive
+        conn.pause_writing()  # the caller stopped reading its replies
+        for i in range(64):  # ~1 MiB of whole requests, none of which can be run now
+            conn.data_received(_message(f"p.{i}", filler=16 * 1024))
+        paused = not transport.is_reading()
+        conn.resume_writing()  # the caller reads again: its first request is handed over
+        assert paused, "the caller's input was buffered without bound while its replies waited"
+        return transport, conn, order
+
+    _, _, order = asyncio.run(run())
+    assert order.seen == ["p.0"]

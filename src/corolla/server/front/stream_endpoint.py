@@ -761,7 +761,8 @@ class SocketPort:
             self._input_failed(ConnectionResetError("Connection lost"))
             order.client(None)
             return
-        if conn.writing_paused:  # the client does not take its replies: its next request waits
+        if conn.writing_paused:  # the client does not take its replies: its next request waits, and so do its bytes
+            conn.stop_delivery()  # (reading pauses once 2 x limit wait unread, as between steps)
             conn.on_writable = self.ready
             return
         self._release()
