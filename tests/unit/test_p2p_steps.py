@@ -16,7 +16,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
-from corolla.server.front import stream_guard
+from corolla.server.front import stream_endpoint, stream_guard
 from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, PeerStreamPort, StreamBudget
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
@@ -273,3 +273,40 @@ def test_a_caller_that_does_not_read_its_replies_cannot_make_the_server_buffer_i
 
     _, _, order = asyncio.run(run())
     assert order.seen == ["p.0"]
+
+
+def test_a_caller_that_never_reads_does_not_keep_the_stream_open_after_it_ends(monkeypatch) -> None:
+    """A stream whose caller takes none of its replies is closed (its socket released, what waited to go out dropped)
+    within `CLOSE_FLUSH_S` of its end: a close that waits for the buffered replies to be read would hold the socket and
+    the buffer for as long as the caller keeps its side open."""
+
+    async def flood(requests, context, port) -> None:
+        await requests.__anext__()
+        for _ in range(8):  # more than the socket pair's buffers hold: the rest waits in the transport
+            port.reply(runtime_pb2.ExpertResponse(metadata=b"\x00" * (1 << 20)))
+        raise ValueError("bad step")
+
+    monkeypatch.setattr(stream_endpoint, "CLOSE_FLUSH_S", 0.2)
+
+    async def run() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        p2p = type("P2PStub", (), {"peer_id": "server"})()
+        handle = stream_guard.steps_handler(
+            p2p, "rpc_inference", flood, StreamBudget(PeerLimits()), on_reject=lambda name, e: None
+        )
+        await loop.sock_sendall(theirs, _message("p.0") + END)
+        info = type("Info", (), {"peer_id": CLIENT_PEER})()
+        await asyncio.wait_for(handle(info, reader, writer), BOUND_S)
+        transport = writer.transport
+        deadline = loop.time() + BOUND_S
+        while transport.get_extra_info("socket").fileno() != -1 and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        released = transport.get_extra_info("socket").fileno() == -1
+        theirs.close()
+        return released, transport.is_closing()
+
+    released, closing = asyncio.run(run())
+    assert closing and released, "the stream's socket was held open by replies its caller never read"

@@ -48,6 +48,7 @@ HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference", "rpc_forward_stream", "rpc_backward_stream")
 CLOSE_WAIT_S = 10.0
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
+CLOSE_FLUSH_S = 5.0  # after a close, how long what waits to go out may wait for the peer to take it
 
 
 DEFAULT_LIMIT_BYTES = 1 << 16
@@ -440,8 +441,14 @@ class FrameConnection(asyncio.Protocol):
             self.transport.write_eof()
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        """Closes the connection once what waits to go out is sent, or drops it after `CLOSE_FLUSH_S`: a peer that
+        takes none of it would otherwise hold the socket and the buffer for as long as it keeps its side open."""
+        transport = self.transport
+        if transport is None:
+            return
+        transport.close()
+        if transport.get_write_buffer_size() and self._loop is not None:
+            self._loop.call_later(CLOSE_FLUSH_S, transport.abort)
 
 
 class Connections:
