@@ -66,13 +66,15 @@ def _echo(seen: list, tasks: list[int]):
     return serve
 
 
-async def _serve(serve, budget: StreamBudget, send, rejected: list) -> bytes:
+async def _serve(serve, budget: StreamBudget, send, rejected: list, transports: list | None = None) -> bytes:
     """Serves one stream of what `send(client_socket)` sends, as hivemind's listener hands it over (a reader that
     may have buffered its first bytes, a writer); returns all the client read up to the stream's clean close."""
     loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair()
     theirs.setblocking(False)
     reader, writer = await asyncio.open_unix_connection(sock=ours)
+    if transports is not None:
+        transports.append(writer.transport)
     p2p = type("P2PStub", (), {"peer_id": "server"})()
     handle = stream_guard.steps_handler(
         p2p, "rpc_inference", serve, budget, on_reject=lambda name, e: rejected.append(e)
@@ -310,3 +312,52 @@ def test_a_caller_that_never_reads_does_not_keep_the_stream_open_after_it_ends(m
 
     released, closing = asyncio.run(run())
     assert closing and released, "the stream's socket was held open by replies its caller never read"
+
+
+def test_every_way_a_stream_ends_releases_its_socket_its_bytes_and_its_tasks() -> None:
+    """hivemind's listener hands the connection over and forgets it: whichever way the stream ends (the caller's end,
+    a close mid-message, a refused message, the session's error, a stall inside a header), its socket is closed, its
+    charged bytes given back and no task is left behind."""
+
+    async def refuse(requests, context, port) -> None:
+        await requests.__anext__()
+        raise ValueError("bad step")
+
+    def sender(data: bytes, *, shut: bool = False, wait_s: float = 0.0):
+        async def send(sock: socket.socket) -> None:
+            await asyncio.get_running_loop().sock_sendall(sock, data)
+            await asyncio.sleep(wait_s)
+            if shut:
+                sock.shutdown(socket.SHUT_WR)
+
+        return send
+
+    endings = [
+        (_echo([], []), sender(_message("p.0") + _message("p.1") + END)),
+        (_echo([], []), sender(_message("p.0") + _message("p.1")[:-3], shut=True)),
+        (_echo([], []), sender(_message("p.0") + _message("p.1", filler=500) + END)),
+        (refuse, sender(_message("p.0") + _message("p.1") + END)),
+        (_echo([], []), sender(_message("p.0") + _message("p.1")[:4], shut=True, wait_s=0.5)),
+    ]
+
+    async def run() -> tuple[list, int, int, list, int]:
+        budget, rejected, transports = (
+            StreamBudget(PeerLimits(max_stream_message_bytes=200, stream_idle_timeout_s=0.2)),
+            [],
+            [],
+        )
+        before = len(asyncio.all_tasks())
+        for serve, send in endings * 3:
+            await _serve(serve, budget, send, rejected, transports)
+        await asyncio.sleep(0.05)  # (a closed transport lets go of its socket in the next loop turn)
+        return (
+            [t.get_extra_info("socket").fileno() for t in transports],
+            before,
+            len(asyncio.all_tasks()),
+            rejected,
+            budget.total_bytes,
+        )
+
+    fds, before, after, rejected, held = asyncio.run(run())
+    assert fds == [-1] * len(endings) * 3 and after == before and held == 0
+    assert [type(e) for e in rejected] == [PeerLimitExceeded, StreamStalled] * 3
