@@ -167,6 +167,25 @@ def test_a_session_error_is_answered_and_the_rest_of_the_input_is_read_before_cl
     assert marker == P2P.ERROR_MARKER and RPCError.FromString(body).message == "bad step"
 
 
+def test_a_session_error_sent_to_a_peer_is_cut_to_the_error_limit_as_the_sockets_is() -> None:
+    text = "é" * (ls.MAX_ERROR_BYTES * 8)  # (2-byte characters: the cut must not split one)
+
+    async def refuse(requests, context, port) -> None:
+        await requests.__anext__()
+        raise ValueError(text)
+
+    async def send(sock: socket.socket) -> None:
+        await asyncio.get_running_loop().sock_sendall(sock, _message("p.0") + END)
+
+    async def run() -> bytes:
+        return await _serve(refuse, StreamBudget(PeerLimits()), send, [])
+
+    marker, body = _frames(asyncio.run(run()))[-1]
+    message = RPCError.FromString(body).message
+    assert marker == P2P.ERROR_MARKER and len(body) <= ls.MAX_ERROR_BYTES  # what a client reads as an error
+    assert message and text.startswith(message) and "\ufffd" not in message
+
+
 def test_a_caller_that_closes_mid_message_gets_no_answer() -> None:
     async def send(sock: socket.socket) -> None:
         await asyncio.get_running_loop().sock_sendall(sock, _message("p.0") + _message("p.1")[:-3])

@@ -41,6 +41,8 @@ _HEADER = struct.Struct(">BI")
 HEADER_BYTES = _HEADER.size  # 5
 MAX_HELLO_BYTES = 4096
 MAX_ERROR_BYTES = 64 * 1024
+# an error's text: room left in MAX_ERROR_BYTES for a framing's envelope (a p2p `RPCError`'s field tag and length)
+ERROR_TEXT_BYTES = MAX_ERROR_BYTES - 16
 UNIX_PATH_MAX_BYTES = 107  # sun_path is 108 bytes on Linux, one for the NUL
 
 
@@ -221,6 +223,16 @@ class LocalHello:
         if not isinstance(rpc, str) or not isinstance(peer_id, str) or not isinstance(version, int):
             raise ValueError("local stream hello needs string 'rpc', string 'peer_id' and integer 'version'")
         return cls(rpc=rpc, peer_id=peer_id, version=version)
+
+
+def error_text(error: BaseException) -> bytes:
+    """An ERROR frame's payload: `error`'s text (its repr where the text is empty) cut to `ERROR_TEXT_BYTES`, without
+    the character the cut would split, so that no peer's error (whose text may quote what the caller sent) is sent
+    whole, and a p2p one still fits a client's `MAX_ERROR_BYTES` once wrapped in its `RPCError`."""
+    text = (str(error) or repr(error)).encode()
+    if len(text) <= ERROR_TEXT_BYTES:
+        return text
+    return text[:ERROR_TEXT_BYTES].decode(errors="ignore").encode()
 
 
 def header(kind: int, length: int) -> bytes:

@@ -282,7 +282,7 @@ class DirectEndpoint:
             return None
         except ValueError as e:
             self._refused("connections" if isinstance(e, ConnectionShareExceeded) else "bad_hello", str(e))
-            conn.write(b"".join(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES])))
+            conn.write(b"".join(ls.frame(ls.ERROR, ls.error_text(e))))
             return None
         server_nonce = os.urandom(ds.NONCE_BYTES)
         keys = ds.StreamKeys.derive(ticket_key, hello.client_nonce, server_nonce)

@@ -115,7 +115,7 @@ class LocalEndpoint:
             return None
         except ValueError as e:
             logger.info(f"local_endpoint.rejected(reason=bad_hello): {e}")
-            conn.writelines(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES]))
+            conn.writelines(ls.frame(ls.ERROR, ls.error_text(e)))
             return None
         conn.writelines(ls.frame(ls.ACCEPT))
         self.streams_opened += 1

@@ -877,7 +877,7 @@ async def serve_inference(
                 await conn.drain()
         last = codec.encode(ls.END, b"")
     except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
-        last = codec.encode(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES])
+        last = codec.encode(ls.ERROR, ls.error_text(e))
     finally:
         port.detach()
         if lease is not None:

@@ -170,7 +170,7 @@ async def _answer_refusal(
     on_reject(name, error)
     lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
     with suppress(Exception):
-        await send_message(RPCError(message=str(error)), writer)
+        await send_message(RPCError(message=ls.error_text(error).decode()), writer)
 
 
 def cancelled_inside(error: asyncio.CancelledError) -> bool:
@@ -343,7 +343,7 @@ def steps_handler(
                 lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
                 error = port.refused
             if error is not None:
-                conn.writelines(codec.encode(ls.ERROR, str(error).encode()))
+                conn.writelines(codec.encode(ls.ERROR, ls.error_text(error)))
                 with suppress(asyncio.TimeoutError, Exception):  # (a caller that does not read is not waited for)
                     await asyncio.wait_for(conn.drain(), FINISH_INPUT_S)
             if not port.input_over:
