@@ -186,6 +186,55 @@ def test_a_session_error_sent_to_a_peer_is_cut_to_the_error_limit_as_the_sockets
     assert message and text.startswith(message) and "\ufffd" not in message
 
 
+def test_a_peer_holds_at_most_max_opening_streams_per_peer_streams_before_their_sessions_open() -> None:
+    """Streams whose first request has not come count against the cap; one whose session opened (attached) or that
+    ended does not; a stream past the cap is refused at once, counted, and answered why."""
+
+    async def run() -> tuple[bytes, bytes, list]:
+        loop = asyncio.get_running_loop()
+        budget, rejected = StreamBudget(PeerLimits(max_opening_streams_per_peer=2)), []
+        p2p = type("P2PStub", (), {"peer_id": "server"})()
+        handle = stream_guard.steps_handler(
+            p2p, "rpc_inference", _echo([], []), budget, on_reject=lambda name, e: rejected.append(e)
+        )
+        info = type("Info", (), {"peer_id": CLIENT_PEER})()
+
+        async def start(first: bytes) -> tuple[socket.socket, asyncio.Task]:
+            ours, theirs = socket.socketpair()
+            theirs.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            await loop.sock_sendall(theirs, first)
+            served = asyncio.create_task(handle(info, reader, writer))
+            await asyncio.sleep(0.05)
+            return theirs, served
+
+        async def finish(sock: socket.socket, served: asyncio.Task, last: bytes = END) -> bytes:
+            await loop.sock_sendall(sock, last)
+            await asyncio.wait_for(served, BOUND_S)
+            received = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), BOUND_S):
+                received += chunk
+            sock.close()
+            return received
+
+        opened = [await start(_message(f"open.{i}")) for i in range(3)]  # sessions open: not counted
+        waiting = [await start(b"") for _ in range(2)]  # no first request yet: the cap
+        refused = await finish(*await start(_message("over")))
+        waiting[0][0].close()  # one waiting caller goes away: its stream ends and leaves the count
+        await asyncio.wait_for(waiting[0][1], BOUND_S)
+        served = await finish(*await start(_message("after")))
+        for sock, task in [*opened, waiting[1]]:
+            await finish(sock, task, last=_message("late") + END)
+        assert not budget.total_bytes
+        return refused, served, rejected
+
+    refused, served, rejected = asyncio.run(run())
+    assert len(rejected) == 1 and getattr(rejected[0], "reason", None) == "peer_opening_streams"
+    marker, body = _frames(refused)[-1]
+    assert marker == P2P.ERROR_MARKER and "max_opening_streams_per_peer=2" in RPCError.FromString(body).message
+    assert [runtime_pb2.ExpertResponse.FromString(b).metadata for _, b in _frames(served)] == [b"after"]
+
+
 def test_a_caller_that_closes_mid_message_gets_no_answer() -> None:
     async def send(sock: socket.socket) -> None:
         await asyncio.get_running_loop().sock_sendall(sock, _message("p.0") + _message("p.1")[:-3])

@@ -31,6 +31,7 @@ LIMIT_REASONS = (
     "sessions_full",
     "peer_kv",
     "peer_stream_bytes",
+    "peer_opening_streams",
     "stream_bytes_full",
     "stream_message_too_big",
     "stream_stalled",

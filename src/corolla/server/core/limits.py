@@ -70,6 +70,10 @@ class PeerLimits:
     stream_idle_timeout_s: float = _flag(
         10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"
     )
+    # a p2p inference stream waits up to the step timeout for its first request: each holds a p2pd stream and a socket
+    max_opening_streams_per_peer: int = _flag(
+        32, "p2p inference streams of one peer whose session is not open yet; more are refused (0 = unlimited)"
+    )
     max_forwards_per_peer: int = _flag(
         2, "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)"
     )
@@ -81,8 +85,8 @@ class PeerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_sessions_per_peer", "max_sessions_total", "max_stream_message_bytes",
-                     "max_stream_bytes_per_peer", "max_stream_bytes_total", "max_forwards_per_peer",
-                     "forward_chunk_tokens"):  # fmt: skip
+                     "max_stream_bytes_per_peer", "max_stream_bytes_total", "max_opening_streams_per_peer",
+                     "max_forwards_per_peer", "forward_chunk_tokens"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
         if not 0 < self.max_kv_fraction_per_peer <= 1:

@@ -827,6 +827,13 @@ class PeerStreamPort(SocketPort):
 
     refused: BaseException | None = None
     broken = False
+    on_open: Callable[[], None] | None = None  # called once, when a session attaches (`OpeningStreams.leave`)
+
+    def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        super().attach(order, requests)
+        on_open, self.on_open = self.on_open, None
+        if on_open is not None:
+            on_open()
 
     def _input_failed(self, error: Exception) -> bool:
         if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):

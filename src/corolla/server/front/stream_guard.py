@@ -10,6 +10,7 @@ the socket's do (`steps_handler`); a forward or backward stream is read by a tas
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
@@ -23,8 +24,9 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
-from corolla.server.core.limits import MiB, StreamStalled, peer_key
+from corolla.server.core.limits import MiB, PeerLimitExceeded, StreamStalled, peer_key
 from corolla.server.front.inference_stream import StepPort
+from corolla.server.front.opening_streams import OpeningStreams
 from corolla.server.front.stream_endpoint import (
     MAX_END_BYTES,
     STREAM_REFUSALS,
@@ -317,12 +319,15 @@ def steps_handler(
     same bounds as the other streams (each message charged before its body is buffered, `stream_idle_timeout_s` inside
     a message). A refused input is answered once the session is over (counted, its bytes given back, the error sent);
     the session's own error is sent as an `RPCError`; the rest of a caller's input is read before the stream closes, as
-    `finish_input`; a caller that closed or died gets nothing."""
+    `finish_input`; a caller that closed or died gets nothing. A peer holding `max_opening_streams_per_peer` streams
+    whose sessions are not open yet has a new one refused at once (`OpeningStreams`), answered as a refused input."""
     idle_s = budget.limits.stream_idle_timeout_s or None
+    opening = OpeningStreams(budget.limits)
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-        lease = StreamLease(budget, peer_key(context))
+        peer = peer_key(context)
+        lease = StreamLease(budget, peer)
         conn = FrameConnection.take_over(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
@@ -330,8 +335,15 @@ def steps_handler(
         port = PeerStreamPort(conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None)
         failure: Exception | None = None
         try:
+            opening.enter(peer)
+        except PeerLimitExceeded as e:
+            port.refused = e  # (its input is still read, and dropped, before the close)
+        else:
+            port.on_open = functools.partial(opening.leave, peer)
+        try:
             try:
-                await serve(port.requests(), context, port)
+                if port.refused is None:
+                    await serve(port.requests(), context, port)
             except Exception as e:
                 failure = e
             port.detach()
@@ -349,6 +361,8 @@ def steps_handler(
             if not port.input_over:
                 await port.drop_rest(FINISH_INPUT_S)
         finally:
+            if port.on_open is not None:  # the stream ended before its session opened
+                port.on_open()
             port.detach()
             lease.close()
             conn.close()
