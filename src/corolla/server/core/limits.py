@@ -70,9 +70,10 @@ class PeerLimits:
     stream_idle_timeout_s: float = _flag(
         10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"
     )
-    # a p2p inference stream waits up to the step timeout for its first request: each holds a p2pd stream and a socket
+    # a p2p inference stream waits up to the step timeout for its first request: each holds a p2pd stream and a socket.
+    # As many as max_sessions_per_peer: a client (an API gateway, say) that opens all its sessions at once is not refused
     max_opening_streams_per_peer: int = _flag(
-        32, "p2p inference streams of one peer whose session is not open yet; more are refused (0 = unlimited)"
+        64, "p2p inference streams of one peer whose session is not open yet; more are refused (0 = unlimited)"
     )
     max_forwards_per_peer: int = _flag(
         2, "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)"
