@@ -28,7 +28,6 @@ from corolla.server.core.limits import MiB, PeerLimitExceeded, StreamStalled, pe
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.opening_streams import OpeningStreams
 from corolla.server.front.stream_endpoint import (
-    MAX_END_BYTES,
     STREAM_REFUSALS,
     FrameConnection,
     PeerFrames,
@@ -102,15 +101,11 @@ async def read_message(
             what, limit_s = "inside a message", inside_s
             scope.move(None if inside_s is None else loop.time() + inside_s)
             header = await reader.readexactly(P2P.HEADER_LEN)
-            length = int.from_bytes(header, P2P.BYTEORDER)
-            if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
-                if length > MAX_END_BYTES:
-                    raise ValueError(f"end-of-stream message of {length} bytes is larger than {MAX_END_BYTES}")
+            kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
+            if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
                 scope.move(None if inside_s is None else loop.time() + inside_s)
                 await reader.readexactly(length)
                 return None, 0
-            if marker != P2P.MESSAGE_MARKER:
-                raise ValueError("invalid stream message marker")
             lease.charge(length)  # before a single byte of the body is buffered
             data: bytes | bytearray = b""
             if length:  # the usual step: its whole body in one read (what has arrived, at most `length`)
@@ -141,14 +136,10 @@ async def _read_message_tasks(
     """`read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
     marker = await within_idle(reader.readexactly(1), between_s, "between the parts of a streamed request")
     header = await within_idle(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
-    length = int.from_bytes(header, P2P.BYTEORDER)
-    if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
-        if length > MAX_END_BYTES:
-            raise ValueError(f"end-of-stream message of {length} bytes is larger than {MAX_END_BYTES}")
+    kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
+    if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
         await within_idle(reader.readexactly(length), idle_s, "inside a message")
         return None, 0
-    if marker != P2P.MESSAGE_MARKER:
-        raise ValueError("invalid stream message marker")
     lease.charge(length)  # before a single byte of the body is buffered
     data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
     while len(data) < length:
