@@ -1,5 +1,6 @@
 """Hostile peers against one in-process server (loopback swarm): KV hoarding by one peer and by several idle ones,
-streams that stall mid-message or declare huge messages, re-sent steps, and long forwards split into chunks.
+streams that stall mid-message, trickle a message or declare huge messages, re-sent steps, and long forwards split
+into chunks.
 Each test fails on a server without the limits in `server/core/limits.py` (hoarders keep the cache, stalled bytes stay
 buffered until request_timeout, a re-sent step gets no answer)."""
 
@@ -41,6 +42,8 @@ LIMITS = PeerLimits(
     max_kv_fraction_per_peer=0.5,
     session_idle_evict_s=IDLE_EVICT_S,
     stream_idle_timeout_s=STREAM_IDLE_S,
+    min_stream_rate_kib_s=64,  # a message may take 1 s + its bytes at 64 KiB/s
+    min_stream_rate_grace_s=1.0,
     max_stream_message_bytes=8 * MiB,
     max_stream_bytes_per_peer=20 * MiB,
     max_stream_bytes_total=40 * MiB,
@@ -170,6 +173,38 @@ def test_stalled_stream_is_released_after_the_idle_timeout(server, peers):
     assert STREAM_IDLE_S * 0.8 <= seconds < STREAM_IDLE_S + 5  # not request_timeout (30 s)
     assert wait_until(lambda: budget.total_bytes == 0 and not budget.per_peer, 5)
     assert 'reason="stream_stalled"' in server.metrics.render().decode()
+
+
+def test_a_trickled_message_is_refused_at_the_minimum_rate(server, peers):
+    """A byte every 0.2 s (each inside the 1 s idle timeout) of a declared 64 KiB: held for as long as the peer kept
+    trickling (its 64 KiB charged all along); now refused once 1 s + 64 KiB at 64 KiB/s are over."""
+    attacker = peers[0]
+    budget = server.service.handler.stream_budget
+    name = "TransformerConnectionHandler.rpc_forward_stream"
+
+    async def trickle() -> tuple[bytes, float]:
+        _, reader, writer = await attacker.p2p.call_binary_stream_handler(attacker.peer_id, name)
+        started = time.monotonic()
+        writer.write(_header(64 * 1024) + b"\0" * 1024)
+
+        async def drip() -> None:
+            while True:
+                await asyncio.sleep(0.2)
+                writer.write(b"\0")
+                await writer.drain()
+
+        dripping = asyncio.ensure_future(drip())
+        try:
+            marker = await asyncio.wait_for(reader.read(1), 20)
+        finally:
+            dripping.cancel()
+            writer.close()
+        return marker, time.monotonic() - started
+
+    marker, seconds = attacker.call(trickle(), 30)
+    assert marker == P2P.ERROR_MARKER and seconds < 10  # told why, within the pace (2 s) and the machine's slack
+    assert wait_until(lambda: budget.total_bytes == 0 and not budget.per_peer, 5)
+    assert 'reason="stream_too_slow"' in server.metrics.render().decode()
 
 
 def test_declared_sizes_are_refused_before_buffering(server, peers):

@@ -35,6 +35,8 @@ LIMIT_REASONS = (
     "stream_bytes_full",
     "stream_message_too_big",
     "stream_stalled",
+    "stream_too_slow",
+    "reply_stalled",
     "evicted",
     "duplicate_step",
 )

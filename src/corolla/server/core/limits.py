@@ -13,8 +13,21 @@ from hivemind.p2p import P2PContext
 from corolla.utils.errors import AllocationFailed
 
 LOCAL_PEER = "local"  # every client of the same-host unix socket (one user: the socket dir is private to it)
+KiB = 1 << 10
 MiB = 1 << 20
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MessagePace:
+    """The minimum rate of a message in flight (`PeerLimits.min_stream_rate_kib_s`): a message of n bytes, from when
+    the server waits for it (a request) or writes it (a reply), may take `grace_s + n / min_bytes_per_s`."""
+
+    min_bytes_per_s: float
+    grace_s: float
+
+    def allowed_s(self, nbytes: int) -> float:
+        return self.grace_s + nbytes / self.min_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,17 @@ class PeerLimits:
     stream_idle_timeout_s: float = _flag(
         10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"
     )
+    # a message in flight, either way (a request's bytes coming in, a forward/backward reply's going out), must move at
+    # >= this rate once its grace is over: a trickle that stays under every idle timeout otherwise holds a stream, its
+    # charged declared length and its reply for as long as it likes. 4 KiB/s is 1/8 of a 256 kbit/s uplink (31 KiB/s):
+    # an honest client on one keeps 7 large messages in flight at once; a decode step's (16 KiB at hidden 8192) is
+    # done within the grace at any rate
+    min_stream_rate_kib_s: float = _flag(
+        4.0, "cut a stream whose message in flight moves slower than this (after min_stream_rate_grace_s; 0 = off)"
+    )
+    min_stream_rate_grace_s: float = _flag(
+        10.0, "a message may take this long plus its bytes at min_stream_rate_kib_s to arrive (or to be taken)"
+    )
     # a p2p inference stream waits up to the step timeout for its first request: each holds a p2pd stream and a socket.
     # As many as max_sessions_per_peer: a client (an API gateway, say) that opens all its sessions at once is not refused
     max_opening_streams_per_peer: int = _flag(
@@ -93,9 +117,16 @@ class PeerLimits:
         if not 0 < self.max_kv_fraction_per_peer <= 1:
             raise ValueError(f"max_kv_fraction_per_peer must be in (0, 1], got {self.max_kv_fraction_per_peer}")
         for name in ("session_idle_evict_s", "kv_promise_idle_s", "first_token_grace_s", "evict_wait_s",
-                     "stream_idle_timeout_s"):  # fmt: skip
+                     "stream_idle_timeout_s", "min_stream_rate_kib_s", "min_stream_rate_grace_s"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def message_pace(self) -> MessagePace | None:
+        """How long a message may take on the wire (None: no minimum rate)."""
+        if not self.min_stream_rate_kib_s:
+            return None
+        return MessagePace(self.min_stream_rate_kib_s * KiB, self.min_stream_rate_grace_s)
 
     def with_stream_defaults(self, step_bytes: int) -> PeerLimits:
         """These limits with each unset stream budget derived from `step_bytes` (the largest valid step)."""
@@ -134,6 +165,20 @@ class StreamStalled(ValueError):
     """The peer stopped sending in the middle of a streamed request."""
 
     reason = "stream_stalled"
+
+
+class StreamTooSlow(StreamStalled):
+    """A message in flight arrived slower than `min_stream_rate_kib_s` once its grace was over (a trickle: a byte every
+    few seconds stays under the idle timeout)."""
+
+    reason = "stream_too_slow"
+
+
+class ReplyStalled(StreamStalled):
+    """The peer took a reply's bytes slower than `min_stream_rate_kib_s` once its grace was over: what waits to go
+    out is dropped and the stream cut (a peer that never reads would hold the reply, and the stream, for good)."""
+
+    reason = "reply_stalled"
 
 
 class DuplicateStep(ValueError):

@@ -254,7 +254,9 @@ class DirectEndpoint:
         context = P2PContext(handle_name=rpc, local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
         budget = self.handler.stream_budget
         idle_s = budget.limits.stream_idle_timeout_s or None
-        return AcceptedStream(context, SealedFrames(keys), StreamLease(budget, peer), idle_s, peer)
+        return AcceptedStream(
+            context, SealedFrames(keys), StreamLease(budget, peer), idle_s, peer, pace=budget.limits.message_pace
+        )
 
     def ended(self, accepted: AcceptedStream | None) -> None:
         """A connection closed: its peer's count and its place (`ConnectionHandoff`) released."""

@@ -68,7 +68,7 @@ class FrontService:
         peer_id = PeerID.from_base58(self.settings.peer_id)
         if self.settings.local_socket_dir is not None:
             endpoint = LocalEndpoint(self.handler, peer_id, directory=Path(self.settings.local_socket_dir),
-                                     index=self.index)  # fmt: skip
+                                     index=self.index, pace=self.handler.peer_limits.message_pace)  # fmt: skip
             try:
                 if await endpoint.start():
                     self.local_endpoint = endpoint

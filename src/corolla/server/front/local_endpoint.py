@@ -17,6 +17,7 @@ from pathlib import Path
 from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
+from corolla.server.core.limits import MessagePace
 from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
@@ -43,8 +44,10 @@ class LocalEndpoint:
         *,
         directory: Path | None = None,
         index: int | None = None,
+        pace: MessagePace | None = None,
     ):
         self.handler = handler
+        self.pace = pace  # the minimum rate of a message in flight, both ways (`PeerLimits.message_pace`)
         self.index = index  # handler process index (its own socket), None: the server's one socket
         self.peer_id = peer_id  # hivemind PeerID (handed to the handler as the context's local id)
         self.peer_id_b58 = peer_id.to_base58()
@@ -120,7 +123,7 @@ class LocalEndpoint:
         conn.writelines(ls.frame(ls.ACCEPT))
         self.streams_opened += 1
         context = P2PContext(handle_name=hello.rpc, local_id=self.peer_id, remote_id=None)
-        return AcceptedStream(context, PlainFrames())
+        return AcceptedStream(context, PlainFrames(), pace=self.pace)
 
     def ended(self, accepted: AcceptedStream | None) -> None:
         self._report_load()

@@ -24,7 +24,7 @@ import ctypes.util
 import gc
 import struct
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,9 +35,20 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
-from corolla.server.core.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled
+from corolla.server.core.limits import (
+    KiB,
+    MessagePace,
+    MiB,
+    PeerLimitExceeded,
+    PeerLimits,
+    ReplyStalled,
+    ServerLimitExceeded,
+    StreamStalled,
+    StreamTooSlow,
+)
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
+from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -194,9 +205,10 @@ class FrameConnection(asyncio.Protocol):
         self._drain_waiter: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_data_at = 0.0
-        self._timer: asyncio.TimerHandle | None = None  # the pending wait's idle timer
-        # the pending `read_frame` wait's idle limit and failure, armed by the first byte of a frame (`_started`)
-        self._wait_idle: tuple[float, Callable[[BaseException], None]] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the pending wait's idle (and pace) timer
+        # the pending `read_frame` wait's idle limit, pace and failure, armed by the first byte of a frame (`_started`)
+        self._wait_idle: tuple[float | None, MessagePace | None, Callable[[BaseException], None]] | None = None
+        self._frame_clock: float | None = None  # when the server began waiting for the frame begun (its pace's start)
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -308,6 +320,7 @@ class FrameConnection(asyncio.Protocol):
         if len(buffer) < end:
             return None
         self._header = None
+        self._frame_clock = None
         payload = bytes(buffer[start:end]) if length else b""
         del buffer[:end]
         if self._reading_paused and len(buffer) <= self._limit and self.transport is not None:
@@ -329,21 +342,44 @@ class FrameConnection(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
 
-    def _arm_idle(self, idle_s: float, fail: Callable[[BaseException], None]) -> None:
-        """`fail(StreamStalled)` once no byte came for `idle_s` (from now, then from the last byte)."""
+    def _arm_idle(self, idle_s: float | None, pace: MessagePace | None, fail: Callable[[BaseException], None]) -> None:
+        """`fail(StreamStalled)` once no byte came for `idle_s` (from now, then from the last byte), or
+        `fail(StreamTooSlow)` once the frame begun is not whole within its `pace` (from the first time it was waited
+        for: its clock runs on across waits until the frame is taken or delivery stops)."""
         assert self._loop is not None
-        if self._timer is None:
-            self._last_data_at = self._loop.time()
-            self._timer = self._loop.call_at(self._last_data_at + idle_s, self._idle_check, idle_s, fail)
+        if self._timer is None and (idle_s is not None or pace is not None):
+            now = self._loop.time()
+            self._last_data_at = now
+            if self._frame_clock is None:
+                self._frame_clock = now
+            self._timer = self._loop.call_at(self._due(idle_s, pace)[0], self._idle_check, idle_s, pace, fail)
 
-    def _idle_check(self, idle_s: float, fail: Callable[[BaseException], None]) -> None:
+    def _due(self, idle_s: float | None, pace: MessagePace | None) -> tuple[float, bool]:
+        """(when the wait for the frame begun fails, whether for its pace): the frame's size is its header until the
+        header is parsed, then the whole frame."""
+        due, slow = (float("inf") if idle_s is None else self._last_data_at + idle_s), False
+        if pace is not None and self._frame_clock is not None:
+            pace_due = self._frame_clock + pace.allowed_s(self._needed())
+            if pace_due < due:
+                due, slow = pace_due, True
+        return due, slow
+
+    def _idle_check(
+        self, idle_s: float | None, pace: MessagePace | None, fail: Callable[[BaseException], None]
+    ) -> None:
         assert self._loop is not None
         self._timer = None
-        due = self._last_data_at + idle_s
-        if due <= self._loop.time():
-            fail(StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s {INSIDE_A_MESSAGE}"))
+        due, slow = self._due(idle_s, pace)
+        if due > self._loop.time():
+            self._timer = self._loop.call_at(due, self._idle_check, idle_s, pace, fail)
+        elif slow:
+            assert pace is not None
+            fail(StreamTooSlow(
+                f"a message of {self._needed()} bytes did not arrive within {pace.allowed_s(self._needed()):.1f} s "
+                f"(min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s)"
+            ))  # fmt: skip
         else:
-            self._timer = self._loop.call_at(due, self._idle_check, idle_s, fail)
+            fail(StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s {INSIDE_A_MESSAGE}"))
 
     def _cancel_idle(self) -> None:
         if self._timer is not None:
@@ -351,17 +387,24 @@ class FrameConnection(asyncio.Protocol):
             self._timer = None
 
     async def read_frame(
-        self, max_payload_bytes: int, *, charge: Callable[[int], None] | None = None, idle_s: float | None = None
+        self,
+        max_payload_bytes: int,
+        *,
+        charge: Callable[[int], None] | None = None,
+        idle_s: float | None = None,
+        pace: MessagePace | None = None,
     ) -> tuple[int, bytes]:
         """The next (kind, payload) (`take_frame`), waiting for its bytes: IncompleteReadError at the end of the input,
-        StreamStalled after `idle_s` without a byte inside a frame begun (None: no limit)."""
+        StreamStalled after `idle_s` without a byte inside a frame begun (None: no limit), StreamTooSlow where the frame
+        begun is not whole within its `pace` (None: no minimum rate)."""
         while (frame := self.take_frame(max_payload_bytes, charge)) is None:
-            await self._wait_for(self._needed(), idle_s)
+            await self._wait_for(self._needed(), idle_s, pace)
         return frame
 
-    async def _wait_for(self, nbytes: int, idle_s: float | None) -> None:
+    async def _wait_for(self, nbytes: int, idle_s: float | None, pace: MessagePace | None = None) -> None:
         """Until `nbytes` are buffered (one wake-up, when they are) or the input ends; StreamStalled after `idle_s`
-        without a byte once a frame has begun (now, or when its first bytes arrive during the wait)."""
+        without a byte once a frame has begun (now, or when its first bytes arrive during the wait), StreamTooSlow
+        past its `pace`."""
         if self.at_eof:
             raise asyncio.IncompleteReadError(bytes(self._buffer), nbytes)
         loop = self._loop
@@ -369,15 +412,15 @@ class FrameConnection(asyncio.Protocol):
         self._resume_reading()
         waiter = self._waiter = loop.create_future()
         self._want = nbytes
-        if idle_s is not None:
+        if idle_s is not None or pace is not None:
 
             def stalled(error: BaseException) -> None:
                 if not waiter.done():
                     waiter.set_exception(error)
 
-            self._wait_idle = (idle_s, stalled)
+            self._wait_idle = (idle_s, pace, stalled)
             if self._started:
-                self._arm_idle(idle_s, stalled)
+                self._arm_idle(idle_s, pace, stalled)
         try:
             await waiter
         finally:
@@ -385,17 +428,26 @@ class FrameConnection(asyncio.Protocol):
             self._cancel_idle()
 
     def deliver(
-        self, on_data: Callable[[], None], *, idle_s: float | None = None, fail: Callable[[BaseException], None]
+        self,
+        on_data: Callable[[], None],
+        *,
+        idle_s: float | None = None,
+        pace: MessagePace | None = None,
+        fail: Callable[[BaseException], None],
     ) -> None:
         """Calls `on_data` as bytes or the end of the input arrive, until `stop_delivery` (it takes frames itself with
-        `take_frame`); `fail(StreamStalled)` where a frame begun stops arriving for `idle_s`."""
+        `take_frame`); `fail(StreamStalled)` where a frame begun stops arriving for `idle_s`, `fail(StreamTooSlow)`
+        where it is not whole within its `pace`."""
         self._on_data = on_data
         self._resume_reading()
-        if idle_s is not None and self._started:
-            self._arm_idle(idle_s, fail)
+        if self._started:
+            self._arm_idle(idle_s, pace, fail)
 
     def stop_delivery(self) -> None:
+        """No more `on_data` calls; a frame begun gets a new pace clock when it is waited for again (the server, not
+        the peer, stopped taking it: its replies wait, say)."""
         self._on_data = None
+        self._frame_clock = None
         self._cancel_idle()
 
     async def discard_until_eof(self, timeout_s: float) -> None:
@@ -441,14 +493,9 @@ class FrameConnection(asyncio.Protocol):
             self.transport.write_eof()
 
     def close(self) -> None:
-        """Closes the connection once what waits to go out is sent, or drops it after `CLOSE_FLUSH_S`: a peer that
-        takes none of it would otherwise hold the socket and the buffer for as long as it keeps its side open."""
-        transport = self.transport
-        if transport is None:
-            return
-        transport.close()
-        if transport.get_write_buffer_size() and self._loop is not None:
-            self._loop.call_later(CLOSE_FLUSH_S, transport.abort)
+        """Closes the connection (`close_transport`)."""
+        if self.transport is not None:
+            close_transport(self.transport)
 
 
 class Connections:
@@ -515,6 +562,7 @@ class StreamRpcs(Protocol):
     `SERVED_RPCS`), so every transport shares its decoder, sessions, training batches and refusals."""
 
     max_stream_bytes: int  # the largest message the front takes (a frame's payload bound follows from it)
+    metrics: ServerMetrics  # counts a reply the client did not take (`ReplyStalled`)
 
     async def serve_steps(  # `rpc_inference`
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort
@@ -603,6 +651,7 @@ class AcceptedStream:
     lease: StreamLease | None = None  # a remote peer's stream: its payloads charged to the handler's budget
     idle_s: float | None = None
     peer: str | None = None  # the remote peer the listener admitted (None: the same host's)
+    pace: MessagePace | None = None  # the minimum rate of a message in flight, both ways (None: none)
 
 
 class StreamListener(Protocol):
@@ -637,7 +686,7 @@ async def serve_connection(listener: StreamListener, conn: FrameConnection) -> N
             if accepted is not None:
                 await serve_inference(
                     listener.handler, conn, accepted.context, accepted.codec, listener.max_frame_bytes,
-                    lease=accepted.lease, idle_s=accepted.idle_s, rpc=accepted.context.handle_name,
+                    lease=accepted.lease, idle_s=accepted.idle_s, pace=accepted.pace, rpc=accepted.context.handle_name,
                 )  # fmt: skip
     except (ConnectionError, asyncio.IncompleteReadError) as e:
         logger.debug(f"stream_endpoint.connection_lost({e!r})")
@@ -653,10 +702,11 @@ async def read_frame(
     *,
     lease: StreamLease | None = None,
     idle_s: float | None = None,
+    pace: MessagePace | None = None,
 ) -> tuple[int, bytes, int]:
     """(kind, decoded payload, bytes charged to `lease`) of the next frame; ValueError for an unknown kind, a length
     over the limit, a payload that does not decode; IncompleteReadError at the end of the connection; StreamStalled
-    for a payload that stops arriving for `idle_s`."""
+    for a payload that stops arriving for `idle_s`, StreamTooSlow for one not whole within its `pace`."""
     charged = 0
 
     def charge(length: int) -> None:
@@ -666,7 +716,7 @@ async def read_frame(
         charged = length
 
     kind, payload = await conn.read_frame(
-        max_payload_bytes + codec.overhead_bytes, charge=None if lease is None else charge, idle_s=idle_s
+        max_payload_bytes + codec.overhead_bytes, charge=None if lease is None else charge, idle_s=idle_s, pace=pace
     )
     return kind, codec.decode(kind, payload), charged
 
@@ -679,8 +729,10 @@ class SocketPort:
     def __init__(
         self, conn: FrameConnection, codec: FrameCodec, max_frame_bytes: int, *,
         lease: StreamLease | None, idle_s: float | None, timeline: step_timeline.StreamTimeline | None,
+        pace: MessagePace | None = None,
     ):  # fmt: skip
         self.conn, self.codec, self.lease, self.idle_s, self.timeline = conn, codec, lease, idle_s, timeline
+        self.pace = pace
         self.max_payload_bytes = max_frame_bytes + codec.overhead_bytes
         self.charged = 0  # the last message's bytes in `lease`, released once the handler takes the next
         self._charge = None if lease is None else self._charge_lease
@@ -729,7 +781,7 @@ class SocketPort:
             self._release()
             try:
                 kind, payload = await self.conn.read_frame(
-                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s
+                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace
                 )
                 request = self._request(kind, payload)
             except Exception as e:
@@ -781,7 +833,7 @@ class SocketPort:
                     self._input_failed(asyncio.IncompleteReadError(b"", None))
                     order.client(None)  # the client went away: the session ends
                 else:
-                    conn.deliver(self.ready, idle_s=self.idle_s, fail=self._input_error)
+                    conn.deliver(self.ready, idle_s=self.idle_s, pace=self.pace, fail=self._input_error)
                 return
             conn.stop_delivery()
             request = self._request(*frame)
@@ -867,22 +919,31 @@ async def serve_inference(
     *,
     lease: StreamLease | None = None,
     idle_s: float | None = None,
+    pace: MessagePace | None = None,
     rpc: str = "rpc_inference",
 ) -> None:
     """Runs one accepted connection's stream of `rpc` (one of `SERVED_RPCS`, checked at the hello) to its end (the last
     frame END, or ERROR with the handler's error text), then reads what the client still sends for up to `LINGER_S`
     before the caller closes. An inference stream's steps run without a task of their own (`SocketPort`, the
-    handler's `serve_steps`); a training rpc's messages go through its stream generator."""
+    handler's `serve_steps`); a training rpc's messages go through its stream generator, each reply taken by the
+    client within its `pace` (`drain_reply`), else the connection is dropped with what waits to go out (counted,
+    `ReplyStalled`)."""
     timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines
-    port = SocketPort(conn, codec, max_frame_bytes, lease=lease, idle_s=idle_s, timeline=timeline)
+    port = SocketPort(conn, codec, max_frame_bytes, lease=lease, idle_s=idle_s, timeline=timeline, pace=pace)
     try:
         if rpc == "rpc_inference":
             await handler.serve_steps(port.requests(), context, port)
         else:
             async for response in _served(handler, rpc)(port.requests(), context):
                 port.reply(response)
-                await conn.drain()
+                await drain_reply(conn.drain(), response.ByteSize(), pace)
         last = codec.encode(ls.END, b"")
+    except ReplyStalled as e:  # the client does not take its replies: nothing more is said to it
+        handler.metrics.rejected(e.reason)
+        logger.info(f"{rpc}.rejected(reason={e.reason}): {e}")
+        if conn.transport is not None:
+            conn.transport.abort()
+        return
     except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
         last = codec.encode(ls.ERROR, ls.error_text(e))
     finally:
@@ -894,6 +955,31 @@ async def serve_inference(
         conn.writelines(last)
         conn.write_eof()
         await conn.discard_until_eof(LINGER_S)
+
+
+def close_transport(transport: asyncio.BaseTransport) -> None:
+    """Closes a connection once what waits to go out is sent, or drops it after `CLOSE_FLUSH_S`: a peer that takes none
+    of it would otherwise hold the socket and the buffer for as long as it keeps its side open."""
+    transport.close()
+    if isinstance(transport, asyncio.WriteTransport) and transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_FLUSH_S, transport.abort)
+
+
+async def drain_reply(drain: Awaitable[None], nbytes: int, pace: MessagePace | None) -> None:
+    """`drain` (a transport's: back under its high-water mark) awaited for a reply of `nbytes` just written, within
+    the reply's `pace` (None: as long as the peer takes); ReplyStalled past it: a peer that never reads would otherwise
+    hold the reply's bytes and its stream's task for good."""
+    if pace is None:
+        await drain
+        return
+    allowed_s = pace.allowed_s(nbytes)
+    try:
+        await asyncio.wait_for(drain, allowed_s)
+    except asyncio.TimeoutError:
+        raise ReplyStalled(
+            f"the peer did not take a reply of {nbytes} bytes within {allowed_s:.1f} s "
+            f"(min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s)"
+        ) from None
 
 
 def _served(

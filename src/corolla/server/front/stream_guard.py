@@ -24,7 +24,16 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
-from corolla.server.core.limits import MiB, PeerLimitExceeded, StreamStalled, peer_key
+from corolla.server.core.limits import (
+    KiB,
+    MessagePace,
+    MiB,
+    PeerLimitExceeded,
+    ReplyStalled,
+    StreamStalled,
+    StreamTooSlow,
+    peer_key,
+)
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.opening_streams import OpeningStreams
 from corolla.server.front.stream_endpoint import (
@@ -34,6 +43,8 @@ from corolla.server.front.stream_endpoint import (
     PeerStreamPort,
     StreamBudget,
     StreamLease,
+    close_transport,
+    drain_reply,
 )
 from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
@@ -51,9 +62,12 @@ FINISH_INPUT_POLL_S = 0.01  # how often the dropped messages are taken off the f
 ONE_WRITE_MAX_BYTES = 1 * MiB  # a reply up to this size goes out in one write (one copy of its body)
 
 
-async def send_message(message: runtime_pb2.ExpertResponse | RPCError, writer: asyncio.StreamWriter) -> None:
+async def send_message(
+    message: runtime_pb2.ExpertResponse | RPCError, writer: asyncio.StreamWriter, pace: MessagePace | None = None
+) -> None:
     """hivemind's framing (marker byte, 8-byte length, body), the bytes `P2P.send_protobuf` writes, but as one write
-    where the body is small: one `send` and one wake-up of `p2pd` per reply instead of three."""
+    where the body is small: one `send` and one wake-up of `p2pd` per reply instead of three. The peer must take it
+    within its `pace` (`stream_endpoint.drain_reply`: ReplyStalled)."""
     body = message.SerializeToString()
     header = frame_header(ERROR_MARKER if isinstance(message, RPCError) else MESSAGE_MARKER, len(body))
     if len(body) <= ONE_WRITE_MAX_BYTES:
@@ -61,18 +75,38 @@ async def send_message(message: runtime_pb2.ExpertResponse | RPCError, writer: a
     else:  # large forward/backward replies: no copy of the body
         writer.write(header)
         writer.write(body)
-    await writer.drain()
+    await drain_reply(writer.drain(), len(header) + len(body), pace)
 
 
-async def within_idle(awaitable: Any, timeout_s: float | None, what: str) -> Any:
-    """`awaitable` within `timeout_s` (None or 0: no limit), else StreamStalled naming `what` (Python 3.10's reads:
-    a `wait_for` task each)."""
-    if not timeout_s:
+async def within_idle(
+    awaitable: Any,
+    timeout_s: float | None,
+    what: str,
+    *,
+    paced_until: float | None = None,
+    pace: MessagePace | None = None,
+) -> Any:
+    """`awaitable` within `timeout_s` (None or 0: no limit), else StreamStalled naming `what`; and before the loop time
+    `paced_until` (the message's `pace`), else StreamTooSlow (Python 3.10's reads: a `wait_for` task each)."""
+    slow = False
+    if paced_until is not None:
+        pace_s = max(paced_until - asyncio.get_running_loop().time(), 0.0)
+        if not timeout_s or pace_s < timeout_s:
+            timeout_s, slow = pace_s, True
+    if timeout_s is None or (not timeout_s and not slow):
         return await awaitable
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
     except asyncio.TimeoutError:
+        if slow and pace is not None:
+            raise _too_slow(pace) from None
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
+
+
+def _too_slow(pace: MessagePace) -> StreamTooSlow:
+    return StreamTooSlow(
+        f"a message did not arrive at min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s"
+    )
 
 
 async def read_message(
@@ -81,48 +115,67 @@ async def read_message(
     *,
     idle_s: float,
     between_s: float | None,
+    pace: MessagePace | None = None,
     deadlines: TaskDeadline | None = None,
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
-    """One framed message (None at the end of the input) and the bytes it was charged. On Python >= 3.11 the
-    deadlines of its reads (`between_s` for the marker, `idle_s` from the start of every later read) are one scope
-    of the reading task's `TaskDeadline` (`deadlines`: one per stream, its timer moved lazily) instead of an
-    `asyncio.wait_for` task per read."""
+    """One framed message (None at the end of the input) and the bytes it was charged. A message begun (its marker
+    read) must be whole within its `pace` (StreamTooSlow) and must not stop for `idle_s` (StreamStalled). On Python
+    >= 3.11 the deadlines of its reads (`between_s` for the marker, the earlier of `idle_s` from the start of every
+    later read and the message's pace) are one scope of the reading task's `TaskDeadline` (`deadlines`: one per
+    stream, its timer moved lazily) instead of an `asyncio.wait_for` task per read."""
     if not TASK_DEADLINES:
-        return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
+        return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s, pace=pace)
     if deadlines is None:
         deadlines = TaskDeadline()
     loop = deadlines.loop  # (the stream's loop: no get_running_loop, a getpid() syscall, per message)
     limit_s: float | None = between_s or None
     what = "between the parts of a streamed request"
     inside_s = idle_s or None
+    paced_until: float | None = None  # the loop time by which the message must be whole (None: no pace)
+    slow = False  # the scope's deadline is the pace's
+
+    def until() -> float | None:
+        """The deadline of the next read inside the message: `idle_s` from now or the pace's, the earlier."""
+        nonlocal slow
+        due = None if inside_s is None else loop.time() + inside_s
+        slow = paced_until is not None and (due is None or paced_until < due)
+        return paced_until if slow else due
+
     try:
         with deadlines.scope(None if limit_s is None else loop.time() + limit_s) as scope:
             marker = await reader.readexactly(1)
             what, limit_s = "inside a message", inside_s
-            scope.move(None if inside_s is None else loop.time() + inside_s)
+            started = loop.time()  # the message's pace runs from its marker
+            if pace is not None:
+                paced_until = started + pace.allowed_s(1 + P2P.HEADER_LEN)
+            scope.move(until())
             header = await reader.readexactly(P2P.HEADER_LEN)
             kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
+            if pace is not None:
+                paced_until = started + pace.allowed_s(1 + P2P.HEADER_LEN + length)
             if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
-                scope.move(None if inside_s is None else loop.time() + inside_s)
+                scope.move(until())
                 await reader.readexactly(length)
                 return None, 0
             lease.charge(length)  # before a single byte of the body is buffered
             data: bytes | bytearray = b""
             if length:  # the usual step: its whole body in one read (what has arrived, at most `length`)
-                scope.move(None if inside_s is None else loop.time() + inside_s)
+                scope.move(until())
                 data = await reader.read(min(length, READ_CHUNK_BYTES))
                 if not data:
                     raise asyncio.IncompleteReadError(b"", length)
             if len(data) < length:
                 data = bytearray(data)  # grows only as bytes arrive (a declared length alone allocates nothing)
                 while len(data) < length:
-                    scope.move(None if inside_s is None else loop.time() + inside_s)
+                    scope.move(until())
                     chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
                     if not chunk:
                         raise asyncio.IncompleteReadError(b"", length - len(data))
                     data += chunk
     except TimeoutError:
         if deadlines.expired:
+            if slow and pace is not None:
+                raise _too_slow(pace) from None
             raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={limit_s} s {what}") from None
         raise
     request = runtime_pb2.ExpertRequest()
@@ -131,19 +184,28 @@ async def read_message(
 
 
 async def _read_message_tasks(
-    reader: asyncio.StreamReader, lease: StreamLease, *, idle_s: float, between_s: float | None
+    reader: asyncio.StreamReader,
+    lease: StreamLease,
+    *,
+    idle_s: float,
+    between_s: float | None,
+    pace: MessagePace | None,
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """`read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
     marker = await within_idle(reader.readexactly(1), between_s, "between the parts of a streamed request")
-    header = await within_idle(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
+    started = asyncio.get_running_loop().time()  # the message's pace runs from its marker
+    paced_until = None if pace is None else started + pace.allowed_s(1 + P2P.HEADER_LEN)
+    inside = functools.partial(within_idle, what="inside a message", pace=pace)
+    header = await inside(reader.readexactly(P2P.HEADER_LEN), idle_s, paced_until=paced_until)
     kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
+    paced_until = None if pace is None else started + pace.allowed_s(1 + P2P.HEADER_LEN + length)
     if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
-        await within_idle(reader.readexactly(length), idle_s, "inside a message")
+        await inside(reader.readexactly(length), idle_s, paced_until=paced_until)
         return None, 0
     lease.charge(length)  # before a single byte of the body is buffered
     data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
     while len(data) < length:
-        chunk = await within_idle(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
+        chunk = await inside(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, paced_until=paced_until)
         if not chunk:
             raise asyncio.IncompleteReadError(b"", length - len(data))
         data += chunk
@@ -158,12 +220,13 @@ async def _answer_refusal(
     lease: StreamLease,
     writer: asyncio.StreamWriter,
     on_reject: Callable[[str, BaseException], None],
+    pace: MessagePace | None,
 ) -> None:
     """Counts a refused input, gives its bytes back, then tells the caller why."""
     on_reject(name, error)
     lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
     with suppress(Exception):
-        await send_message(RPCError(message=ls.error_text(error).decode()), writer)
+        await send_message(RPCError(message=ls.error_text(error).decode()), writer, pace)
 
 
 def cancelled_inside(error: asyncio.CancelledError) -> bool:
@@ -174,12 +237,14 @@ def cancelled_inside(error: asyncio.CancelledError) -> bool:
     return cancelling is not None and cancelling() == 0
 
 
-async def _answer_failure(name: str, error: asyncio.CancelledError, writer: asyncio.StreamWriter) -> None:
+async def _answer_failure(
+    name: str, error: asyncio.CancelledError, writer: asyncio.StreamWriter, pace: MessagePace | None
+) -> None:
     """A method that failed with a cancellation of something it awaited: logged and answered as an error, so that
     the caller hears why instead of a stream closed without a reply."""
     logger.warning(f"stream_guard.method_cancelled(rpc={name}): {error!r:.200}")
     with suppress(Exception):
-        await send_message(RPCError(message=f"{name} failed: an awaited operation was cancelled"), writer)
+        await send_message(RPCError(message=f"{name} failed: an awaited operation was cancelled"), writer, pace)
 
 
 def unanswered(name: str, context: P2PContext, reason: str, error: BaseException | None) -> None:
@@ -203,8 +268,12 @@ def guarded_stream_handler(
     on_reject: Callable[[str, BaseException], None],
 ) -> Callable[..., Any]:
     """A binary stream handler serving `method` (an async-generator rpc: a forward or backward stream, its request
-    gathered whole) with bounded reading: one reader task per stream reads ahead of the method."""
+    gathered whole) with bounded reading: one reader task per stream reads ahead of the method, each message within
+    the limits' pace. Its request's bytes stay charged to the peer's stream budget until the stream ends, its replies
+    included: each reply must be taken within its pace (`send_message`), else what waits to go out is dropped and the
+    stream cut (`ReplyStalled`, counted); the stream's socket is let go `CLOSE_FLUSH_S` after its close at the latest."""
     limits = budget.limits
+    pace = limits.message_pace
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
@@ -223,25 +292,30 @@ def guarded_stream_handler(
             try:
                 async for response in method(requests(), context):
                     try:
-                        await send_message(response, writer)
+                        await send_message(response, writer, pace)
+                    except ReplyStalled as e:  # the caller does not take its replies: nothing more is said to it
+                        on_reject(name, e)
+                        writer.transport.abort()  # what waits to go out is dropped, the socket let go
+                        return
                     except Exception as e:
                         unanswered(name, context, "send_failed", e)
                         return
             except asyncio.CancelledError as e:
                 if not cancelled_inside(e):
                     raise  # the stream is over (the handler cancels its processing): nobody to answer
-                await _answer_failure(name, e, writer)
+                await _answer_failure(name, e, writer, pace)
             except Exception as e:
                 with suppress(Exception):
-                    await send_message(RPCError(message=str(e)), writer)
+                    await send_message(RPCError(message=str(e)), writer, pace)
 
         async def receive() -> None:
             """The stream's one reader: messages into the queue until the end of the input (a task per stream,
             not per message)."""
             while True:
                 item = await read_message(
-                    reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, deadlines=read_deadlines
-                )
+                    reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, pace=pace,
+                    deadlines=read_deadlines,
+                )  # fmt: skip
                 await queue.put(item)
                 if item[0] is None:
                     return
@@ -282,7 +356,7 @@ def guarded_stream_handler(
             processing.cancel()
             with suppress(asyncio.CancelledError, Exception):
                 await processing
-            await _answer_refusal(name, error, lease, writer, on_reject)
+            await _answer_refusal(name, error, lease, writer, on_reject, pace)
         finally:
             processing.cancel()
             receiving.cancel()
@@ -293,7 +367,7 @@ def guarded_stream_handler(
                 await receiving
             read_deadlines.close()
             with suppress(Exception):
-                writer.close()
+                close_transport(writer.transport)
 
     return handle
 
@@ -323,7 +397,9 @@ def steps_handler(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
         codec = PeerFrames()
-        port = PeerStreamPort(conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None)
+        port = PeerStreamPort(
+            conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None, pace=budget.limits.message_pace
+        )
         failure: Exception | None = None
         try:
             opening.enter(peer)
