@@ -29,11 +29,11 @@ from corolla.server.front.stream_endpoint import (
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 BOUND_S = 5.0
-IDLE_S = 0.5  # the idle timeout: every trickled byte below comes well inside it
+IDLE_S = 2.0  # the idle timeout: every trickled byte below comes well inside it
 GAP_S = 0.05  # a trickle: one byte every 50 ms (20 B/s)
-# a message may take 0.3 s + its bytes at 8 KiB/s; a reply of 1 MiB at 1 MiB/s: 1.3 s
-PACED = PeerLimits(stream_idle_timeout_s=IDLE_S, min_stream_rate_kib_s=8, min_stream_rate_grace_s=0.3)
-REPLY_PACED = PeerLimits(stream_idle_timeout_s=IDLE_S, min_stream_rate_kib_s=1024, min_stream_rate_grace_s=0.3)
+# a message may take 1 s + its bytes at 8 KiB/s (8 KiB: 2 s); a reply of 1 MiB at 1 MiB/s: 2 s
+PACED = PeerLimits(stream_idle_timeout_s=IDLE_S, min_stream_rate_kib_s=8, min_stream_rate_grace_s=1.0)
+REPLY_PACED = PeerLimits(stream_idle_timeout_s=IDLE_S, min_stream_rate_kib_s=1024, min_stream_rate_grace_s=1.0)
 
 
 def _request(uid: str = "p.0", filler: int = 0) -> bytes:
@@ -94,7 +94,7 @@ async def _gathered_then_big_replies(requests, context):
 
 
 def test_a_p2p_forward_reply_the_caller_never_takes_is_dropped_and_the_stream_let_go(monkeypatch) -> None:
-    """A caller that sends its request and never reads: each 1 MiB reply must be taken within 0.3 s + 1 s, else what
+    """A caller that sends its request and never reads: each 1 MiB reply must be taken within 1 s + 1 s, else what
     waits to go out is dropped and the handler returns (it waited on `drain` for as long as the caller stayed). While
     the reply waits, the request's bytes stay charged to the peer (its unsent replies count against its budget)."""
     monkeypatch.setattr(stream_endpoint, "CLOSE_FLUSH_S", 0.2)
@@ -185,8 +185,8 @@ async def _echo_all(requests, context):
 
 
 def test_a_trickled_p2p_forward_request_is_refused_at_its_pace() -> None:
-    """8 KiB declared, then a byte every 50 ms (each well inside the 0.5 s idle timeout): refused once 0.3 s + 8 KiB
-    at 8 KiB/s are over, its charged bytes given back; it was read for as long as the caller kept trickling."""
+    """8 KiB declared, then a byte every 50 ms (each well inside the 2 s idle timeout): refused once 1 s + 8 KiB at
+    8 KiB/s are over, its charged bytes given back; it was read for as long as the caller kept trickling."""
     rejected: list = []
     body = _request(filler=8 * KiB)
 
@@ -210,14 +210,14 @@ def test_a_trickled_p2p_forward_request_is_refused_at_its_pace() -> None:
 
 
 def test_a_slow_but_steady_p2p_forward_request_is_read_whole() -> None:
-    """16 KiB at 16 KiB/s (twice the minimum rate): read and answered."""
+    """16 KiB at 32 KiB/s (4x the minimum rate; 3 s allowed): read and answered."""
     rejected: list = []
     body = _request(uid="p.7", filler=16 * KiB)
 
     async def run() -> bytes:
         loop = asyncio.get_running_loop()
         theirs, _ = await _guarded(
-            _echo_all, StreamBudget(PACED), lambda sock: _send(sock, _peer_frame(body) + END, trickle_from=0, rate_bps=16 * KiB),
+            _echo_all, StreamBudget(PACED), lambda sock: _send(sock, _peer_frame(body) + END, trickle_from=0, rate_bps=32 * KiB),
             rejected,
         )  # fmt: skip
         received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
@@ -228,14 +228,41 @@ def test_a_slow_but_steady_p2p_forward_request_is_read_whole() -> None:
     assert rejected == [] and received[:1] == P2P.MESSAGE_MARKER and received.endswith(b"p.7")
 
 
+class _Order:
+    """Stands in for a session's `StepOrder`: each request answered at once, the next one delivered by the port's
+    data callback (`FrameConnection.deliver`: the path of a session's steps)."""
+
+    ended = False
+
+    def __init__(self, port, done: asyncio.Future, seen: list) -> None:
+        self.port, self.done, self.seen = port, done, seen
+
+    def client(self, request: runtime_pb2.ExpertRequest | None) -> None:
+        if request is None:  # the end of the input (the caller's, or a refusal's)
+            self.ended = True
+            self.done.set_result(None)
+            return
+        self.seen.append(request.uid)
+        self.port.reply(runtime_pb2.ExpertResponse(metadata=request.uid.encode()))
+        self.port.ready()
+
+    def fail(self, error: BaseException) -> None:
+        self.ended = True
+        self.done.set_exception(error)
+
+
 def test_a_trickled_p2p_inference_step_is_refused_at_its_pace() -> None:
-    """A p2p inference stream (`steps_handler`, frames by callbacks): the session's second message trickled."""
+    """A p2p inference stream (`steps_handler`): the session's second message, delivered by callbacks, trickled."""
     rejected: list = []
     seen: list[str] = []
 
     async def serve(requests, context, port) -> None:
-        async for request in requests:  # (the stream's messages as a task reads them: enough for the bound)
-            seen.append(request.uid)
+        first = await requests.__anext__()  # the session's opening request, read as a message
+        done = asyncio.get_running_loop().create_future()
+        order = _Order(port, done, seen)
+        port.attach(order, requests)
+        order.client(first)
+        await done
 
     async def run() -> StreamBudget:
         ours, theirs = socket.socketpair()
@@ -289,14 +316,14 @@ def test_a_trickled_socket_front_frame_is_refused_at_its_pace() -> None:
     frame = b"".join(ls.frame(ls.MESSAGE, b"x" * 8 * KiB))
     with pytest.raises(StreamTooSlow, match="min_stream_rate_kib_s=8"):
         _read_trickled(frame[:64], frame[64:])
-    with pytest.raises(StreamTooSlow):  # its header trickled too: refused within the grace
+    with pytest.raises(StreamTooSlow):  # its header trickled too: the same bound, from its first byte
         _read_trickled(b"", frame)
 
 
 def test_a_slow_but_steady_socket_front_frame_is_read_whole() -> None:
-    payload = bytes(range(256)) * 64  # 16 KiB at 16 KiB/s
+    payload = bytes(range(256)) * 64  # 16 KiB at 32 KiB/s (4x the minimum rate; 3 s allowed)
     frame = b"".join(ls.frame(ls.MESSAGE, payload))
-    assert _read_trickled(b"", frame, rate_bps=16 * KiB) == (ls.MESSAGE, payload, len(payload))
+    assert _read_trickled(b"", frame, rate_bps=32 * KiB) == (ls.MESSAGE, payload, len(payload))
 
 
 def test_the_pace_is_off_at_zero_and_stalls_still_end_a_stream() -> None:
