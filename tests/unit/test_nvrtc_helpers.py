@@ -15,7 +15,7 @@ from corolla.engine.quant import quant_tile_gemv
 
 HELPERS = ("ld_stream", "ld_stream_256", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded",
            "silu_times", "unpack_pair", "pack_pair", "sum_squares", "norm_pair", "grid_release", "grid_wait",
-           "x_operand", "stage_x", "copy_async4", "copy_async_wait",
+           "x_operand", "stage_x", "copy_async4", "copy_async16_256", "copy_async_wait",
            "load_written_out_type", "load_written_i64")  # fmt: skip
 
 
@@ -59,6 +59,21 @@ def test_what_the_kernels_ahead_wrote_is_read_by_a_volatile_load_after_the_wait(
     reads = [i for i in range(len(text)) if text.startswith(f"{load}({pointer} + ", i)]
     assert reads and all(i > wait for i in reads)
     assert f"{pointer}[" not in text and f"load_out_type({pointer} " not in text
+
+
+def test_int8_row_gemv_copies_its_first_chunks_before_the_wait() -> None:
+    # ptxas moved the ungated builds' first ld_stream_256 loads, written before grid_wait(), below
+    # griddepcontrol.wait (SASS, NVRTC 12.9 sm_90a: ACQBULK before every weight LDG of (1, 8, 4), (1, 16, 2));
+    # cp.async copies stay where they are written, and are read back only after copy_async_wait()
+    text = (Path(quant.__file__).parent / "quant_int8_gemv.py").read_text()
+    text = text[text.index('_SOURCE = r"""') :]
+    text = text[: text.index('"""\n', 16)]  # the CUDA source
+    wait = text.index("grid_wait();")
+    copies = [m.start() for m in re.finditer(r"copy_async16_256\(RING_WORDS", text)]
+    reads = [m.start() for m in re.finditer(r"= RING_WORDS\[", text)]
+    assert len(copies) == 2 and all(i < wait for i in copies)
+    drained = text.index("copy_async_wait();", wait)
+    assert len(reads) == 2 and all(drained < i < text.index("__syncthreads();", drained) for i in reads)
 
 
 def test_a_source_without_the_programmatic_calls_is_refused() -> None:

@@ -24,7 +24,7 @@ import torch
 
 # The CUDA helpers the quantized row GEMVs share (quant_int8_gemv, quant_tile_gemv), put before a kernel's own source:
 # the programmatic launch's release and wait (every NVRTC kernel calls both, see above), 16-byte loads of the weight
-# stream and of x, 4-byte copies into shared memory (cp.async), bf16 x into fp16 for the matrix units, RMSNorm's
+# stream and of x, 4- and 16-byte copies into shared memory (cp.async), bf16 x into fp16 for the matrix units, RMSNorm's
 # pairs (x's dtype: the kernel's -D X_BF16), x's staging in shared memory with the RMSNorm prologue (-D PRO: 1
 # RMSNorm), the output dtype's loads (a residual) and rounding (-D OUT_BF16: bf16, else fp16), and the volatile
 # loads of what the kernels ahead wrote (after grid_wait)
@@ -72,6 +72,15 @@ static __device__ __forceinline__ __attribute__((unused)) void copy_async4(float
   unsigned d;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+// 16 bytes of a weight stream from global to shared memory without a register (cp.async.cg: not kept in L1), the L2
+// fetching the 256 bytes around them as ld_stream_256 does: a row GEMV's first chunks issued before grid_wait, where
+// ptxas keeps them (it moved ld_stream_256 loads written there below the wait: docs/decisions/0114)
+static __device__ __forceinline__ __attribute__((unused)) void copy_async16_256(U4* dst, const U4* src) {
+  unsigned d;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
 }
 
 static __device__ __forceinline__ __attribute__((unused)) void copy_async_wait() {

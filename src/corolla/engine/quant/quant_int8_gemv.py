@@ -19,16 +19,20 @@ of column 0 of B (lanes g = 0; the other columns are zeros), so the k order insi
 both. A code pair becomes an exact fp16 pair by one XOR per word (codes + 128 as unsigned bytes), one byte permute
 that puts each byte under the exponent of 1024 (1024 + 128 + code) and one fp16x2 subtraction of 1152.
 
-Work. K's chunks go to the program's W warps in turn (chunk c to warp c mod W); each warp keeps the next P chunks'
-codes in flight (registers; the first P issued before anything else), each load asking the L2 for the 256 bytes
-around it (`ld_stream_256`: the other warps' next chunks of the same rows; 2-4% faster per projection on an H200,
-docs/decisions/0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8, against
-overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory, then
-the row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the output
-dtype. Both are asked for at the program's start, a thread per output row (16 RT <= 32 W): the scale before the wait
-by cp.async into shared memory, the residual right after it by a volatile load (the compiler hoisted a plain one
-above the wait); read after the sums, the scale was a cold DRAM round trip at the end of every program, on the
-step's critical path (docs/decisions/0055: the step 2.644 -> 2.611 ms on an H200, same engine).
+Work. K's chunks go to the program's W warps in turn (chunk c to warp c mod W); each warp keeps the next P chunks' codes
+in flight (registers; the first P issued before anything else: in ungated builds by cp.async into a ring in shared
+memory, read into the registers after x's staging, because ptxas moved register loads written before the wait below
+`griddepcontrol.wait`, so that a program started early under the kernel ahead asked for its first codes only once that
+kernel had ended: w_qkv + RMSNorm 11.7 -> 10.3, w_o 6.6 -> 5.8, w_down 17.5 -> 15.7 us a call on an H200,
+docs/decisions/0114; the gated build keeps its loads above the wait and has no ring), each load asking the L2 for the
+256 bytes around it (`ld_stream_256`: the other warps' next chunks of the same rows; 2-4% faster per projection on an
+H200, docs/decisions/0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8, against
+overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory, then the
+row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the output dtype.
+Both are asked for at the program's start, a thread per output row (16 RT <= 32 W): the scale before the wait by
+cp.async into shared memory, the residual right after it by a volatile load (the compiler hoisted a plain one above the
+wait); read after the sums, the scale was a cold DRAM round trip at the end of every program, on the step's critical
+path (docs/decisions/0055: the step 2.644 -> 2.611 ms on an H200, same engine).
 
 The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"]): the norm before w_qkv and w_gate_up runs in the x
 staging, so that the step launches no norm kernel: x's squares are summed while x and the gain are staged raw (each
@@ -68,9 +72,12 @@ from corolla.engine.quant.quant_weights import Int8Weight
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
 X_SCALE = 2.0**-8  # bf16 x into fp16 times this (range), the sums times its inverse (exact)
 # (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0; the zeros keep the tuner's
-# 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050: qkv (1, 8, 4), w_o and w_down
-# (1, 16, 2), w_gate_up (4, 4, 2)); (2, 8, 2), (2, 4, 4) and (1, 4, 4) won none and are not offered
-INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((1, 8, 4, 0, 0), (1, 16, 2, 0, 0), (4, 4, 2, 0, 0))
+# 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050: qkv (1, 8, 4), w_o (1, 16, 2),
+# w_gate_up (4, 4, 2); w_down (1, 16, 3), 48 KiB in flight a program, by ~1% over (1, 16, 2): 0114); (2, 8, 2),
+# (2, 4, 4) and (1, 4, 4) won none and are not offered
+INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (1, 8, 4, 0, 0), (1, 16, 2, 0, 0), (4, 4, 2, 0, 0), (1, 16, 3, 0, 0)
+)  # fmt: skip
 
 # the tilings offered for the gated form (w_gate_up: silu(gate) * up written; an even row-tile count: half of the
 # program's tiles gate rows, half the same up rows): (4, 4, 2) won on an H200, 33.6 us a layer against 38.4 for
@@ -86,6 +93,12 @@ _SOURCE = r"""
 // [2][OUT_ROWS] floats after RMSNorm's gain: each output row's scale and its residual (GATED: its up row's scale)
 #define ENDS reinterpret_cast<float*>(smem + 2 * (size_t)K + W * RT * 16 * 4 + (PRO == 1 ? 2 * (size_t)K : 0))
 #define OUT_ROWS (GATED ? RT * 8 : RT * 16)  // output rows of a program (GATED: half its weight rows)
+// ungated builds: [P][RT][2][THREADS] 16-byte words after ENDS, the first P chunks of each thread's two rows of each
+// tile, copied by cp.async before the wait (ptxas moved register loads written there below it; the gated build keeps
+// them above, and a ring cost its (4, 4, 2) tiling a program per multiprocessor: docs/decisions/0084, 0114)
+#define RING (!GATED)
+#define RING_WORDS reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4 + (PRO == 1 ? 2 * (size_t)K : 0) + \
+                                         8 * OUT_ROWS)
 static_assert(OUT_ROWS <= THREADS, "a thread per output row");
 
 // bytes j, j + 1 of a biased code word (codes + 128) -> their codes as an exact fp16 pair: each byte under the
@@ -146,15 +159,20 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
   }
 
   // the first P chunks' codes go out before the wait for the kernel ahead and x's staging (their DRAM round trip
-  // overlaps both: the codes are immutable)
+  // overlaps both: the codes are immutable); RING: into shared memory, read into the registers after the staging
   U4 buf[P][RT][2];
 #pragma unroll
   for (int f = 0; f < P; ++f) {
     if (warp + f * W < chunks) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
+#if RING
+        copy_async16_256(RING_WORDS + ((f * RT + rt) * 2) * THREADS + tid, pw[rt][0] + f * 4 * W);
+        copy_async16_256(RING_WORDS + ((f * RT + rt) * 2 + 1) * THREADS + tid, pw[rt][1] + f * 4 * W);
+#else
         buf[f][rt][0] = ld_stream_256(pw[rt][0] + f * 4 * W);
         buf[f][rt][1] = ld_stream_256(pw[rt][1] + f * 4 * W);
+#endif
       }
     }
   }
@@ -180,6 +198,19 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
                    reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4), red, eps);
 #if !GATED
   if (tid < OUT_ROWS) ENDS[OUT_ROWS + tid] = rv;  // (no register held through the main loop)
+#endif
+#if RING
+  copy_async_wait();  // this thread's ring words (and the scales: visible to the others after the barrier below)
+#pragma unroll
+  for (int f = 0; f < P; ++f) {
+    if (warp + f * W < chunks) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        buf[f][rt][0] = RING_WORDS[((f * RT + rt) * 2) * THREADS + tid];
+        buf[f][rt][1] = RING_WORDS[((f * RT + rt) * 2 + 1) * THREADS + tid];
+      }
+    }
+  }
 #endif
   __syncthreads();
 
@@ -221,7 +252,9 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
 
+#if !RING
   copy_async_wait();  // the scales (long arrived), visible to the other threads after the barrier below
+#endif
 
   // column 0 of each tile: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]); the warps summed in order
   if (t == 0) {
@@ -257,6 +290,13 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
 """
 
 _KERNELS: dict[tuple[int, ...], NvrtcKernel] = {}
+
+
+def ring_bytes(config: tuple[int, int, int, int, int]) -> int:
+    """Shared-memory bytes of an ungated program's ring: the P chunks in flight of its W warps' lanes, 16 bytes of
+    two rows of each of its RT tiles a lane a chunk (a 1 KiB warp chunk per tile)."""
+    tiles, warps, depth = config[:3]
+    return depth * tiles * 2 * 32 * warps * 16
 
 
 def check_row_config(config: tuple[int, int, int, int, int]) -> None:
@@ -326,8 +366,10 @@ def int8_row_mma(
     res = residual if residual is not None else out
     tiles, warps = config[0], config[1]
     rows_per_program = 8 * tiles if gated else 16 * tiles  # (GATED: tiles of gate and of up rows)
-    # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain, the rows' scales and residuals
+    # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain, the rows' scales and residuals,
+    # ungated: the first chunks' ring
     shared = 2 * k + warps * tiles * 16 * 4 + (2 * k if prologue == PROLOGUES["rmsnorm"] else 0) + 8 * rows_per_program
+    shared += 0 if gated else ring_bytes(config)
     ptr = ctypes.c_void_p
     args = [
         ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
