@@ -47,6 +47,29 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
             assert bool((diff <= tol * want.abs() + 1e-30).all()), (config, start, float(diff.max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_hot_rows_at_w_down_k_read_x_staged_in_batches(dtype) -> None:
+    # K = 14336: x staged X_BATCH words a thread at a time (x_batch_for; 1792 words over 512 / 256 / 160 threads:
+    # the first word of each batch, a thread's later words, the last batch partial); each one-hot row reads its
+    # column back, so a word staged in the wrong place or not at all fails
+    from corolla.engine.quant.quant_tile_gemv import X_BATCH, nf4_tile_gemv, x_batch_for
+
+    n, k = 136, 14336
+    weight = random_code_weight(n, k, seed=13, dtype=dtype)
+    ref = fp16_level_reference(weight)  # [N, K]
+    tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    cols = [0, 8 * 159 + 7, 8 * 160, 8 * 255 + 1, 8 * 256 + 2, 8 * 511 + 3, 8 * 512 + 4, 8 * 1024 + 5, 8 * 1536 + 6,
+            k - 1]  # fmt: skip
+    x = torch.eye(k, device=DEV, dtype=dtype)[cols].contiguous()
+    want = ref[:, cols].t()
+    for config in [(16, 2, 1, 1, 0), *CONFIGS[1:]]:
+        assert x_batch_for(config, k) == X_BATCH > 1, config
+        out = nf4_tile_gemv(x, weight, None, config)
+        diff = (out.float() - want).abs()
+        assert bool((diff <= tol * want.abs() + 1e-30).all()), (config, float(diff.max()))
+    assert x_batch_for((16, 2, 1, 1, 0), 4096) == 1  # one word a thread: the one-word loop
+
+
 def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     from corolla.engine.kernels import triton_kernels
     from corolla.engine.quant.quant_tile_gemv import X_SCALE, nf4_tile_gemv

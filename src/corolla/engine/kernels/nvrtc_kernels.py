@@ -182,21 +182,51 @@ static __device__ __forceinline__ __attribute__((unused)) u32 x_operand(u32 v) {
 // summed (each thread its words in order, the warp's lanes by a fixed butterfly, the warps in order through `red`
 // [NT / 32]: every program forms the same 1/rms), then x normalized in place (each thread the words it stored)
 // and converted as a plain x. Called by all NT threads of the program; the caller's barrier comes before xs is read.
-template <int NT>
+// BATCH > 1: a thread's words loaded BATCH at a time before any is converted or stored (one L2 round trip per
+// BATCH x NT words; one at a time, each word's load waits for the previous word's store: 4 round trips at the NF4
+// tile GEMV's K = 14336 with 512 threads). BATCH 1 keeps the one-word loop: the batched one, even with one word a
+// thread, changes how ptxas compiles the NF4 tile GEMV's main loop (0.1-0.3 us slower at K = 4096 on an H200,
+// docs/decisions/0112). The same values and sums either way.
+template <int NT, int BATCH = 1>
 static __device__ __forceinline__ __attribute__((unused)) void stage_x(U4* xs, const U4* xg, int K, int words,
                                                                        const U4* gain, U4* gs, float* red,
                                                                        float eps) {
   const int tid = threadIdx.x;
 #if PRO == 1
   float ss = 0.f;
-  for (int i = tid; i < words; i += NT) {
-    U4 v = {0u, 0u, 0u, 0u};
-    if (i < (K >> 3)) {
-      v = ld_nc(xg + i);
-      gs[i] = ld_nc(gain + i);
-      ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
+  if (BATCH == 1) {
+    for (int i = tid; i < words; i += NT) {
+      U4 v = {0u, 0u, 0u, 0u};
+      if (i < (K >> 3)) {
+        v = ld_nc(xg + i);
+        gs[i] = ld_nc(gain + i);
+        ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
+      }
+      xs[i] = v;
     }
-    xs[i] = v;
+  } else {
+    for (int i0 = tid; i0 < words; i0 += BATCH * NT) {
+      U4 v[BATCH], w[BATCH];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int i = i0 + j * NT;
+        v[j] = U4{0u, 0u, 0u, 0u};
+        if (i < (K >> 3)) {
+          v[j] = ld_nc(xg + i);
+          w[j] = ld_nc(gain + i);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {  // (in word order: the thread's sum as one word at a time forms it)
+        const int i = i0 + j * NT;
+        if (i < (K >> 3)) {
+          gs[i] = w[j];
+          ss = sum_squares(ss, v[j].x); ss = sum_squares(ss, v[j].y);
+          ss = sum_squares(ss, v[j].z); ss = sum_squares(ss, v[j].w);
+        }
+        if (i < words) xs[i] = v[j];
+      }
+    }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -213,13 +243,34 @@ static __device__ __forceinline__ __attribute__((unused)) void stage_x(U4* xs, c
     xs[i] = v;
   }
 #else
-  for (int i = tid; i < words; i += NT) {
-    U4 v = {0u, 0u, 0u, 0u};
-    if (i < (K >> 3)) {
-      v = ld_nc(xg + i);
-      v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
+  if (BATCH == 1) {
+    for (int i = tid; i < words; i += NT) {
+      U4 v = {0u, 0u, 0u, 0u};
+      if (i < (K >> 3)) {
+        v = ld_nc(xg + i);
+        v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
+      }
+      xs[i] = v;
     }
-    xs[i] = v;
+  } else {
+    for (int i0 = tid; i0 < words; i0 += BATCH * NT) {
+      U4 v[BATCH];
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int i = i0 + j * NT;
+        v[j] = U4{0u, 0u, 0u, 0u};
+        if (i < (K >> 3)) v[j] = ld_nc(xg + i);
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int i = i0 + j * NT;
+        if (i < (K >> 3)) {
+          v[j].x = x_operand(v[j].x); v[j].y = x_operand(v[j].y);
+          v[j].z = x_operand(v[j].z); v[j].w = x_operand(v[j].w);
+        }
+        if (i < words) xs[i] = v[j];
+      }
+    }
   }
 #endif
 }

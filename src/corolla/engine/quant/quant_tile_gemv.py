@@ -27,9 +27,10 @@ holds at once); its units (row tile, group of 4 blocks), row-tile major, are cut
 warp (every warp busy, at most one unit apart), which streams them with the next DEPTH units' 16-byte loads in
 registers (the first issued before the tables are built): DEPTH + 1 register slots, unit j decoded from slot j mod
 (DEPTH + 1) after the load of unit j + DEPTH went into the slot unit j - 1 left (no register copies). The pair
-table's loads all go out before its first store (one L2 round trip). A warp's partial sum of a row tile goes to its own
-shared-memory slot; the row's slots are added in warp order (K order) at the end: no atomics, the result depends
-on the shape, config and device only, and a row never depends on another row.
+table's loads all go out before its first store (one L2 round trip); where a thread stages more than one word of
+x (w_down's K), its words' loads go out X_BATCH at a time (`x_batch_for`). A warp's partial sum of a row tile goes
+to its own shared-memory slot; the row's slots are added in warp order (K order) at the end: no atomics, the result
+depends on the shape, config and device only, and a row never depends on another row.
 
 The RMSNorm prologue (PROLOGUE_CODES; before w_qkv and w_gate_up where the tuner chose it): each program stages x and
 the gain as they are, sums x's squares (each thread its words in order, the warp by a fixed butterfly, the warps in
@@ -83,6 +84,7 @@ MODES = (REGISTERS, ALIGNED)
 # as the kernel's static shared memory): ALIGNED places the table at the first 64 KiB boundary after the data
 WINDOW_RESERVED_BYTES = 1024
 GROUP_ROWS = 4  # the experts' grouped form: up to this many assignment rows of one weight per program row
+X_BATCH = 4  # x's words a thread loads at once where it stages more than one (x_batch_for)
 
 # (warps per program, units in flight per warp, table mode, programs per multiprocessor the compiler is told to fit,
 # 0): threads per program 32 x warps. On an H200 (docs/decisions/0060, 0043) 16 warps with 2 units in flight won all
@@ -355,13 +357,13 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // x as the mma's fp16 operand, whole units (PRO 1: RMSNorm's result first, the gain after x; nvrtc_kernels'
   // stage_x); the warps' row sums are written after the barrier below
   const u16* xrow = x + (EXPERTS ? m / xdiv : m) * sxm;  // (EXPERTS: the row's token)
-  stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(xrow), K, KG * 32,
+  stage_x<THREADS, X_BATCH>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(xrow), K, KG * 32,
                    reinterpret_cast<const U4*>(nw), reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), red, eps);
 #if GROUPED
 #pragma unroll
   for (int q = 1; q < GROUP; ++q)  // the group's other x after the first, in order
     if (mq[q] >= 0)
-      stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF + q * KG * 512),
+      stage_x<THREADS, X_BATCH>(reinterpret_cast<U4*>(smem + XS_OFF + q * KG * 512),
                        reinterpret_cast<const U4*>(x + mq[q] / xdiv * sxm), K, KG * 32,
                        reinterpret_cast<const U4*>(nw), nullptr, red, eps);
 #endif
@@ -524,6 +526,14 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad NF4 tile GEMV config {config}")
 
 
+def x_batch_for(config: tuple[int, int, int, int, int], k: int) -> int:
+    """x's 16-byte words a thread of `config` loads at once when it stages K = `k` values (stage_x's BATCH):
+    X_BATCH where a thread has more than one word (w_down's K = 14336: one L2 round trip after the wait, not four),
+    else 1 (one word a thread: the build without the batch, which compiles to faster code at K = 4096 on an H200,
+    docs/decisions/0112)."""
+    return X_BATCH if k // 8 > 32 * config[0] else 1
+
+
 def tile_kernel(
     config: tuple[int, int, int, int, int],
     x_bf16: bool,
@@ -533,15 +543,18 @@ def tile_kernel(
     gated: bool,
     experts: bool = False,
     grouped: bool = False,
+    x_batch: int = 1,
 ) -> NvrtcKernel:
     """The kernel's build for these dtypes (bf16, else fp16), residual, prologue (PROLOGUE_CODES), gated and experts
-    forms (one per process, compiled on its first launch; `grouped` with a prologue is refused when it compiles)."""
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(grouped))
+    forms and x's words a thread loads at once (`x_batch`, `x_batch_for`) (one per process, compiled on its first
+    launch; `grouped` with a prologue is refused when it compiles)."""
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(grouped), x_batch)
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
         defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
                    "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated),
-                   "EXPERTS": int(experts), "GROUPED": int(grouped), "GROUP": GROUP_ROWS}  # fmt: skip
+                   "EXPERTS": int(experts), "GROUPED": int(grouped), "GROUP": GROUP_ROWS,
+                   "X_BATCH": x_batch}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
@@ -622,7 +635,7 @@ def nf4_tile_gemv(
     res = residual if residual is not None else out
     gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
     kernel = tile_kernel(config, x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, residual is not None,
-                     prologue, gated)  # fmt: skip
+                     prologue, gated, x_batch=x_batch_for(config, k))  # fmt: skip
     ptr = ctypes.c_void_p
     weights = [ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr())]
     no_experts = [ptr(0), ptr(0), ptr(0), ctypes.c_int(0), ctypes.c_int(1), ctypes.c_int(0)]
@@ -677,8 +690,9 @@ def nf4_tile_gemv_experts(
         x = x.contiguous().clone()  # a fresh allocation: aligned
     out = torch.empty((a, n // 2 if gated else n), dtype=first.dtype, device=x.device)
     kernel = tile_kernel(
-        config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, grouped
-    )
+        config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, grouped,
+        x_batch_for(config, k),
+    )  # fmt: skip
     ptr = ctypes.c_void_p
     experts = [ptr(addresses.data_ptr()), ptr(offsets.data_ptr()), ptr(routes.data_ptr()), ctypes.c_int(e),
                ctypes.c_int(rows_per_x), ctypes.c_int(a)]  # fmt: skip
