@@ -16,10 +16,11 @@ from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.kernel_choices import KernelChoices
 from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, quant_key
+from corolla.engine.spans.span_model import row_slots
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kernels import rope_attention_triton, triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_tile_gemv
     from corolla.engine.quant.quant_choices import quant_kernel
@@ -377,6 +378,25 @@ class DecodeOps:
     ):
         fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
         return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
+
+    def rope_attention(
+        self, qkv, cos, sin, positions, block_tables, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale
+    ) -> torch.Tensor:
+        """A rotary decode step's attention: qkv [B, (nq + 2 nkv) D]'s queries and new keys rotated at `positions` [B]
+        long, each row's key and value written at its position's slot of the paged caches and each row's attention
+        over its tokens up to that position -> [B, nq, D]. One Triton kernel on CUDA (`rope_attention_triton`: the
+        projection's tail overlapped, no launch between); else `rope_and_store` then `paged_decode_attention`."""
+        if self.use_triton:
+            splits = self.num_splits(qkv.shape[0], num_kv_heads, num_heads // num_kv_heads)
+            return rope_attention_triton.rope_paged_decode_attention(
+                qkv, cos, sin, positions, k_cache, v_cache, block_tables, scale, splits, num_heads, num_kv_heads
+            )
+        slots = row_slots(block_tables, positions, k_cache.shape[1])  # [B]
+        q = self.rope_and_store(
+            qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim
+        )  # [B, nq, D]
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        return self.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def paged_decode_attention(
         self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None

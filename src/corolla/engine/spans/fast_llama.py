@@ -25,7 +25,6 @@ from corolla.engine.spans.span_model import (
     ChunkedPrefill,
     add_prompt,
     rotary_tables,
-    row_slots,
     table_slots,
     tensors_nbytes,
 )
@@ -295,8 +294,6 @@ class FastLlamaSpan(ChunkedPrefill):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
@@ -311,10 +308,10 @@ class FastLlamaSpan(ChunkedPrefill):
                 )  # [B, (nq+2nkv)D]
             if w.q_norm is not None:
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
-            q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
-            )  # [B, nq, D]
-            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
+            attn = self.ops.rope_attention(
+                qkv, self.cos, self.sin, positions, block_tables, pool.k[i], pool.v[i], s.num_heads,
+                s.num_kv_heads, s.head_dim, self.scale,
+            )  # fmt: skip  # [B, nq, D]; keys and values written at the rows' positions
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
             if lora is not None:
