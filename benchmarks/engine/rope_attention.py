@@ -30,7 +30,6 @@ from corolla.engine.spans.span_model import rotary_tables, row_slots
 PAGE = 64
 LLAMA3_8B_ATTENTION = (32, 8, 128)  # query heads, kv heads, head size
 TINY_ATTENTION = (4, 2, 32)
-WARPS = {"fused": 4, "fused_8_warps": 8}  # the fused kernel's variants: warps per program
 
 # the qkv projection's stand-in: releases its dependents, spins, then copies qkv (what the attention waits for)
 _AHEAD = r"""
@@ -82,10 +81,10 @@ def bench_rows(rows: int, args, dev: torch.device, lines: list[str]) -> dict:
             triton_kernels.paged_decode_attention(q, k, v, tables, seq_lens, scale, splits)
         else:
             rope_attention_triton.rope_paged_decode_attention(
-                qkv, cos, sin, positions, k, v, tables, scale, splits, nq, nkv, num_warps=WARPS[name]
+                qkv, cos, sin, positions, k, v, tables, scale, splits, nq, nkv
             )
 
-    names = ("pair", *WARPS)
+    names = ("pair", "fused")
     if dev.type != "cuda":  # dry run: each variant once (interpreted)
         for name in names:
             for k, v in caches:

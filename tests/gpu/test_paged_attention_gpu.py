@@ -1,7 +1,9 @@
 """The paged decode attention's in-kernel split combine on a real GPU, at Llama-3-8B's attention shape (32 query
 heads over 8 kv heads of 128, 64-token pages) and Falcon-7B's (71 query heads on one kv head of 64): captured once in a CUDA graph and replayed with new queries and
 lengths, each replay equals the reference and the eager call bit for bit, and the arrival counters are zero after
-every replay (the last program of each (row, kv head) resets its own). Skipped without CUDA."""
+every replay (the last program of each (row, kv head) resets its own). The fused rotary attention
+(rope_attention_triton) likewise, captured behind a programmatic kernel that writes qkv late (qkv poisoned before
+each replay): its output and caches equal rope_and_store_ref + the reference attention. Skipped without CUDA."""
 
 from __future__ import annotations
 

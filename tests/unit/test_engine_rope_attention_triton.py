@@ -112,10 +112,15 @@ def test_repeated_calls_reset_the_counters_and_repeat_the_bits() -> None:
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_decode_ops_rope_attention_takes_the_fused_kernel_or_the_pair() -> None:
-    # DecodeOps.rope_attention: the fused kernel with Triton, rope_and_store + paged_decode_attention without it
-    inputs = make_inputs(SEQ_LENS, 8, 2, seed=44)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_ops_rope_attention_takes_the_fused_kernel_up_to_its_rows(rows: int, monkeypatch) -> None:
+    # DecodeOps.rope_attention: the fused kernel for up to FUSED_ATTENTION_MAX_ROWS rows with Triton, the pair
+    # (rope_and_store + paged_decode_attention) for more rows or without Triton; every way equals the reference
+    inputs = make_inputs(SEQ_LENS[:rows], 8, 2, seed=44 + rows)
     expected = reference(inputs, 8, 2)
+    calls: list[int] = []
+    kernel = rat.rope_paged_decode_attention
+    monkeypatch.setattr(rat, "rope_paged_decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     for use_triton in (True, False):
         qkv, positions, k, v, tables = (t.clone().to(DEV) for t in inputs)
         cos, sin = rotary_tables(INV_FREQ.to(DEV), POSITIONS, DEV)
@@ -123,3 +128,4 @@ def test_decode_ops_rope_attention_takes_the_fused_kernel_or_the_pair() -> None:
         dec.use_triton = use_triton  # (the interpreter on CPU counts as Triton here)
         out = dec.rope_attention(qkv, cos, sin, positions, tables, k, v, 8, 2, D, D**-0.5)
         assert_same((out.cpu(), k.cpu(), v.cpu()), expected)
+    assert len(calls) == (1 if rows <= ops.FUSED_ATTENTION_MAX_ROWS else 0)

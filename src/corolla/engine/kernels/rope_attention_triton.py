@@ -2,7 +2,7 @@
 queries and of the new keys, the new keys' and values' write into the paged cache and the paged decode attention,
 split over the sequence like `triton_kernels.paged_decode_attention` (the splits combined by the last program of each
 (row, kv head)). It replaces that pair's two kernels (`triton_kernels.rope_and_store`, then the attention) in the
-Llama-style spans' decode step.
+Llama-style spans' decode step of up to `ops.decode_ops.FUSED_ATTENTION_MAX_ROWS` rows (docs/decisions/0110).
 
 Programmatic dependent launch (sm_90+): each program first reads only what no kernel of the step writes (the
 positions, the block tables, the rotary tables and its first page of cached keys and values: earlier steps wrote
@@ -191,7 +191,6 @@ def programmatic(device: torch.device) -> bool:
 def rope_paged_decode_attention(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, splits: int, num_heads: int, num_kv_heads: int,
-    *, num_warps: int = 4,
 ) -> torch.Tensor:
     # fmt: on
     """qkv [B, (nq + 2 nkv) D] (contiguous rows); cos/sin [P, D/2] float32; positions [B] long; caches [pages, page,
@@ -219,7 +218,7 @@ def rope_paged_decode_attention(
         qkv, cos, sin, positions, k_cache, v_cache, block_tables, out, m, l_, acc, counters,
         b, qkv.stride(0), block_tables.stride(0), out.stride(0), out.stride(1), scale,
         G=group, GP=gp, NQ=num_heads, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
-        GC=max(2, triton.next_power_of_2(group)), RP=max(16, triton.next_power_of_2(b)), PDL=pdl, num_warps=num_warps,
+        GC=max(2, triton.next_power_of_2(group)), RP=max(16, triton.next_power_of_2(b)), PDL=pdl, num_warps=4,
         num_stages=2, **launch,
     )  # fmt: skip
     return out

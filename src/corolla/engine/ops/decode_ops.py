@@ -31,6 +31,10 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 logger = get_logger(__name__)
 
+# the most rows a decode step's rotary attention runs as one fused kernel (rope_attention_triton), more as the pair
+# rope_and_store + paged_decode_attention: on an H200 at Llama-3-8B's attention after 512 tokens, 1 row 6.64 against
+# 8.98 us a layer, 64 rows 64.3 against 42.3 (docs/decisions/0110; 2 to 32 rows not measured)
+FUSED_ATTENTION_MAX_ROWS = 1
 # the decode attention's splits per (row, kv head) for groups of more than LARGE_GROUP query heads on a kv head: on an
 # H200 at Falcon-7B's 71 on 1 (D 64), 8 splits took 11.9 / 15.6 us at 513 / 2049 tokens against 16.2 / 18.4 for 16
 LARGE_GROUP, LARGE_GROUP_SPLITS = 16, 8
@@ -384,9 +388,10 @@ class DecodeOps:
     ) -> torch.Tensor:
         """A rotary decode step's attention: qkv [B, (nq + 2 nkv) D]'s queries and new keys rotated at `positions` [B]
         long, each row's key and value written at its position's slot of the paged caches and each row's attention
-        over its tokens up to that position -> [B, nq, D]. One Triton kernel on CUDA (`rope_attention_triton`: the
-        projection's tail overlapped, no launch between); else `rope_and_store` then `paged_decode_attention`."""
-        if self.use_triton:
+        over its tokens up to that position -> [B, nq, D]. One Triton kernel on CUDA for up to
+        FUSED_ATTENTION_MAX_ROWS rows (`rope_attention_triton`: no launch between, the projection's tail
+        overlapped); else `rope_and_store` then `paged_decode_attention`."""
+        if self.use_triton and qkv.shape[0] <= FUSED_ATTENTION_MAX_ROWS:
             splits = self.num_splits(qkv.shape[0], num_kv_heads, num_heads // num_kv_heads)
             return rope_attention_triton.rope_paged_decode_attention(
                 qkv, cos, sin, positions, k_cache, v_cache, block_tables, scale, splits, num_heads, num_kv_heads
