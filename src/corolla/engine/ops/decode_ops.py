@@ -16,7 +16,6 @@ from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.kernel_choices import KernelChoices
 from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, quant_key
-from corolla.engine.spans.span_model import row_slots
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
@@ -396,7 +395,9 @@ class DecodeOps:
             return rope_attention_triton.rope_paged_decode_attention(
                 qkv, cos, sin, positions, k_cache, v_cache, block_tables, scale, splits, num_heads, num_kv_heads
             )
-        slots = row_slots(block_tables, positions, k_cache.shape[1])  # [B]
+        page = k_cache.shape[1]
+        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
+        slots = pages * page + positions % page  # [B]: each row's position's slot (as span_model.row_slots)
         q = self.rope_and_store(
             qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim
         )  # [B, nq, D]
