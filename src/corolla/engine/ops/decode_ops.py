@@ -382,26 +382,34 @@ class DecodeOps:
         fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
         return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
 
+    def rope_attention_fused(self, rows: int) -> bool:
+        """Whether `rope_attention` runs `rows` rows as the one fused kernel (which forms no slots or lengths)."""
+        return self.use_triton and rows <= FUSED_ATTENTION_MAX_ROWS
+
     def rope_attention(
-        self, qkv, cos, sin, positions, block_tables, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale
-    ) -> torch.Tensor:
+        self, qkv, cos, sin, positions, block_tables, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+        slots: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """A rotary decode step's attention: qkv [B, (nq + 2 nkv) D]'s queries and new keys rotated at `positions` [B]
         long, each row's key and value written at its position's slot of the paged caches and each row's attention
         over its tokens up to that position -> [B, nq, D]. One Triton kernel on CUDA for up to
         FUSED_ATTENTION_MAX_ROWS rows (`rope_attention_triton`: no launch between, the projection's tail
-        overlapped); else `rope_and_store` then `paged_decode_attention`."""
-        if self.use_triton and qkv.shape[0] <= FUSED_ATTENTION_MAX_ROWS:
+        overlapped); else `rope_and_store` then `paged_decode_attention`, at `slots` [B] long and `seq_lens` [B]
+        int32 (positions + 1) where the caller formed them once for its layers (here from the tables otherwise)."""
+        if self.rope_attention_fused(qkv.shape[0]):
             splits = self.num_splits(qkv.shape[0], num_kv_heads, num_heads // num_kv_heads)
             return rope_attention_triton.rope_paged_decode_attention(
                 qkv, cos, sin, positions, k_cache, v_cache, block_tables, scale, splits, num_heads, num_kv_heads
             )
-        page = k_cache.shape[1]
-        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
-        slots = pages * page + positions % page  # [B]: each row's position's slot (as span_model.row_slots)
+        if slots is None:
+            page = k_cache.shape[1]
+            pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
+            slots = pages * page + positions % page  # [B]: each row's position's slot (as span_model.row_slots)
         q = self.rope_and_store(
             qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim
         )  # [B, nq, D]
-        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        if seq_lens is None:
+            seq_lens = (positions + 1).to(torch.int32)  # [B]
         return self.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def paged_decode_attention(

@@ -25,6 +25,7 @@ from corolla.engine.spans.span_model import (
     ChunkedPrefill,
     add_prompt,
     rotary_tables,
+    row_slots,
     table_slots,
     tensors_nbytes,
 )
@@ -294,6 +295,10 @@ class FastLlamaSpan(ChunkedPrefill):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
+        slots = seq_lens = None  # the pair's inputs, formed once for all layers (the fused kernel forms its own)
+        if not self.ops.rope_attention_fused(b):
+            seq_lens = (positions + 1).to(torch.int32)  # [B]
+            slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
@@ -310,7 +315,7 @@ class FastLlamaSpan(ChunkedPrefill):
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
             attn = self.ops.rope_attention(
                 qkv, self.cos, self.sin, positions, block_tables, pool.k[i], pool.v[i], s.num_heads,
-                s.num_kv_heads, s.head_dim, self.scale,
+                s.num_kv_heads, s.head_dim, self.scale, slots, seq_lens,
             )  # fmt: skip  # [B, nq, D]; keys and values written at the rows' positions
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
