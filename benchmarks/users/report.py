@@ -29,6 +29,7 @@ from benchmarks.users.config import CLIENT_KINDS, UsersConfig
 from benchmarks.users.server import BenchServer, UsersResult, build_executor, run_users
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.front import step_timeline
 from corolla.server.front.step_timeline import TIMELINE_ENV
 
 
@@ -235,8 +236,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--timeline", action="store_true",
-        help="handler processes stamp each socket/direct step (server.step_timeline); each row then notes where its "
-        "steps' time went: the handler before and after the device, the device round trip, the client's turnaround",
+        help="the fronts stamp each step of every transport (server.step_timeline); each row then notes where its "
+        "steps' time went: the server's part (request read to response written; with handler processes: the handler "
+        "before and after the device, the device round trip) and the client's turnaround",
     )  # fmt: skip
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="cpu-users")
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         cpus = cpus.with_runtime(args.runtime_cpus)
     if args.timeline:  # before the forkserver starts: the handler processes read it when they import
         os.environ[TIMELINE_ENV] = tempfile.mkdtemp(prefix="corolla-timeline-")
+        step_timeline.start(Path(os.environ[TIMELINE_ENV]))  # this process's own front (one-front rows)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
@@ -373,15 +376,20 @@ def main(argv: list[str] | None = None) -> int:
                 + " / ".join(str(n) for n in row.sessions_per_handler)
             )
     for row in rows:
-        if row.timeline_ms.get("steps"):  # stamped in the handler processes: socket and direct streams, not p2p
+        if row.timeline_ms.get("steps"):
             t = row.timeline_ms
+            handler = ""
+            if not math.isnan(t["device_round_trip_p50_ms"]):  # handler processes: the device channel's hop stamped
+                handler = (
+                    f" (handler before the device {t['handler_in_p50_ms']:.2f} / {t['handler_in_p90_ms']:.2f}, device "
+                    f"round trip {t['device_round_trip_p50_ms']:.2f} / {t['device_round_trip_p90_ms']:.2f}, handler "
+                    f"after {t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f})"
+                )
             notes.append(
                 f"timeline, {row.sessions} sessions, {row.num_handlers} handler processes, {row.transport}, "
-                f"{row.client} client ({t['steps']:.0f} steps; p50 / p90 ms): handler before the device "
-                f"{t['handler_in_p50_ms']:.2f} / {t['handler_in_p90_ms']:.2f}, device round trip "
-                f"{t['device_round_trip_p50_ms']:.2f} / {t['device_round_trip_p90_ms']:.2f}, handler after "
-                f"{t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f}, client turnaround (response "
-                f"written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
+                f"{row.client} client ({t['steps']:.0f} steps; p50 / p90 ms): server's part (request read to response "
+                f"written) {t['server_step_p50_ms']:.2f} / {t['server_step_p90_ms']:.2f}{handler}, client turnaround "
+                f"(response written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
             )
     for row in rows:
         if row.sessions > 1 and len(row.timeline_by_process) > 1:

@@ -47,22 +47,26 @@ def timeline_summary(directory: Path) -> dict[str, float]:
     work, both transits and any wait of the handler's loop to read)."""
     from corolla.server.front.step_timeline import IN
 
-    parts: dict[str, list[float]] = {"handler_in": [], "device_round_trip": [], "handler_out": [], "client_turn": []}
+    parts: dict[str, list[float]] = {
+        "handler_in": [], "device_round_trip": [], "handler_out": [], "server_step": [], "client_turn": [],
+    }  # fmt: skip
     for path in sorted(directory.glob("timeline-*.jsonl")):
         for rows in _decode_steps(path):
             for i, (t_in, sent, back, out) in enumerate(rows):
-                if not (sent and back and out):
+                if not out:
                     continue
-                parts["handler_in"].append((sent - t_in) / 1e6)
-                parts["device_round_trip"].append((back - sent) / 1e6)
-                parts["handler_out"].append((out - back) / 1e6)
+                parts["server_step"].append((out - t_in) / 1e6)
                 if i + 1 < len(rows):
                     parts["client_turn"].append((rows[i + 1][IN] - out) / 1e6)
+                if sent and back:  # a handler process's step (one front: the device is in the same process)
+                    parts["handler_in"].append((sent - t_in) / 1e6)
+                    parts["device_round_trip"].append((back - sent) / 1e6)
+                    parts["handler_out"].append((out - back) / 1e6)
     summary: dict[str, float] = {}
     for name, values in parts.items():
         summary[f"{name}_p50_ms"] = percentile(values, 0.5) if values else float("nan")
         summary[f"{name}_p90_ms"] = percentile(values, 0.9) if values else float("nan")
-    summary["steps"] = float(len(parts["device_round_trip"]))
+    summary["steps"] = float(len(parts["server_step"]))
     return summary
 
 

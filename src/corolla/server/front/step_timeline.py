@@ -1,8 +1,9 @@
-"""Where a decode step's time goes inside a handler process, for the many-users bench: per step of a same-host
-socket or direct-port stream, four `time.monotonic_ns` stamps (its request frame read, the step handed to the
-device channel, the device's reply back, the response written), kept per stream and appended to
-`<dir>/timeline-<pid>.jsonl` when the stream ends. Off unless `COROLLA_STEP_TIMELINE` names a directory when the
-process imports this module; off, a step costs one module-level check. The bench reads the files
+"""Where a decode step's time goes inside a front, for the many-users bench: per step of an inference stream (the
+same-host socket's, the direct port's, p2p's), four `time.monotonic_ns` stamps (its request frame read, the step
+handed to the device channel, the device's reply back, the response written; a one-process server's front has no
+channel: its steps have the first and the last), kept per stream and appended to `<dir>/timeline-<pid>.jsonl` when the
+stream ends. Off unless `COROLLA_STEP_TIMELINE` names a directory when the process imports this module (or `start`
+names one later: the bench's own process, which imported it first); off, a step costs one module-level check. The bench reads the files
 (`benchmarks.users.timeline.timeline_summary`)."""
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class StreamTimeline:
     def save(self, directory: Path) -> None:
         with open(directory / f"timeline-{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(self.rows) + "\n")
+
+
+def start(directory: Path) -> None:
+    """Stamps this process's streams opened from now on into `directory` (the env variable is read at import)."""
+    global DIRECTORY
+    DIRECTORY = directory
 
 
 def open_stream() -> StreamTimeline | None:

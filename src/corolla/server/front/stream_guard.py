@@ -34,6 +34,7 @@ from corolla.server.core.limits import (
     StreamTooSlow,
     peer_key,
 )
+from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.opening_streams import OpeningStreams
 from corolla.server.front.stream_endpoint import (
@@ -397,8 +398,9 @@ def steps_handler(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
         codec = PeerFrames()
+        timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines (as the socket's)
         port = PeerStreamPort(
-            conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None, pace=budget.limits.message_pace
+            conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=timeline, pace=budget.limits.message_pace
         )
         failure: Exception | None = None
         try:
@@ -433,6 +435,7 @@ def steps_handler(
             port.detach()
             lease.close()
             conn.close()
+            step_timeline.close_stream(timeline)
 
     return handle
 
