@@ -237,8 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--timeline", action="store_true",
         help="the fronts stamp each step of every transport (server.step_timeline); each row then notes where its "
-        "steps' time went: the server's part (request read to response written; with handler processes: the handler "
-        "before and after the device, the device round trip) and the client's turnaround",
+        "steps' time went: the server's part (request read to response written: the front before and after the core, "
+        "the core's part) and the client's turnaround",
     )  # fmt: skip
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="cpu-users")
@@ -379,11 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         if row.timeline_ms.get("steps"):
             t = row.timeline_ms
             handler = ""
-            if not math.isnan(t["device_round_trip_p50_ms"]):  # handler processes: the device channel's hop stamped
+            if not math.isnan(t["device_round_trip_p50_ms"]):  # (a lone session's inline steps have no core part)
                 handler = (
-                    f" (handler before the device {t['handler_in_p50_ms']:.2f} / {t['handler_in_p90_ms']:.2f}, device "
-                    f"round trip {t['device_round_trip_p50_ms']:.2f} / {t['device_round_trip_p90_ms']:.2f}, handler "
-                    f"after {t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f})"
+                    f" (the front before the core {t['handler_in_p50_ms']:.2f} / {t['handler_in_p90_ms']:.2f}, the "
+                    f"core's part: queue, forward, device channel {t['device_round_trip_p50_ms']:.2f} / "
+                    f"{t['device_round_trip_p90_ms']:.2f}, the front after {t['handler_out_p50_ms']:.2f} / "
+                    f"{t['handler_out_p90_ms']:.2f})"
                 )
             notes.append(
                 f"timeline, {row.sessions} sessions, {row.num_handlers} handler processes, {row.transport}, "

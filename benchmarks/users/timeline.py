@@ -1,7 +1,8 @@
-"""Where a step's time goes in the many-users bench (`benchmarks.users --timeline`): the directory the handler processes
-save their step timelines to (`server.step_timeline`), and the medians and 90th percentiles of each part of a decode
-step over every saved stream (the handler's own part before and after the device, the device channel's round trip,
-the client's turnaround as the server sees it), also per handler process (`timeline_by_process`); and where a row's
+"""Where a step's time goes in the many-users bench (`benchmarks.users --timeline`): the directory the fronts (the
+bench's own process, the handler processes) save their step timelines to (`server.step_timeline`), and the medians
+and 90th percentiles of each part of a decode step over every saved stream (the server's part, the front's own part
+before and after the core, the core's, the client's turnaround as the server sees it), also per process
+(`timeline_by_process`); and where a row's
 window goes beyond its timed steps (`window_breakdown`: the sessions' start and end spread, the steps' mean, the
 untimed time)."""
 
@@ -41,10 +42,11 @@ TIMELINE_SKIP_STEPS = 2  # a stream's first steps (its prefill) are not decode s
 
 
 def timeline_summary(directory: Path) -> dict[str, float]:
-    """Medians and 90th percentiles (ms) over every saved stream's decode steps with all four stamps
-    (`server.step_timeline`): the handler's own part before and after the device, the device channel's round trip,
-    and the client's turnaround as the server sees it (a response written to the next request read: the client's
-    work, both transits and any wait of the handler's loop to read)."""
+    """Medians and 90th percentiles (ms) over every saved stream's decode steps (`server.step_timeline`): the server's
+    part (request read to response written) and the client's turnaround as the server sees it (a response written to
+    the next request read: the client's work, both transits and any wait of the front's loop to read); where the core's
+    stamps are there too, the front's own part before and after the core (`handler_in`, `handler_out`) and the core's
+    (`device_round_trip`: the runtime's queue and forward, a handler process's device channel)."""
     from corolla.server.front.step_timeline import IN
 
     parts: dict[str, list[float]] = {

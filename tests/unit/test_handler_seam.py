@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from corolla.server.core.executor import (
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
+from corolla.server.front import step_timeline
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.prefix_keys import with_hit
@@ -181,6 +184,33 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
     assert all(s.lone_session and s.prompts is None and s.hypo_ids is None for s in executor.steps)
     assert executor.opened == [SessionSpec((0, 1), 1, 8)]
     assert executor.bytes_left == executor.max_size_bytes  # the session's cache was given back
+
+
+class SlowExecutor(FakeExecutor):
+    """A step that takes 2 ms on the core's side."""
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        await asyncio.sleep(0.002)
+        return await super().step(cache, inputs)
+
+
+def test_a_streams_steps_are_stamped_from_the_request_to_the_reply(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The bench's step timeline (`--timeline`): each step's four stamps taken by the port and the session's steps,
+    the core's part (handed over to its output back) between the front's (since the steps run by callbacks, the
+    core's stamps had been looked up in a context the callbacks do not run in: no step had them)."""
+    monkeypatch.setattr(step_timeline, "DIRECTORY", tmp_path)
+    hidden = [torch.randn(1, 3, H), torch.randn(1, 1, H), torch.randn(1, 1, H)]
+    requests = [_request(hidden[0], max_length=8, session_id="s"), _request(hidden[1]), _request(hidden[2])]
+    responses, error = _run(_session(_handler(SlowExecutor()), requests))
+    assert error is None and len(responses) == 3
+    (saved,) = tmp_path.glob("timeline-*.jsonl")
+    (rows,) = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert len(rows) == 3
+    for t_in, sent, back, out in rows:
+        assert 0 < t_in <= sent < back <= out
+        assert back - sent >= 2_000_000  # the core's 2 ms, in ns
 
 
 @pytest.mark.parametrize(

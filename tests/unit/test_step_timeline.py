@@ -26,13 +26,15 @@ from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, S
 
 
 class _Handler:
-    """Answers each request as a handler process does, stamping the device hand-off as `RemoteCore` does."""
+    """Answers each request, stamping the core's hand-off on the port's timeline as `SessionSteps` does."""
 
     async def serve_steps(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context, port) -> None:
         async for request in requests:
-            step_timeline.stamp(step_timeline.SENT)
-            await asyncio.sleep(0.002)  # the device's round trip
-            step_timeline.stamp(step_timeline.BACK)
+            if port.timeline is not None:
+                port.timeline.stamp(step_timeline.SENT)
+            await asyncio.sleep(0.002)  # the core's part
+            if port.timeline is not None:
+                port.timeline.stamp(step_timeline.BACK)
             port.reply(runtime_pb2.ExpertResponse(tensors=request.tensors))
 
 

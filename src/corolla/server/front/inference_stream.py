@@ -38,6 +38,7 @@ from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, 
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
+from corolla.server.front import step_timeline
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
@@ -526,6 +527,8 @@ class StepPort(Protocol):
     """A transport's end of one `rpc_inference` stream once its session runs steps (`InferenceStreams.serve_steps`):
     where replies go, and how the client's next request is handed to the session's `StepOrder` (`client`)."""
 
+    timeline: step_timeline.StreamTimeline | None  # the bench's stamps of the stream's steps (None: off)
+
     def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """The session's steps begin: the client's requests go to `order` from now on (`requests`: the stream's, as
         the session opened from it, for a transport that reads them as messages)."""
@@ -600,6 +603,8 @@ class SessionSteps:
             if isinstance(output, asyncio.Future):
                 if not output.done():  # the reply leaves from the step's completion
                     self._in_flight = output
+                    if (timeline := self.port.timeline) is not None:
+                        timeline.stamp(step_timeline.SENT)
                     output.add_done_callback(functools.partial(self._stepped, request, metadata, inputs, hit))
                     return False
                 output = output.result()  # (a lone session's step ran inline: answered at once)
@@ -613,6 +618,8 @@ class SessionSteps:
         hit: int | None, output: asyncio.Future,
     ) -> None:  # fmt: skip
         self._in_flight = None
+        if (timeline := self.port.timeline) is not None:
+            timeline.stamp(step_timeline.BACK)
         order = self.order
         assert order is not None
         if order.ended or output.cancelled():

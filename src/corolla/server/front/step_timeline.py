@@ -1,14 +1,14 @@
 """Where a decode step's time goes inside a front, for the many-users bench: per step of an inference stream (the
-same-host socket's, the direct port's, p2p's), four `time.monotonic_ns` stamps (its request frame read, the step
-handed to the device channel, the device's reply back, the response written; a one-process server's front has no
-channel: its steps have the first and the last), kept per stream and appended to `<dir>/timeline-<pid>.jsonl` when the
-stream ends. Off unless `COROLLA_STEP_TIMELINE` names a directory when the process imports this module (or `start`
-names one later: the bench's own process, which imported it first); off, a step costs one module-level check. The bench reads the files
-(`benchmarks.users.timeline.timeline_summary`)."""
+same-host socket's, the direct port's, p2p's), four `time.monotonic_ns` stamps, all taken by the stream's port
+(`SocketPort`) or its session's steps (`SessionSteps`): its request frame read, the step handed to the core (a handler
+process's: to the device channel), the core's output back, the response written (a lone session's step run inline
+has the first and the last), kept per stream and appended to `<dir>/timeline-<pid>.jsonl` when the stream ends. Off
+unless `COROLLA_STEP_TIMELINE` names a directory when the process imports this module (or `start` names one later:
+the bench's own process, which imported it first); off, a step costs a check of its port's `timeline`. The bench
+reads the files (`benchmarks.users.timeline.timeline_summary`)."""
 
 from __future__ import annotations
 
-import contextvars
 import json
 import os
 import time
@@ -24,7 +24,6 @@ IN, SENT, BACK, OUT = range(4)  # the stamps of one step, in order
 
 _dir = os.environ.get(TIMELINE_ENV)
 DIRECTORY: Path | None = Path(_dir) if _dir else None
-_current: contextvars.ContextVar[StreamTimeline | None] = contextvars.ContextVar("step_timeline", default=None)
 
 
 class StreamTimeline:
@@ -55,18 +54,8 @@ def start(directory: Path) -> None:
 
 
 def open_stream() -> StreamTimeline | None:
-    """A timeline for the calling task's stream (its steps' `stamp` calls find it), or None when off."""
-    if DIRECTORY is None:
-        return None
-    timeline = StreamTimeline()
-    _current.set(timeline)
-    return timeline
-
-
-def stamp(phase: int) -> None:
-    """Stamps `phase` of the current step of the calling task's stream, if it has a timeline."""
-    if DIRECTORY is not None and (timeline := _current.get()) is not None:
-        timeline.stamp(phase)
+    """A timeline for a stream about to be served (its port's `timeline`), or None when off."""
+    return None if DIRECTORY is None else StreamTimeline()
 
 
 def close_stream(timeline: StreamTimeline | None) -> None:

@@ -35,7 +35,6 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.refusals import decode_error
 from corolla.server.core.span_core import DrainState, PushSink, PushTable
-from corolla.server.front import step_timeline
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
 
@@ -275,12 +274,7 @@ class RemoteCore:
         else:
             body.tensor(inputs.tensor())
         body.tensor(inputs.prompts).tensor(inputs.hypo_ids)
-        if step_timeline.DIRECTORY is None:  # off (the bench's hook): no call per step
-            return _one_output(await self.link.call(wire.STEP, body, batched=True))
-        step_timeline.stamp(step_timeline.SENT)
-        reply = await self.link.call(wire.STEP, body, batched=True)
-        step_timeline.stamp(step_timeline.BACK)
-        return _one_output(reply)
+        return _one_output(await self.link.call(wire.STEP, body, batched=True))
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
         """To the core, which routes it to the process holding the session (this one too): True once sent."""
