@@ -29,11 +29,14 @@ from one repeat to the next (a drift over the process's runs hits both alike; a 
 Per run: the real sessions' prompts phase (from the start to the last real prefill)
 and decode phase (from there to the last real decode step); cost = time with shadows / time without - 1 (their
 tokens/s: what the replica's users lose), as medians and per repeat (`cost_decode_real_pairs`: median, quartiles,
-extremes); the runtime's busy seconds (`Runtime.stats`: every batch, from its launch to its results; `cost_busy`),
-of them the device's own seconds on the launched decode forwards (`cost_device`), and the host's CPU seconds (this
-process's event loop, where the clients and the executor's step intake run, plus the runtime thread: `cost_host_cpu`),
-the two resources a replica's throughput is bound by. How the runtime batched the steps, per run: forwards per real
-decode step, rows per forward, and its gather rule's learned return and forward times (whether it held launches:
+extremes); over the decode phase (as its time: before, the shadows' and real prefills were in them), the runtime's
+busy seconds (`Runtime.stats`: every batch, from its launch to its results; `cost_busy`), of them the device's own
+seconds on the launched decode forwards (`cost_device`), and the host's CPU seconds (this process's event loop, where
+the clients and the executor's step intake run, plus the runtime thread: `cost_host_cpu`), the two resources a
+replica's throughput is bound by, also per shadow row (the runtime thread's) and per shadow request (the loop's);
+`--profile DIR`: one more run of each variant, untimed, with the runtime thread's cProfile (its own CPU clock) over
+its decode phase, printed and kept. How the runtime batched the steps, per run: forwards per real decode step, rows
+per forward, and its gather rule's learned return and forward times (whether it held launches:
 docs/decisions/0002, 0009). The per-step latency of the real decode steps (median, p99) is reported for both. The
 shadows' outputs are compared with the real sessions' at every position (`stretches.position_errors` against
 `output_checks.verify_rtol`: an honest server must never be banned)."""
@@ -43,9 +46,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import gc
 import json
 import platform
+import pstats
 import statistics
 import threading
 import time
@@ -108,17 +113,19 @@ def _inputs(raw: memoryview, dtype: torch.dtype, start: int, end: int, hidden: i
 
 async def _session(
     executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
-    progress: Progress, mirrors: Progress | None = None, phase: int = 0,
+    progress: Progress, mirrors: Progress | None = None, phase: int = 0, prefilled: Callable[[], None] | None = None,
 ) -> None:  # fmt: skip
     """One client of a session: `inputs` [1, prompt + steps, H] (CPU): the prefill (in chunks of `chunk` tokens),
     then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
     progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
     request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
-    latency, the decode steps' outputs (`_positions`: [steps, H])."""
+    latency, the decode steps' outputs (`_positions`: [steps, H]); `prefilled` is called once its prefill is done."""
     raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
     for start in range(0, prompt, chunk):
         await executor.step(cache, _inputs(raw, dtype, start, min(prompt, start + chunk), hidden))
     record["prefilled"] = time.perf_counter()
+    if prefilled is not None:
+        prefilled()
     outputs: list[torch.Tensor | TensorBytes] = []  # per step [1, n, H] (a launched step's: its bytes)
     latencies = []
     t = 0
@@ -192,19 +199,21 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
 
     backend = standin_backend(spec, len(layers), device)
 
-    def run(with_shadows: bool) -> dict:
+    def run(with_shadows: bool, profile: cProfile.Profile | None = None) -> dict:
         gc.collect()  # (not inside the timed window)
         with on_device(), Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
             tokens_before = executor.inference_tokens
-            result = asyncio.run(_run(runtime, executor, with_shadows))
+            result = asyncio.run(_run(runtime, executor, with_shadows, profile))
             result["rows_per_forward"] = (executor.inference_tokens - tokens_before) / max(1, result["batches"])
             result["held_launches"], result["gather_skipped"] = runtime.num_held_launches, runtime.gather.num_skipped
             result["return_ms"] = None if runtime.gather.return_s is None else 1e3 * runtime.gather.return_s
             result["forward_ms"] = None if runtime.gather.forward_s is None else 1e3 * runtime.gather.forward_s
         return result
 
-    async def _run(runtime: Runtime, executor: EngineExecutor, with_shadows: bool) -> dict:
+    async def _run(
+        runtime: Runtime, executor: EngineExecutor, with_shadows: bool, profile: cProfile.Profile | None
+    ) -> dict:
         blocks = tuple(range(len(layers)))
         specs = [SessionSpec(blocks, 1, total) for _ in range(rows)]
         specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if with_shadows else 0)]
@@ -215,21 +224,36 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             caches.append(await context.__aenter__())
             opened.append(context)
         records: list[dict] = [{} for _ in specs]
-        before = _totals(runtime)
-        cpu_before = time.thread_time(), _thread_cpu_s(runtime.thread)  # this loop's clients, the runtime thread
         started = time.perf_counter()
         progress = [Progress() for _ in specs]
+        # the decode phase's totals start when the last real prefill is done (as its time does): the host's CPU
+        # seconds of this loop's clients and of the runtime thread, the runtime's busy and device seconds
+        decode: dict = {"waiting": rows}
+
+        def prefilled() -> None:
+            decode["waiting"] -= 1
+            if decode["waiting"] == 0:
+                decode["totals"] = _totals(runtime)
+                decode["cpu"] = time.thread_time(), _thread_cpu_s(runtime.thread)
+                if profile is not None:  # (cProfile is per thread: enabled by a task on the runtime thread)
+                    runtime.submit(profile.enable, priority=0, size_tokens=0)
+
         # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
         # evenly over the steps, as sessions starting at different times would send them)
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
                      args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
-                     None if i < rows else progress[i - rows], (i - rows) * SHADOW_BATCH_ROWS // max(1, shadows))
+                     None if i < rows else progress[i - rows], (i - rows) * SHADOW_BATCH_ROWS // max(1, shadows),
+                     prefilled if i < rows else None)
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
+        cpu_before = decode["cpu"]
         loop_cpu_s, runtime_cpu_s = time.thread_time() - cpu_before[0], _thread_cpu_s(runtime.thread) - cpu_before[1]
-        busy_s, device_s, batches = (after - earlier for after, earlier in zip(_totals(runtime), before, strict=True))
+        if profile is not None:
+            await runtime.submit(profile.disable, priority=0, size_tokens=0)
+        totals = zip(_totals(runtime), decode["totals"], strict=True)
+        busy_s, device_s, batches = (after - earlier for after, earlier in totals)
         for context in opened:
             await context.__aexit__(None, None, None)
         real, mirror = records[:rows], records[rows:]
@@ -260,6 +284,14 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     for repeat in range(args.repeats):  # alternated (ABBA...): a drift over the process hits both alike
         for variant in (False, True) if repeat % 2 == 0 else (True, False):
             runs[variant].append(run(variant))
+    for variant in (False, True) if args.profile is not None else ():  # one more run each, profiled (not timed)
+        profile = cProfile.Profile(time.thread_time)  # (the runtime thread's CPU, not its waits)
+        run(variant, profile)
+        name = f"runtime_{rows}_{'on' if variant else 'off'}.prof"
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(args.profile / name)
+        print(f"{name}: the runtime thread over the decode phase, by own CPU time", flush=True)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_lines)
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
     off, on = ({k: statistics.median(r[k] for r in runs[v]) for k in KEYS} for v in (False, True))
 
@@ -284,6 +316,12 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         "cost_prompts_real": cost("prefill_real_s"), "cost_busy": cost("busy_s"), "cost_device": cost("device_s"),
         "cost_host_cpu": cost("host_cpu_s"), "cost_loop_cpu": cost("loop_cpu_s"),
         "cost_runtime_cpu": cost("runtime_cpu_s"),
+        # the host's CPU per shadow row (positions x batch) and per shadow request, on and off apart
+        "runtime_cpu_us_per_shadow_row": round(1e6 * (on["runtime_cpu_s"] - off["runtime_cpu_s"]) / (shadows * steps), 2),
+        "loop_cpu_us_per_shadow_request": round(
+            1e6 * (on["loop_cpu_s"] - off["loop_cpu_s"]) / (shadows * steps / SHADOW_BATCH_ROWS), 2),
+        "runtime_cpu_us_per_forward": {v: round(1e6 * r["runtime_cpu_s"] / r["batches"], 1)
+                                       for v, r in (("off", off), ("on", on))},
         "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
         "honest_server_banned": bool((errors > rtol).any()),
     }  # fmt: skip
@@ -302,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                         "take the CUDA-graph path with the graph a timed no-op of this many ms on a simulated device "
                         "(benchmarks.users.device_cpu); the GIL switch interval a GPU server's")  # fmt: skip
     p.add_argument("--repeats", type=int, default=7, help="timed runs with and without shadows (median; pairs' spread)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="cProfile of the runtime thread over the decode phase of each variant's last run, to DIR "
+                        "(printed by own CPU time)")  # fmt: skip
+    p.add_argument("--profile_lines", type=int, default=30, help="functions printed per profile")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     simulated = args.simulated_forward_ms is not None
