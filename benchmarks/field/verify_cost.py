@@ -203,9 +203,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         gc.collect()  # (not inside the timed window)
         with on_device(), Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
-            tokens_before = executor.inference_tokens
             result = asyncio.run(_run(runtime, executor, with_shadows, profile))
-            result["rows_per_forward"] = (executor.inference_tokens - tokens_before) / max(1, result["batches"])
             result["held_launches"], result["gather_skipped"] = runtime.num_held_launches, runtime.gather.num_skipped
             result["return_ms"] = None if runtime.gather.return_s is None else 1e3 * runtime.gather.return_s
             result["forward_ms"] = None if runtime.gather.forward_s is None else 1e3 * runtime.gather.forward_s
@@ -233,7 +231,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         def prefilled() -> None:
             decode["waiting"] -= 1
             if decode["waiting"] == 0:
-                decode["totals"] = _totals(runtime)
+                decode["totals"], decode["rows"] = _totals(runtime), executor.inference_tokens
                 decode["cpu"] = time.thread_time(), _thread_cpu_s(runtime.thread)
                 if profile is not None:  # (cProfile is per thread: enabled by a task on the runtime thread)
                     runtime.submit(profile.enable, priority=0, size_tokens=0)
@@ -270,6 +268,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             "device_s": device_s,
             "batches": batches,
             "forwards_per_step": batches / steps,
+            "rows_per_forward": (executor.inference_tokens - decode["rows"]) / max(1, batches),
             "step_p50_ms": 1e3 * latencies[len(latencies) // 2],
             "step_p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "host_cpu_s": loop_cpu_s + runtime_cpu_s,
@@ -304,7 +303,18 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     ]
     errors = runs[True][-1]["errors"]
     rtol = verify_rtol(torch.bfloat16)
-    per_run = ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms", "gather_skipped", "held_launches")
+    per_run = (
+        "decode_real_s",
+        "forwards_per_step",
+        "rows_per_forward",
+        "runtime_cpu_s",
+        "loop_cpu_s",
+        "device_s",
+        "return_ms",
+        "forward_ms",
+        "gather_skipped",
+        "held_launches",
+    )
     return {
         "rows": rows, "shadows": shadows, "fraction": args.fraction, "steps": steps, "prompt": args.prompt,
         "graphs": args.graphs, "repeats": args.repeats,
