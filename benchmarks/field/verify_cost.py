@@ -33,9 +33,8 @@ extremes); over the decode phase (as its time: before, the shadows' and real pre
 busy seconds (`Runtime.stats`: every batch, from its launch to its results; `cost_busy`), of them the device's own
 seconds on the launched decode forwards (`cost_device`), and the host's CPU seconds (this process's event loop, where
 the clients and the executor's step intake run, plus the runtime thread: `cost_host_cpu`), the two resources a
-replica's throughput is bound by, also per shadow row (the runtime thread's) and per shadow request (the loop's);
-`--profile DIR`: one more run of each variant, untimed, with the runtime thread's cProfile (its own CPU clock) over
-its decode phase, printed and kept. How the runtime batched the steps, per run: forwards per real decode step, rows
+replica's throughput is bound by, also per shadow row (the runtime thread's), per shadow request (the loop's) and
+per forward (the runtime thread's). How the runtime batched the steps, per run: forwards per real decode step, rows
 per forward, and its gather rule's learned return and forward times (whether it held launches:
 docs/decisions/0002, 0009). The per-step latency of the real decode steps (median, p99) is reported for both. The
 shadows' outputs are compared with the real sessions' at every position (`stretches.position_errors` against
@@ -46,11 +45,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import cProfile
 import gc
 import json
 import platform
-import pstats
 import statistics
 import threading
 import time
@@ -199,19 +196,17 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
 
     backend = standin_backend(spec, len(layers), device)
 
-    def run(with_shadows: bool, profile: cProfile.Profile | None = None) -> dict:
+    def run(with_shadows: bool) -> dict:
         gc.collect()  # (not inside the timed window)
         with on_device(), Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
-            result = asyncio.run(_run(runtime, executor, with_shadows, profile))
+            result = asyncio.run(_run(runtime, executor, with_shadows))
             result["held_launches"], result["gather_skipped"] = runtime.num_held_launches, runtime.gather.num_skipped
             result["return_ms"] = None if runtime.gather.return_s is None else 1e3 * runtime.gather.return_s
             result["forward_ms"] = None if runtime.gather.forward_s is None else 1e3 * runtime.gather.forward_s
         return result
 
-    async def _run(
-        runtime: Runtime, executor: EngineExecutor, with_shadows: bool, profile: cProfile.Profile | None
-    ) -> dict:
+    async def _run(runtime: Runtime, executor: EngineExecutor, with_shadows: bool) -> dict:
         blocks = tuple(range(len(layers)))
         specs = [SessionSpec(blocks, 1, total) for _ in range(rows)]
         specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if with_shadows else 0)]
@@ -233,8 +228,6 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             if decode["waiting"] == 0:
                 decode["totals"], decode["rows"] = _totals(runtime), executor.inference_tokens
                 decode["cpu"] = time.thread_time(), _thread_cpu_s(runtime.thread)
-                if profile is not None:  # (cProfile is per thread: enabled by a task on the runtime thread)
-                    runtime.submit(profile.enable, priority=0, size_tokens=0)
 
         # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
         # evenly over the steps, as sessions starting at different times would send them)
@@ -248,8 +241,6 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         await asyncio.gather(*clients)
         cpu_before = decode["cpu"]
         loop_cpu_s, runtime_cpu_s = time.thread_time() - cpu_before[0], _thread_cpu_s(runtime.thread) - cpu_before[1]
-        if profile is not None:
-            await runtime.submit(profile.disable, priority=0, size_tokens=0)
         totals = zip(_totals(runtime), decode["totals"], strict=True)
         busy_s, device_s, batches = (after - earlier for after, earlier in totals)
         for context in opened:
@@ -283,14 +274,6 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     for repeat in range(args.repeats):  # alternated (ABBA...): a drift over the process hits both alike
         for variant in (False, True) if repeat % 2 == 0 else (True, False):
             runs[variant].append(run(variant))
-    for variant in (False, True) if args.profile is not None else ():  # one more run each, profiled (not timed)
-        profile = cProfile.Profile(time.thread_time)  # (the runtime thread's CPU, not its waits)
-        run(variant, profile)
-        name = f"runtime_{rows}_{'on' if variant else 'off'}.prof"
-        args.profile.mkdir(parents=True, exist_ok=True)
-        profile.dump_stats(args.profile / name)
-        print(f"{name}: the runtime thread over the decode phase, by own CPU time", flush=True)
-        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_lines)
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
     off, on = ({k: statistics.median(r[k] for r in runs[v]) for k in KEYS} for v in (False, True))
 
@@ -350,10 +333,6 @@ def main(argv: list[str] | None = None) -> int:
                         "take the CUDA-graph path with the graph a timed no-op of this many ms on a simulated device "
                         "(benchmarks.users.device_cpu); the GIL switch interval a GPU server's")  # fmt: skip
     p.add_argument("--repeats", type=int, default=7, help="timed runs with and without shadows (median; pairs' spread)")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="cProfile of the runtime thread over the decode phase of each variant's last run, to DIR "
-                        "(printed by own CPU time)")  # fmt: skip
-    p.add_argument("--profile_lines", type=int, default=30, help="functions printed per profile")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     simulated = args.simulated_forward_ms is not None

@@ -28,3 +28,7 @@ def test_shadow_requests_ride_launched_forwards_on_the_simulated_device(
     assert launched and max(launched) >= SHADOW_BATCH_ROWS
     assert result["shadows"] == 3 and result["positions_compared"] == 3 * 40 and not result["honest_server_banned"]
     assert result["on"]["device_s"] > 0 and result["off"]["device_s"] > 0  # the simulated device's timed forwards
+    # counted over the decode phase alone (its forwards, their rows, the host's CPU): without shadows a forward holds
+    # at most the 4 real sessions' decode rows (the prefills' tokens are not in it)
+    assert 1 <= result["off"]["rows_per_forward"] <= 4 < result["on"]["rows_per_forward"]
+    assert result["runtime_cpu_us_per_forward"]["off"] > 0 and result["off"]["runtime_cpu_s"] > 0
