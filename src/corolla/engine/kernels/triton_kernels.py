@@ -203,19 +203,6 @@ def _paged_attn_kernel(
         v = tl.load(v_ptr + tile)  # [PAGE, D]
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
         m_i = m_new
-    finish_attention(out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, m_i, l_i, acc, b, kvh, split, stride_ob, stride_oh,
-                     G, GP, NKV, D, S, SP, GC)  # fmt: skip
-
-
-@triton.jit
-def finish_attention(out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, m_i, l_i, acc, b, kvh, split, stride_ob, stride_oh,
-                     G: tl.constexpr, GP: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr,
-                     SP: tl.constexpr, GC: tl.constexpr):  # fmt: skip
-    # a (row, kv head, split) program's online-softmax state (m_i, l_i [GP], acc [GP, D] fp32) -> the G heads' output
-    # rows of out [B, nq, D] (S == 1), or its partials into the scratch, the pair's last split program combining them
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    g_mask = offs_g < G
     if S == 1:
         out = acc / l_i[:, None]
         dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]

@@ -19,7 +19,7 @@ from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine.kernels import rope_attention_triton, triton_kernels
+    from corolla.engine.kernels import triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_tile_gemv
     from corolla.engine.quant.quant_choices import quant_kernel
@@ -30,10 +30,6 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 logger = get_logger(__name__)
 
-# the most rows a decode step's rotary attention runs as one fused kernel (rope_attention_triton), more as the pair
-# rope_and_store + paged_decode_attention: on an H200 at Llama-3-8B's attention after 512 tokens, 1 row 6.64 against
-# 8.98 us a layer, 64 rows 64.3 against 42.3 (docs/decisions/0110; 2 to 32 rows not measured)
-FUSED_ATTENTION_MAX_ROWS = 1
 # the decode attention's splits per (row, kv head) for groups of more than LARGE_GROUP query heads on a kv head: on an
 # H200 at Falcon-7B's 71 on 1 (D 64), 8 splits took 11.9 / 15.6 us at 513 / 2049 tokens against 16.2 / 18.4 for 16
 LARGE_GROUP, LARGE_GROUP_SPLITS = 16, 8
@@ -381,36 +377,6 @@ class DecodeOps:
     ):
         fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
         return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
-
-    def rope_attention_fused(self, rows: int) -> bool:
-        """Whether `rope_attention` runs `rows` rows as the one fused kernel (which forms no slots or lengths)."""
-        return self.use_triton and rows <= FUSED_ATTENTION_MAX_ROWS
-
-    def rope_attention(
-        self, qkv, cos, sin, positions, block_tables, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
-        slots: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """A rotary decode step's attention: qkv [B, (nq + 2 nkv) D]'s queries and new keys rotated at `positions` [B]
-        long, each row's key and value written at its position's slot of the paged caches and each row's attention
-        over its tokens up to that position -> [B, nq, D]. One Triton kernel on CUDA for up to
-        FUSED_ATTENTION_MAX_ROWS rows (`rope_attention_triton`: no launch between, the projection's tail
-        overlapped); else `rope_and_store` then `paged_decode_attention`, at `slots` [B] long and `seq_lens` [B]
-        int32 (positions + 1) where the caller formed them once for its layers (here from the tables otherwise)."""
-        if self.rope_attention_fused(qkv.shape[0]):
-            splits = self.num_splits(qkv.shape[0], num_kv_heads, num_heads // num_kv_heads)
-            return rope_attention_triton.rope_paged_decode_attention(
-                qkv, cos, sin, positions, k_cache, v_cache, block_tables, scale, splits, num_heads, num_kv_heads
-            )
-        if slots is None:
-            page = k_cache.shape[1]
-            pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
-            slots = pages * page + positions % page  # [B]: each row's position's slot (as span_model.row_slots)
-        q = self.rope_and_store(
-            qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim
-        )  # [B, nq, D]
-        if seq_lens is None:
-            seq_lens = (positions + 1).to(torch.int32)  # [B]
-        return self.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def paged_decode_attention(
         self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None

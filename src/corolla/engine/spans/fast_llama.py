@@ -295,10 +295,8 @@ class FastLlamaSpan(ChunkedPrefill):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        slots = seq_lens = None  # the pair's inputs, formed once for all layers (the fused kernel forms its own)
-        if not self.ops.rope_attention_fused(b):
-            seq_lens = (positions + 1).to(torch.int32)  # [B]
-            slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
@@ -313,10 +311,10 @@ class FastLlamaSpan(ChunkedPrefill):
                 )  # [B, (nq+2nkv)D]
             if w.q_norm is not None:
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
-            attn = self.ops.rope_attention(
-                qkv, self.cos, self.sin, positions, block_tables, pool.k[i], pool.v[i], s.num_heads,
-                s.num_kv_heads, s.head_dim, self.scale, slots, seq_lens,
-            )  # fmt: skip  # [B, nq, D]; keys and values written at the rows' positions
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+            )  # [B, nq, D]
+            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
             if lora is not None:
