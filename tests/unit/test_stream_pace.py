@@ -228,6 +228,44 @@ def test_a_slow_but_steady_p2p_forward_request_is_read_whole() -> None:
     assert rejected == [] and received[:1] == P2P.MESSAGE_MARKER and received.endswith(b"p.7")
 
 
+async def _gathered(requests, context):
+    """A forward stream as the handler's (`gather_stream`): its request's parts read whole, then one reply."""
+    async for _ in requests:
+        pass
+    yield runtime_pb2.ExpertResponse(metadata=b"done")
+
+
+@pytest.mark.parametrize("task_deadlines", [True, False], ids=["scopes", "wait_for"])
+def test_a_p2p_forward_request_split_into_small_parts_is_refused_at_its_pace(monkeypatch, task_deadlines) -> None:
+    """A streamed request's parts, each whole at once and 0.25 s apart (inside the 2 s idle timeout and each part's
+    own 1 s grace): ~200 B/s for the request, refused once 1 s + its bytes at 8 KiB/s are over (the parts share one
+    clock from the stream's start), its charged bytes given back; a clock per part would read it for as long as the
+    caller kept sending parts. Both ways of bounding the reads (Python 3.10's `wait_for` per read too)."""
+    monkeypatch.setattr(stream_guard, "TASK_DEADLINES", task_deadlines)
+    rejected: list = []
+    part = _peer_frame(_request(filler=40))
+
+    async def parts(sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(40):  # 10 s of parts, twice the bound
+            await loop.sock_sendall(sock, part)
+            await asyncio.sleep(0.25)
+        await loop.sock_sendall(sock, END)
+
+    async def run() -> tuple[bytes, StreamBudget]:
+        loop = asyncio.get_running_loop()
+        budget = StreamBudget(PACED)
+        theirs, _ = await _guarded(_gathered, budget, parts, rejected)
+        received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
+        theirs.close()
+        return received, budget
+
+    received, budget = asyncio.run(run())
+    assert [type(e) for e in rejected] == [StreamTooSlow]
+    assert received[:1] == P2P.ERROR_MARKER and b"min_stream_rate_kib_s" in received
+    assert budget.total_bytes == 0 and not budget.per_peer
+
+
 class _Order:
     """Stands in for a session's `StepOrder`: each request answered at once, the next one delivered by the port's
     data callback (`FrameConnection.deliver`: the path of a session's steps)."""

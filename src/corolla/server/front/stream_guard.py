@@ -106,7 +106,7 @@ async def within_idle(
 
 def _too_slow(pace: MessagePace) -> StreamTooSlow:
     return StreamTooSlow(
-        f"a message did not arrive at min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s"
+        f"a request did not arrive at min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s"
     )
 
 
@@ -117,43 +117,51 @@ async def read_message(
     idle_s: float,
     between_s: float | None,
     pace: MessagePace | None = None,
+    since: float | None = None,
+    before_bytes: int = 0,
     deadlines: TaskDeadline | None = None,
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """One framed message (None at the end of the input) and the bytes it was charged. A message begun (its marker
-    read) must be whole within its `pace` (StreamTooSlow) and must not stop for `idle_s` (StreamStalled). On Python
+    read) must be whole within its `pace` (StreamTooSlow) and must not stop for `idle_s` (StreamStalled). A part of
+    a streamed request is paced with the parts before it (`before_bytes` on the wire since the loop time `since`, its
+    marker's wait included): a clock per part would let a request of many small parts, each whole within its own
+    grace, move at a few bytes a second. On Python
     >= 3.11 the deadlines of its reads (`between_s` for the marker, the earlier of `idle_s` from the start of every
     later read and the message's pace) are one scope of the reading task's `TaskDeadline` (`deadlines`: one per
     stream, its timer moved lazily) instead of an `asyncio.wait_for` task per read."""
     if not TASK_DEADLINES:
-        return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s, pace=pace)
+        return await _read_message_tasks(
+            reader, lease, idle_s=idle_s, between_s=between_s, pace=pace, since=since, before_bytes=before_bytes
+        )
     if deadlines is None:
         deadlines = TaskDeadline()
     loop = deadlines.loop  # (the stream's loop: no get_running_loop, a getpid() syscall, per message)
     limit_s: float | None = between_s or None
     what = "between the parts of a streamed request"
     inside_s = idle_s or None
-    paced_until: float | None = None  # the loop time by which the message must be whole (None: no pace)
+    # the loop time by which the message (its marker, then header, then whole frame) must be in (None: no pace)
+    paced_until = None if pace is None or since is None else since + pace.allowed_s(before_bytes + 1)
     slow = False  # the scope's deadline is the pace's
 
     def until() -> float | None:
-        """The deadline of the next read inside the message: `idle_s` from now or the pace's, the earlier."""
+        """The deadline of the next read: `limit_s` from now or the pace's, the earlier."""
         nonlocal slow
-        due = None if inside_s is None else loop.time() + inside_s
+        due = None if limit_s is None else loop.time() + limit_s
         slow = paced_until is not None and (due is None or paced_until < due)
         return paced_until if slow else due
 
     try:
-        with deadlines.scope(None if limit_s is None else loop.time() + limit_s) as scope:
+        with deadlines.scope(until()) as scope:
             marker = await reader.readexactly(1)
             what, limit_s = "inside a message", inside_s
-            started = loop.time()  # the message's pace runs from its marker
+            started = loop.time() if since is None else since  # the message's pace runs from its marker, or the parts'
             if pace is not None:
-                paced_until = started + pace.allowed_s(1 + P2P.HEADER_LEN)
+                paced_until = started + pace.allowed_s(before_bytes + 1 + P2P.HEADER_LEN)
             scope.move(until())
             header = await reader.readexactly(P2P.HEADER_LEN)
             kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
             if pace is not None:
-                paced_until = started + pace.allowed_s(1 + P2P.HEADER_LEN + length)
+                paced_until = started + pace.allowed_s(before_bytes + 1 + P2P.HEADER_LEN + length)
             if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
                 scope.move(until())
                 await reader.readexactly(length)
@@ -191,15 +199,20 @@ async def _read_message_tasks(
     idle_s: float,
     between_s: float | None,
     pace: MessagePace | None,
+    since: float | None,
+    before_bytes: int,
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """`read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
-    marker = await within_idle(reader.readexactly(1), between_s, "between the parts of a streamed request")
-    started = asyncio.get_running_loop().time()  # the message's pace runs from its marker
-    paced_until = None if pace is None else started + pace.allowed_s(1 + P2P.HEADER_LEN)
+    marker_until = None if pace is None or since is None else since + pace.allowed_s(before_bytes + 1)
+    marker = await within_idle(
+        reader.readexactly(1), between_s, "between the parts of a streamed request", paced_until=marker_until, pace=pace
+    )
+    started = asyncio.get_running_loop().time() if since is None else since  # from its marker, or the parts'
+    paced_until = None if pace is None else started + pace.allowed_s(before_bytes + 1 + P2P.HEADER_LEN)
     inside = functools.partial(within_idle, what="inside a message", pace=pace)
     header = await inside(reader.readexactly(P2P.HEADER_LEN), idle_s, paced_until=paced_until)
     kind, length = PeerFrames.parse_header(marker + header, sys.maxsize)
-    paced_until = None if pace is None else started + pace.allowed_s(1 + P2P.HEADER_LEN + length)
+    paced_until = None if pace is None else started + pace.allowed_s(before_bytes + 1 + P2P.HEADER_LEN + length)
     if kind == ls.END:  # the caller's end-of-stream (or its error): small, read and ignore
         await inside(reader.readexactly(length), idle_s, paced_until=paced_until)
         return None, 0
@@ -311,13 +324,19 @@ def guarded_stream_handler(
 
         async def receive() -> None:
             """The stream's one reader: messages into the queue until the end of the input (a task per stream,
-            not per message)."""
+            not per message). The request's parts share one pace clock, from the stream's start: the time the reader
+            waits for room in the queue is the method's, not the caller's, and moves the clock on."""
+            loop = asyncio.get_running_loop()
+            since, received = loop.time(), 0
             while True:
                 item = await read_message(
-                    reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, pace=pace,
-                    deadlines=read_deadlines,
+                    reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, pace=pace, since=since,
+                    before_bytes=received, deadlines=read_deadlines,
                 )  # fmt: skip
+                received += 1 + P2P.HEADER_LEN + item[1]
+                waited = loop.time()
                 await queue.put(item)
+                since += loop.time() - waited
                 if item[0] is None:
                     return
 
