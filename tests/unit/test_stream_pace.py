@@ -266,6 +266,54 @@ def test_a_p2p_forward_request_split_into_small_parts_is_refused_at_its_pace(mon
     assert budget.total_bytes == 0 and not budget.per_peer
 
 
+class _GatheringHandler(_TrainingHandler):
+    """A front whose forward stream gathers its request's parts, then answers once."""
+
+    def rpc_forward_stream(self, requests, context):
+        return _gathered(requests, context)
+
+
+@pytest.mark.parametrize("nparts", [40, 0], ids=["small_parts", "none"])
+def test_a_socket_front_forward_request_split_into_small_parts_is_refused_at_its_pace(nparts) -> None:
+    """The same on the socket's and the direct port's connections (`serve_inference` of a training rpc): the frames
+    of one request share one clock from the stream's start, so a stream that never starts its request is refused
+    too (it was waited for with no bound at all)."""
+
+    async def run() -> tuple[bytes, StreamBudget]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
+        part = b"".join(ls.frame(ls.MESSAGE, _request(filler=40)))
+
+        async def parts() -> None:
+            for _ in range(nparts):  # 10 s of parts, twice the bound
+                await loop.sock_sendall(theirs, part)
+                await asyncio.sleep(0.25)
+            await asyncio.sleep(10)
+            await loop.sock_sendall(theirs, b"".join(ls.frame(ls.END)))
+
+        budget = StreamBudget(PACED)
+        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
+        serving = serve_inference(
+            _GatheringHandler(), conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(budget, "peer"),
+            idle_s=IDLE_S, pace=PACED.message_pace, rpc="rpc_forward_stream",
+        )  # fmt: skip
+        sending = asyncio.create_task(parts())
+        try:
+            await asyncio.wait_for(serving, BOUND_S)
+        finally:
+            sending.cancel()
+            conn.close()
+        received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
+        theirs.close()
+        return received, budget
+
+    received, budget = asyncio.run(run())
+    assert b"min_stream_rate_kib_s" in received
+    assert budget.total_bytes == 0 and not budget.per_peer
+
+
 class _Order:
     """Stands in for a session's `StepOrder`: each request answered at once, the next one delivered by the port's
     data callback (`FrameConnection.deliver`: the path of a session's steps)."""

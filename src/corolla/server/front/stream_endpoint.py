@@ -209,6 +209,7 @@ class FrameConnection(asyncio.Protocol):
         # the pending `read_frame` wait's idle limit, pace and failure, armed by the first byte of a frame (`_started`)
         self._wait_idle: tuple[float | None, MessagePace | None, Callable[[BaseException], None]] | None = None
         self._frame_clock: float | None = None  # when the server began waiting for the frame begun (its pace's start)
+        self._paced_before = 0  # bytes on the pace's clock before the frame begun (`read_frame`'s `before_bytes`)
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -320,7 +321,7 @@ class FrameConnection(asyncio.Protocol):
         if len(buffer) < end:
             return None
         self._header = None
-        self._frame_clock = None
+        self._frame_clock, self._paced_before = None, 0
         payload = bytes(buffer[start:end]) if length else b""
         del buffer[:end]
         if self._reading_paused and len(buffer) <= self._limit and self.transport is not None:
@@ -332,6 +333,11 @@ class FrameConnection(asyncio.Protocol):
     def _started(self) -> bool:
         """Some of the next frame is buffered (its header, or part of it): the rest must come within `idle_s`."""
         return self._header is not None or len(self._buffer) > 0
+
+    @property
+    def header_bytes(self) -> int:
+        """A frame's header bytes on this connection."""
+        return self._header_bytes
 
     def _needed(self) -> int:
         """The bytes the next frame needs buffered: its header, or (parsed) the whole frame."""
@@ -359,7 +365,7 @@ class FrameConnection(asyncio.Protocol):
         header is parsed, then the whole frame."""
         due, slow = (float("inf") if idle_s is None else self._last_data_at + idle_s), False
         if pace is not None and self._frame_clock is not None:
-            pace_due = self._frame_clock + pace.allowed_s(self._needed())
+            pace_due = self._frame_clock + pace.allowed_s(self._paced_before + self._needed())
             if pace_due < due:
                 due, slow = pace_due, True
         return due, slow
@@ -374,8 +380,9 @@ class FrameConnection(asyncio.Protocol):
             self._timer = self._loop.call_at(due, self._idle_check, idle_s, pace, fail)
         elif slow:
             assert pace is not None
+            nbytes = self._paced_before + self._needed()
             fail(StreamTooSlow(
-                f"a message of {self._needed()} bytes did not arrive within {pace.allowed_s(self._needed()):.1f} s "
+                f"a message of {nbytes} bytes did not arrive within {pace.allowed_s(nbytes):.1f} s "
                 f"(min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s)"
             ))  # fmt: skip
         else:
@@ -393,18 +400,26 @@ class FrameConnection(asyncio.Protocol):
         charge: Callable[[int], None] | None = None,
         idle_s: float | None = None,
         pace: MessagePace | None = None,
+        since: float | None = None,
+        before_bytes: int = 0,
     ) -> tuple[int, bytes]:
         """The next (kind, payload) (`take_frame`), waiting for its bytes: IncompleteReadError at the end of the input,
         StreamStalled after `idle_s` without a byte inside a frame begun (None: no limit), StreamTooSlow where the frame
-        begun is not whole within its `pace` (None: no minimum rate)."""
+        begun is not whole within its `pace` (None: no minimum rate). `since` (a loop time): the frame is a part of a
+        request paced as a whole, `before_bytes` of it since then: the pace runs from `since` over those bytes and
+        the frame's, the wait for its first byte included (and `idle_s` from the wait's start)."""
         while (frame := self.take_frame(max_payload_bytes, charge)) is None:
-            await self._wait_for(self._needed(), idle_s, pace)
+            if since is not None and pace is not None:
+                self._frame_clock, self._paced_before = since, before_bytes
+            await self._wait_for(self._needed(), idle_s, pace, whole=since is not None)
         return frame
 
-    async def _wait_for(self, nbytes: int, idle_s: float | None, pace: MessagePace | None = None) -> None:
+    async def _wait_for(
+        self, nbytes: int, idle_s: float | None, pace: MessagePace | None = None, *, whole: bool = False
+    ) -> None:
         """Until `nbytes` are buffered (one wake-up, when they are) or the input ends; StreamStalled after `idle_s`
-        without a byte once a frame has begun (now, or when its first bytes arrive during the wait), StreamTooSlow
-        past its `pace`."""
+        without a byte once a frame has begun (now, or when its first bytes arrive during the wait; `whole`: from the
+        wait's start, a part of a request), StreamTooSlow past its `pace`."""
         if self.at_eof:
             raise asyncio.IncompleteReadError(bytes(self._buffer), nbytes)
         loop = self._loop
@@ -419,7 +434,7 @@ class FrameConnection(asyncio.Protocol):
                     waiter.set_exception(error)
 
             self._wait_idle = (idle_s, pace, stalled)
-            if self._started:
+            if self._started or whole:
                 self._arm_idle(idle_s, pace, stalled)
         try:
             await waiter
@@ -776,13 +791,21 @@ class SocketPort:
             return True
         return False
 
-    async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    async def requests(self, *, whole: bool = False) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        """The client's requests, each frame within the pace; `whole`: the frames are the parts of one request (a
+        training rpc's), paced as one from the first wait (a clock per part would let small parts, each inside its own
+        grace, move at a few bytes a second) and none waited for past `idle_s`."""
+        conn = self.conn
+        since = asyncio.get_running_loop().time() if whole else None
+        received = 0  # the request's bytes so far, on the wire
         while True:
             self._release()
             try:
-                kind, payload = await self.conn.read_frame(
-                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace
-                )
+                kind, payload = await conn.read_frame(
+                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace, since=since,
+                    before_bytes=received,
+                )  # fmt: skip
+                received += conn.header_bytes + len(payload)
                 request = self._request(kind, payload)
             except Exception as e:
                 if self._input_failed(e):
@@ -934,7 +957,7 @@ async def serve_inference(
         if rpc == "rpc_inference":
             await handler.serve_steps(port.requests(), context, port)
         else:
-            async for response in _served(handler, rpc)(port.requests(), context):
+            async for response in _served(handler, rpc)(port.requests(whole=True), context):
                 port.reply(response)
                 await drain_reply(conn.drain(), response.ByteSize(), pace)
         last = codec.encode(ls.END, b"")
