@@ -314,6 +314,45 @@ def test_a_socket_front_forward_request_split_into_small_parts_is_refused_at_its
     assert budget.total_bytes == 0 and not budget.per_peer
 
 
+def test_a_socket_front_forward_requests_parts_stay_charged_until_the_stream_ends() -> None:
+    """As on p2p (`guarded_stream_handler`): the request's parts, all held by the method (`gather_stream`), stay
+    charged to the peer's stream budget while it runs and its reply waits, given back when the stream ends; each part
+    released as the next was read, a peer's direct-port streams could hold their gathered requests outside its budget."""
+    held: list[int] = []
+    budget = StreamBudget(PACED)
+
+    async def gathered(requests, context):
+        async for _ in requests:
+            pass
+        held.append(budget.total_bytes)
+        yield runtime_pb2.ExpertResponse(metadata=b"done")
+
+    handler = _TrainingHandler()
+    handler.rpc_forward_stream = gathered  # type: ignore[method-assign]
+    part = _request(filler=1000)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
+        await loop.sock_sendall(theirs, b"".join(ls.frame(ls.MESSAGE, part)) * 3 + b"".join(ls.frame(ls.END)))
+        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
+        serving = serve_inference(
+            handler, conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(budget, "peer"), idle_s=IDLE_S,
+            pace=PACED.message_pace, rpc="rpc_forward_stream",
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(serving, BOUND_S)
+        finally:
+            conn.close()
+            theirs.close()
+
+    asyncio.run(run())
+    assert held == [3 * len(part)]
+    assert budget.total_bytes == 0 and not budget.per_peer
+
+
 class _Order:
     """Stands in for a session's `StepOrder`: each request answered at once, the next one delivered by the port's
     data callback (`FrameConnection.deliver`: the path of a session's steps)."""

@@ -794,12 +794,14 @@ class SocketPort:
     async def requests(self, *, whole: bool = False) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         """The client's requests, each frame within the pace; `whole`: the frames are the parts of one request (a
         training rpc's), paced as one from the first wait (a clock per part would let small parts, each inside its own
-        grace, move at a few bytes a second) and none waited for past `idle_s`."""
+        grace, move at a few bytes a second), none waited for past `idle_s`, and all kept charged to the lease until
+        the stream ends (the method holds them all, as p2p's `guarded_stream_handler` keeps them charged)."""
         conn = self.conn
         since = asyncio.get_running_loop().time() if whole else None
         received = 0  # the request's bytes so far, on the wire
         while True:
-            self._release()
+            if not whole:
+                self._release()
             try:
                 kind, payload = await conn.read_frame(
                     self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace, since=since,
