@@ -353,6 +353,52 @@ def test_a_socket_front_forward_requests_parts_stay_charged_until_the_stream_end
     assert budget.total_bytes == 0 and not budget.per_peer
 
 
+def test_a_slow_but_steady_request_in_many_parts_is_read_whole_on_both_fronts() -> None:
+    """16 parts of 2 KiB sent steadily at 16 KiB/s (2x the minimum rate: the request's 5 s allowed, 2 s taken; past
+    the 1 s grace, so the parts before count), on p2p and on the socket front: the shared clock refuses no honest
+    part."""
+    parts = [_request(uid="p.7", filler=2 * KiB) for _ in range(16)]
+
+    async def steady(sock: socket.socket, frames: list[bytes], end: bytes) -> None:
+        await _send(sock, b"".join(frames) + end, trickle_from=0, rate_bps=16 * KiB)
+
+    async def p2p() -> bytes:
+        loop = asyncio.get_running_loop()
+        rejected: list = []
+        theirs, _ = await _guarded(
+            _gathered, StreamBudget(PACED), lambda sock: steady(sock, [_peer_frame(b) for b in parts], END), rejected
+        )
+        received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
+        theirs.close()
+        assert rejected == []
+        return received
+
+    async def socket_front() -> bytes:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
+        frames = [b"".join(ls.frame(ls.MESSAGE, b)) for b in parts]
+        sending = asyncio.create_task(steady(theirs, frames, b"".join(ls.frame(ls.END))))
+        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
+        serving = serve_inference(
+            _GatheringHandler(), conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(StreamBudget(PACED), "peer"),
+            idle_s=IDLE_S, pace=PACED.message_pace, rpc="rpc_forward_stream",
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(serving, BOUND_S)
+        finally:
+            sending.cancel()
+            conn.close()
+        received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
+        theirs.close()
+        return received
+
+    assert asyncio.run(p2p())[:1] == P2P.MESSAGE_MARKER
+    received = asyncio.run(socket_front())
+    assert b"done" in received and b"min_stream_rate" not in received
+
+
 class _Order:
     """Stands in for a session's `StepOrder`: each request answered at once, the next one delivered by the port's
     data callback (`FrameConnection.deliver`: the path of a session's steps)."""
