@@ -327,8 +327,11 @@ def test_a_socket_front_forward_requests_parts_stay_charged_until_the_stream_end
         held.append(budget.total_bytes)
         yield runtime_pb2.ExpertResponse(metadata=b"done")
 
-    handler = _TrainingHandler()
-    handler.rpc_forward_stream = gathered  # type: ignore[method-assign]
+    class Handler(_TrainingHandler):
+        def rpc_forward_stream(self, requests, context):
+            return gathered(requests, context)
+
+    handler = Handler()
     part = _request(filler=1000)
 
     async def run() -> None:
