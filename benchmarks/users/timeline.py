@@ -16,12 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.common.measure import percentile
+from corolla.server.front.step_timeline import BACK, IN, SENT, TIMELINE_ENV
 
 
 def timeline_dir() -> Path | None:
     """Where this run's handler processes save their step timelines (`--timeline`), or None."""
-    from corolla.server.front.step_timeline import TIMELINE_ENV
-
     directory = os.environ.get(TIMELINE_ENV)
     return Path(directory) if directory else None
 
@@ -47,8 +46,6 @@ def timeline_summary(directory: Path) -> dict[str, float]:
     the next request read: the client's work, both transits and any wait of the front's loop to read); where the core's
     stamps are there too, the front's own part before and after the core (`handler_in`, `handler_out`) and the core's
     (`device_round_trip`: the runtime's queue and forward, a handler process's device channel)."""
-    from corolla.server.front.step_timeline import IN
-
     parts: dict[str, list[float]] = {
         "handler_in": [], "device_round_trip": [], "handler_out": [], "server_step": [], "client_turn": [],
     }  # fmt: skip
@@ -82,8 +79,6 @@ def timeline_by_process(directory: Path) -> list[tuple[float, float]]:
     """Per handler process (one saved file each, in file-name order): the device channel's round trip p50 and its
     sessions' step as the server sees it (one request read to the next) p50, ms. A process whose replies always
     leave last after a merged forward shows a longer step than the others."""
-    from corolla.server.front.step_timeline import BACK, IN, SENT
-
     out: list[tuple[float, float]] = []
     for path in sorted(directory.glob("timeline-*.jsonl")):
         trips: list[float] = []
