@@ -15,19 +15,16 @@ its loop is `EngineExecutor.step` and the await of its result): each sends its `
 decode step (its hidden states' bytes, as a front hands them over: `StepInputs.hidden_bytes`) as soon as the last
 came back. Timed over the decode phase, `--repeats` runs after one untimed warm-up: each thread's own CPU clock
 (the runtime thread's, the loop's), per merged forward and per step (medians over runs), forwards per step and rows
-per forward. `--profile FILE`: cProfile of the runtime thread (thread CPU clock) over the last run, its top
-functions printed."""
+per forward. `--sections`: one more run, the runtime thread's CPU inside each function of its decode path per forward
+(`thread_sections`: no per-row profiler cost, as cProfile's was, decision 0124)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import dataclasses
 import gc
-import io
 import json
-import pstats
 import statistics
 import threading
 import time
@@ -38,12 +35,15 @@ import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, random_layer
 from benchmarks.field.verify_tolerance import engine_over, standin_backend
+from benchmarks.users.thread_sections import Sections, watched
 from corolla.engine.graph_decode import HostStaging, host_bytes
 from corolla.engine.graphs.cuda_graphs import GraphInputs, InputLayout
 from corolla.engine.span_engine import SpanEngine
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
+
+RUNTIME_THREAD = "corolla-runtime"  # `Runtime`'s thread name (its default)
 
 # one layer of Llama-3-8B's width (the wire's 8 KiB per bf16 row; its MLP narrow: only the prefill computes)
 SPEC = dataclasses.replace(LLAMA3_8B, intermediate_size=256)
@@ -142,7 +142,7 @@ async def _client(executor: EngineExecutor, cache, raw: memoryview, prompt: int,
         await executor.step(cache, inputs(t, t + 1))
 
 
-def run_once(engine: SpanEngine, args: argparse.Namespace, profile: cProfile.Profile | None) -> dict:
+def run_once(engine: SpanEngine, args: argparse.Namespace, sections: Sections | None) -> dict:
     gc.collect()
     total = args.prompt + args.steps
     backend = standin_backend(SPEC, 1, torch.device("cpu"))
@@ -164,13 +164,11 @@ def run_once(engine: SpanEngine, args: argparse.Namespace, profile: cProfile.Pro
                        for c, r in zip(caches, raws, strict=True)]  # fmt: skip
             while len(prefilled) < len(clients):  # the decode phase is timed: from the last prefill on
                 await asyncio.sleep(0.001)
-            if profile is not None:  # the runtime thread's own profile (cProfile is per thread)
-                await runtime.submit(profile.enable, priority=0, size_tokens=0)
+            if sections is not None:  # (in the runtime thread: nothing of the prefills counted)
+                await runtime.submit(sections.clear, priority=0, size_tokens=0)
             tokens, batches = executor.inference_tokens, sum(s.batches for s in runtime.stats().values())
             loop0, rt0, wall0 = time.thread_time(), _thread_cpu_s(runtime.thread), time.perf_counter()
             await asyncio.gather(*clients)
-            if profile is not None:
-                await runtime.submit(profile.disable, priority=0, size_tokens=0)
             loop_s, rt_s = time.thread_time() - loop0, _thread_cpu_s(runtime.thread) - rt0
             wall_s = time.perf_counter() - wall0
             forwards = sum(s.batches for s in runtime.stats().values()) - batches
@@ -178,12 +176,15 @@ def run_once(engine: SpanEngine, args: argparse.Namespace, profile: cProfile.Pro
             for c in contexts:
                 await c.__aexit__(None, None, None)
             steps = args.sessions * args.steps
-            return {
+            result = {
                 "wall_ms_per_step": 1e3 * wall_s / args.steps,
                 "forwards_per_step": forwards / args.steps, "rows_per_forward": rows / max(1, forwards),
                 "runtime_us_per_forward": 1e6 * rt_s / max(1, forwards), "runtime_us_per_step": 1e6 * rt_s / steps,
                 "loop_us_per_step": 1e6 * loop_s / steps, "held_launches": runtime.num_held_launches,
             }  # fmt: skip
+            if sections is not None:  # (read once the clients are done: the thread's last accounting may be running)
+                result["sections_per_forward"] = sections.per(forwards)
+            return result
 
         return asyncio.run(main())
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--forward_ms", type=float, default=6.0, help="the simulated device's time per forward")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", type=Path, default=None, help="cProfile of the runtime thread (last run) to FILE")
+    p.add_argument("--sections", action="store_true", help="one more run: the runtime thread's CPU per function")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -204,16 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         args.sessions = sessions
         engine = simulated_engine(sessions, args.prompt + args.steps, args.forward_ms / 1e3)
         run_once(engine, args, None)  # warm-up
-        profile = None if args.profile is None else cProfile.Profile(time.thread_time)
-        runs = [run_once(engine, args, profile if i == args.repeats - 1 else None) for i in range(args.repeats)]
-        if profile is not None:
-            profile.dump_stats(f"{args.profile}.{sessions}")
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-            print(text.getvalue())
+        runs = [run_once(engine, args, None) for _ in range(args.repeats)]
         result = {"sessions": sessions, "forward_ms": args.forward_ms, "steps": args.steps,
                   **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
                   "runs": {k: [round(r[k], 1) for r in runs] for k in ("runtime_us_per_forward", "loop_us_per_step")}}  # fmt: skip
+        if args.sections:  # one more run, watched (its wrappers' cost kept out of the figures above)
+            with watched(Sections(RUNTIME_THREAD)) as sections:
+                result["sections_per_forward"] = run_once(engine, args, sections)["sections_per_forward"]
         print(json.dumps(result), flush=True)
         results.append(result)
     if args.out is not None:

@@ -223,3 +223,43 @@ def test_a_step_batchs_bytes_are_what_its_hidden_states_view(count: int) -> None
         assert step.raw.nbytes == 16 and bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         step.raw[:2] = b"\0\0"  # the same memory as the tensor
         assert step.hidden.view(-1)[0].item() == 0.0
+
+
+def _expanded(requests: list[StepRequest]) -> tuple[list[int], list[bytes], list[int], list[int]]:
+    """The merged rows as `merge_rows`' docstring states them, one row at a time: positions, tables' bytes, adapter
+    ids, rows per request."""
+    positions, tables, adapters, splits = [], [], [], []
+    for r in requests:
+        splits.append(r.rows * r.num_tokens)
+        for table in r.session.table_rows:  # row b's block table
+            for t in range(r.num_tokens):  # position + t
+                positions.append(r.position + t)
+                tables.append(bytes(table))
+                adapters.append(r.session.adapter_index)
+    return positions, tables, adapters, splits
+
+
+def test_merged_rows_of_one_row_steps_and_wide_requests_are_their_rows_in_order() -> None:
+    engine = _engine()
+    sessions = [engine.open_session(b, 64) for b in (1, 1, 2, 1, 1, 1)]
+    for i, s in enumerate(sessions):
+        s.adapter_index = i  # (distinct per session: each row must carry its own)
+    tokens = (1, 1, 1, 3, 1, 2)  # a B=2 request, a shadow's 3 positions, a 2-token one last
+    requests = [
+        _with_bytes(s, torch.randn(s.batch_size, t, H), 4 + i)
+        for i, (s, t) in enumerate(zip(sessions, tokens, strict=True))
+    ]
+    for group in (requests, requests[:2], requests[2:4], requests[3:], requests[:1]):
+        merged = merge_rows(group, torch.float32)
+        positions, tables, adapters, splits = _expanded(group)
+        assert merged.positions == positions and [bytes(t) for t in merged.table_rows] == tables
+        assert merged.adapter_ids == adapters and merged.splits == splits and merged.rows == sum(splits)
+        several_tokens = {i: r.shape for i, r in enumerate(group) if r.num_tokens > 1}
+        assert merged.shapes == (several_tokens or None)
+        assert merged.same_dtype and merged.all_cpu and merged.all_bytes
+    assert not merge_rows(requests, torch.bfloat16).same_dtype
+    mixed = [requests[0], StepRequest(sessions[1], requests[1].hidden.to(torch.bfloat16), 5)]
+    merged = merge_rows(mixed, torch.float32)
+    assert not merged.same_dtype and not merged.all_bytes and merged.all_cpu
+    for s in sessions:
+        s.close()
