@@ -83,15 +83,23 @@ class SimulatedEvent:
 
 class NoopGraphs:
     """`DecodeGraphs`' surface for `launch_graph_decode`: static inputs (meta tensors), buckets, and a `run` that
-    queues `forward_s` of device time and returns the static output's first rows (its values are not read)."""
+    queues `forward_s` of device time (plus `row_s` a row) and returns the static output's first rows (its values are
+    not read)."""
 
-    def __init__(self, engine: SpanEngine, buckets: tuple[int, ...], stream: SimulatedStream, forward_s: float):
+    def __init__(
+        self,
+        engine: SpanEngine,
+        buckets: tuple[int, ...],
+        stream: SimulatedStream,
+        forward_s: float,
+        row_s: float = 0.0,
+    ):
         rows, h, meta = max(buckets), engine.hidden_size, torch.device("meta")
         self.buckets, self.max_rows = buckets, rows
         pages = engine.pool.max_pages_per_seq
         self.inputs = {b: GraphInputs.allocate(InputLayout.of(b, h, pages, engine.dtype), meta) for b in buckets}
         self._out = torch.zeros((rows, h), dtype=engine.dtype)  # [rows, H]
-        self.stream, self._forward_s = stream, forward_s  # (`torch.cuda.current_stream` while a run lasts)
+        self.stream, self._forward_s, self._row_s = stream, forward_s, row_s  # (`torch.cuda.current_stream` ...)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -100,20 +108,20 @@ class NoopGraphs:
         return self.inputs[self.bucket_for(rows)]
 
     def run(self, rows: int, layers: object = None, *, adapters: bool = False, reset: bool = True) -> torch.Tensor:
-        self.stream.tail_s = self.stream.reach() + self._forward_s
+        self.stream.tail_s = self.stream.reach() + self._forward_s + self._row_s * rows
         return self._out[:rows]
 
 
-def simulated_engine(rows: int, tokens: int, forward_s: float) -> SpanEngine:
+def simulated_engine(rows: int, tokens: int, forward_s: float, row_s: float = 0.0) -> SpanEngine:
     """An engine over one random layer on the CPU whose decode forwards take the CUDA-graph path on a simulated
-    device (the module docstring)."""
+    device (the module docstring), each `forward_s` plus `row_s` a row long."""
     gen = torch.Generator().manual_seed(0)
     engine = engine_over(
         SPEC, [random_layer(SPEC, torch.device("cpu"), gen)], triton=False, rows=rows, tokens=tokens, buckets=(rows,)
     )
     stream = SimulatedStream()
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < rows) + (rows,)
-    engine.graphs = NoopGraphs(engine, buckets, stream, forward_s)  # type: ignore[assignment]
+    engine.graphs = NoopGraphs(engine, buckets, stream, forward_s, row_s)  # type: ignore[assignment]
     engine.max_batch_rows = rows
     staging = [HostStaging.allocate(rows, SPEC.hidden_size, engine.pool.max_pages_per_seq, engine.dtype,
                                     pin_memory=False) for _ in range(2)]  # fmt: skip

@@ -24,7 +24,11 @@ printed. `--split`: one more run whose loop CPU is split by what the loop ran (e
 thread's CPU clock: a task woken by its step's output, another wake-up of a task, a socket's read (with callback-driven
 steps: the step's intake), a step's completion callback, the rest)
 and timed in a few functions on a step's way (`SPLIT_FUNCTIONS`); the timers add ~1 us a call, so that run is
-reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated."""
+reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated.
+The gather rule's state over the decode phase (decision 0125): each run reports the share of its forwards whose launch
+was held, the rows a forward, the learned return and the last forward at its end, and a trace of them every TRACE_S;
+`--seed_return_ms` sets the learned return at the decode phase's start (low: held; high: at once) and
+`--forward_row_ms` makes a forward longer by its rows, as a card's (H200, 32 layers: ~3.3 + 0.08 ms a row)."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import functools
 import importlib
 import io
 import json
+import math
 import multiprocessing
 import os
 import pstats
@@ -89,6 +94,7 @@ SPLIT_FUNCTIONS = (
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply"),
     ("corolla.server.front.inference_stream", "StepOrder", "_wait"),
 )
+TRACE_S = 0.2  # the gather rule's state is sampled this often over the decode phase (`_trace_rule`)
 PEER = PeerID(b"\x12\x20" + bytes(range(32)))
 DHT_PREFIX = "bench"
 MAX_REPLY_BYTES = 1 << 24
@@ -416,9 +422,34 @@ async def _p2p_sessions(
         await p2p.shutdown()
 
 
+def _ms(seconds: float | None) -> float:
+    return math.nan if seconds is None else 1e3 * seconds
+
+
+async def _trace_rule(runtime: Runtime, trace: list[dict]) -> None:
+    """Samples the gather rule every TRACE_S until cancelled: the share of the forwards since the last sample whose
+    launch was held, their rows, the learned return and the last forward (ms)."""
+
+    def counts() -> tuple[int, int, int]:
+        stats = runtime.stats().values()
+        return runtime.num_held_launches, sum(s.batches for s in stats), sum(s.tasks for s in stats)
+
+    before = counts()
+    while True:
+        await asyncio.sleep(TRACE_S)
+        now = counts()
+        held, forwards, rows = (b - a for a, b in zip(before, now, strict=True))
+        before = now
+        trace.append({"held": round(held / max(1, forwards), 2), "rows": round(rows / max(1, forwards), 1),
+                      "return_ms": round(_ms(runtime.gather.return_s), 2),
+                      "forward_ms": round(_ms(runtime.gather.forward_s), 2)})  # fmt: skip
+
+
 def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None) -> dict:
     """One fresh server and client process; the decode phase's figures (the module docstring)."""
-    engine = simulated_engine(args.sessions, args.prompt + args.steps + 1, args.forward_ms / 1e3)
+    engine = simulated_engine(
+        args.sessions, args.prompt + args.steps + 1, args.forward_ms / 1e3, args.forward_row_ms / 1e3
+    )
     backend = standin_backend(SPEC, 1, torch.device("cpu"))
     hidden = (torch.randn(args.prompt, SPEC.hidden_size, generator=torch.Generator().manual_seed(1)) / 4).to(
         torch.bfloat16
@@ -449,9 +480,18 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                 transport = await _SocketTransport.start(handler, args, hidden_bytes, Path(directory))
             marks: dict[bytes, tuple[float, float, float, int, int]] = {}
             ended = loop.create_future()
+            gather = runtime.gather
+            trace: list[dict] = []  # the gather rule's state every TRACE_S of the decode phase
+            held_at_go = 0
 
             def on_control() -> None:
+                nonlocal held_at_go
                 mark = transport.read_mark()
+                if mark == b"S":  # the decode phase starts from the seeded state (a float set: atomic under the GIL)
+                    if args.seed_return_ms is not None:
+                        gather.return_s = args.seed_return_ms / 1e3
+                    held_at_go = runtime.num_held_launches
+                    trace_task.append(loop.create_task(_trace_rule(runtime, trace)))
                 if mark == b"S" and profile is not None:
                     profile.enable()
                 if mark == b"E" and profile is not None:
@@ -462,9 +502,13 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                 if mark in (b"E", b"") and not ended.done():
                     ended.set_result(None)
 
+            trace_task: list[asyncio.Task] = []
             loop.add_reader(transport.control_fd, on_control)
             await ended
             loop.remove_reader(transport.control_fd)
+            for task in trace_task:
+                task.cancel()
+            held = runtime.num_held_launches - held_at_go
             await asyncio.sleep(0.2)  # the client's END frames
             await transport.stop()
             if b"S" not in marks or b"E" not in marks:
@@ -477,7 +521,9 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
             return {
                 "loop_us_per_step": 1e6 * (l1 - l0) / steps, "runtime_us_per_step": 1e6 * (r1 - r0) / steps,
                 "runtime_us_per_forward": 1e6 * (r1 - r0) / max(1, forwards), "forwards_per_step": forwards / args.steps,
-                "wall_ms_per_step": 1e3 * (w1 - w0) / args.steps,
+                "wall_ms_per_step": 1e3 * (w1 - w0) / args.steps, "rows_per_forward": (t1 - t0) / max(1, forwards),
+                "held_share": held / max(1, forwards), "return_ms": _ms(gather.return_s),
+                "rule_forward_ms": _ms(gather.forward_s), "trace": trace,
             }  # fmt: skip
 
         return asyncio.run(main())
@@ -489,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--forward_ms", type=float, default=6.0, help="the simulated device's time per forward")
+    p.add_argument(
+        "--forward_row_ms", type=float, default=0.0, help="the simulated forward's time a row beyond --forward_ms (an "
+        "H200 at 32 Llama-3-8B layers: ~0.08, 3.3 + 0.08 x rows: 5.0 ms at 21 rows, 5.9 at 32)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", type=Path, default=None, help="cProfile of the serving loop (last run) to FILE")
     p.add_argument("--split", action="store_true", help="one more run, its loop CPU split (the module docstring)")
@@ -498,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         default="socket",
         help="the same-host socket, or p2p through hivemind's p2pd (a daemon each side)",
     )
+    p.add_argument(
+        "--seed_return_ms", type=float, default=None, help="the gather rule's learned return set to this at the decode "
+        "phase's start (below the forward: launches held; above: at once), to see whether the state it settles in "
+        "depends on where it started",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -519,8 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             timers.remove()
     result = {"transport": args.transport, "sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
-              **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
-              "runs": {k: [round(r[k], 1) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step")},
+              **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0] if k != "trace"},
+              "runs": {k: [round(r[k], 2) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step",
+                       "wall_ms_per_step", "rows_per_forward", "held_share", "return_ms")},
+              "seed_return_ms": args.seed_return_ms, "traces": [r["trace"] for r in runs],
               "split": split}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out is not None:
