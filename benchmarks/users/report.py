@@ -163,9 +163,10 @@ def _measure(
                 continue  # corolla's own transport: a Petals client has none
             config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport, client=client,
                                  prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
-            held_before = server.runtime.num_held_launches
+            held_before, launched_before = server.runtime.num_held_launches, server.runtime.num_batches_done
             row = run_users(server, config, path)
             row.held_launch_count = server.runtime.num_held_launches - held_before
+            row.launch_count = server.runtime.num_batches_done - launched_before
             row.gather_fraction = server.runtime.gather.settings.fraction
             gather = server.runtime.gather
             row.held_launches = gather.holds_launch()
@@ -380,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"launch rule, {row.sessions} sessions, {row.transport}, {row.client} client ({row.launch_rule}): at "
                 f"the row's end the learned return time {row.rule_return_ms:.2f} ms against a merged forward of "
                 f"{row.rule_forward_ms:.2f} ms: {'held' if row.held_launches else 'at once'}; launches held in the "
-                f"row (its prefills included): {row.held_launch_count}, a held launch's learned seconds "
-                f"{row.held_launch_ms:.2f} ms"
+                f"row (its prefills included): {row.held_launch_count} of {row.launch_count} "
+                f"({row.held_launch_count / max(1, row.launch_count):.0%}: the rule's state over the row, decision "
+                f"0125), a held launch's learned seconds {row.held_launch_ms:.2f} ms"
             )
     for row in rows:
         if row.sessions > 1 and len(row.sessions_per_handler) > 1:

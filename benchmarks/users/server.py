@@ -95,6 +95,7 @@ class UsersResult:
     rule_return_ms: float = math.nan  # at the row's end: the gather rule's learned return time and last merged forward
     rule_forward_ms: float = math.nan
     held_launch_count: int = 0  # launches that waited for the forward in flight (`Runtime.num_held_launches`)
+    launch_count: int = 0  # batches the runtime ran in the row (`Runtime.num_batches_done`): the held share's whole
     held_launch_ms: float = math.nan  # at the row's end: a held launch's learned seconds (`Runtime.launch_s`)
     client: str = "petals"  # the client kind (clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
