@@ -16,7 +16,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -99,17 +99,12 @@ def _handler_options(row: UsersResult) -> str:
     notes = [f"poll {row.handler_poll_ms:g} ms"] if row.handler_poll_ms else []
     if row.launch_rule == "forced":
         notes.append("launch forced: held" if row.held_launches else "launch forced: at once")
-    elif row.launch_rule == "hold margin":
-        notes.append("rule with a hold margin" + (": held" if row.held_launches else ""))
     elif row.held_launches:
         notes.append("launch held")
     return f" ({', '.join(notes)})" if notes else ""
 
 
-# run spec letter `m`: the gather rule leaves a held launch only once the return exceeds this many forwards
-# (`GatherSettings.hold_exit_forwards`; the default 1 has no margin), decision 0125's card A/B
-HOLD_MARGIN_TRIAL = 1.25
-_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?([ham])?$")
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?([ha])?$")
 
 
 class ForcedLaunch(GatherRule):
@@ -126,30 +121,27 @@ class ForcedLaunch(GatherRule):
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][pMS][h|a|m]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0: no
+    """One server of a `--runs` spec: `N[gF][pMS][h|a]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0: no
     gather, no launch hold), `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping;
     `p0`: they sleep at once; default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU), `4h:64` / `4a:64`
-    (the next launch always held / always at once: `ForcedLaunch`; default: the rule decides), `4m:64` (the rule with
-    a margin to leave the held state: `GatherSettings.hold_exit_forwards` HOLD_MARGIN_TRIAL, decision 0125)."""
+    (the next launch always held / always at once: `ForcedLaunch`; default: the rule decides)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     handler_poll_ms: float | None = None  # None: as a server's default (`--busy_poll_ms` on a GPU)
     forced_hold: bool | None = None  # None: the gather rule decides (`GatherRule.holds_launch`)
-    hold_margin: bool = False  # the rule's `hold_exit_forwards` HOLD_MARGIN_TRIAL (run spec letter `m`)
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][pMS][h|a|m][:counts], got {spec!r}")
-        handlers, fraction, poll, letter = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][pMS][h|a][:counts], got {spec!r}")
+        handlers, fraction, poll, forced = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
-        forced = None if letter in (None, "m") else letter == "h"
         return cls(int(handlers), float(fraction) if fraction else None, counts,
-                   float(poll) if poll else None, forced, letter == "m")  # fmt: skip
+                   float(poll) if poll else None, None if forced is None else forced == "h")  # fmt: skip
 
 
 def _measure(
@@ -170,10 +162,7 @@ def _measure(
             row.gather_fraction = server.runtime.gather.settings.fraction
             gather = server.runtime.gather
             row.held_launches = gather.holds_launch()
-            row.launch_rule = (
-                "forced" if type(gather) is not GatherRule
-                else "hold margin" if gather.settings.hold_exit_forwards > 1.0 else "automatic"
-            )  # fmt: skip
+            row.launch_rule = "automatic" if type(gather) is GatherRule else "forced"
             row.rule_return_ms = 1000 * gather.return_s if gather.return_s is not None else math.nan
             row.rule_forward_ms = 1000 * gather.forward_s if gather.forward_s is not None else math.nan
             launch_s = server.runtime.launch_s
@@ -309,10 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 _engine_rows(executor, runs, args, engine_rows, started, repeat)
             for i, run in enumerate(runs):
                 fraction = run.gather_fraction
-                settings = replace(
-                    default_gather, fraction=default_gather.fraction if fraction is None else fraction,
-                    hold_exit_forwards=HOLD_MARGIN_TRIAL if run.hold_margin else default_gather.hold_exit_forwards,
-                )  # fmt: skip
+                settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
                 executor.runtime.gather = (
                     GatherRule(settings) if run.forced_hold is None else ForcedLaunch(settings, hold=run.forced_hold)
                 )

@@ -90,8 +90,7 @@ class UsersResult:
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
     held_launches: bool = False  # the runtime held its launches at the row's end (`GatherRule.holds_launch`)
-    launch_rule: str = "automatic"  # "forced": the run spec forced the launch decision (report.ForcedLaunch); "hold
-    # margin": the rule with `hold_exit_forwards` above 1 (run spec letter `m`)
+    launch_rule: str = "automatic"  # "forced": the run spec forced the launch decision (report.ForcedLaunch)
     rule_return_ms: float = math.nan  # at the row's end: the gather rule's learned return time and last merged forward
     rule_forward_ms: float = math.nan
     held_launch_count: int = 0  # launches that waited for the forward in flight (`Runtime.num_held_launches`)

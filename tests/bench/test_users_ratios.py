@@ -72,7 +72,6 @@ def test_run_entries_read_handlers_gather_and_polling() -> None:
     assert ServerRun.parse("4h:64", [16]).forced_hold is True
     assert ServerRun.parse("4p0a:64", [16]) == ServerRun(4, None, [64], handler_poll_ms=0.0, forced_hold=False)
     assert ServerRun.parse("4:64", [16]).forced_hold is None  # the gather rule decides
-    assert ServerRun.parse("1m:64", [16]) == ServerRun(1, None, [64], hold_margin=True)  # decision 0125's trial
     with pytest.raises(ValueError, match="N\\[gF\\]"):
         ServerRun.parse("4x:64", [16])
     with pytest.raises(ValueError, match="N\\[gF\\]"):  # writer threads (`w`) lost their A/B (decision 0003)

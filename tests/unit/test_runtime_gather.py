@@ -96,8 +96,6 @@ def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -
     assert off.wait(100.001, num_pushed=50) is None
     with pytest.raises(ValueError, match="fraction"):
         GatherSettings(fraction=1.5)
-    with pytest.raises(ValueError, match="hold_exit_forwards"):
-        GatherSettings(hold_exit_forwards=0.9)
 
 
 def test_a_launch_is_held_only_while_sessions_come_back_within_a_forward() -> None:
@@ -165,44 +163,3 @@ def test_a_pause_between_turns_does_not_keep_the_launch_from_being_held() -> Non
         rule.learn([(now_s, now_s + 0.002)], None)
         now_s += 0.007
     assert held_after is not None and held_after <= 5, held_after
-
-
-def _turns(rule: GatherRule, count: int, *, held_return: float, unheld_return: float, slow: set[int]) -> list[bool]:
-    """`count` merged forwards of 5.4 ms whose sessions come back in `held_return` forwards while the launch is held
-    and `unheld_return` while it is not (the return depends on the rule's own decision: decision 0125), a turn in
-    `slow` in 3 forwards; the launch decision after each forward."""
-    forward_s, now_s, decisions = 0.0054, 0.0, []
-    for k in range(count):
-        rule.finished(size=32, forward_s=forward_s, now_s=now_s, num_pushed=0)
-        held = rule.holds_launch()
-        decisions.append(held)
-        back_forwards = 3.0 if k in slow else held_return if held else unheld_return
-        rule.learn([(now_s, now_s + back_forwards * forward_s)], None)
-        now_s += forward_s
-    return decisions
-
-
-def test_a_hold_margin_outlasts_one_slow_turn_where_each_state_sustains_itself() -> None:
-    """If the return depended on the decision as at 64 p2p sessions on an H200 (decision 0122: held, 0.95 of a
-    forward; at once, 1.55), then without a margin (the default) one slow turn (a pause, a collection) ends the held
-    state for good; with `hold_exit_forwards` 1.25 (decision 0125's trial) it outlasts it, and still leaves where
-    returns stay long."""
-    rule = GatherRule(GatherSettings())
-    assert _turns(rule, 1, held_return=0.95, unheld_return=0.95, slow=set()) == [False]  # nothing learned: at once
-    decisions = _turns(rule, 60, held_return=0.95, unheld_return=1.55, slow={20})
-    assert all(decisions[:21]) and not any(decisions[21:])  # at once from the slow turn on, for good
-    rule = GatherRule(GatherSettings(hold_exit_forwards=1.25))
-    _turns(rule, 1, held_return=0.95, unheld_return=0.95, slow=set())
-    decisions = _turns(rule, 60, held_return=0.95, unheld_return=1.55, slow={20})
-    assert all(decisions)  # held from the first return within a forward on, through the slow turn
-    assert rule.return_s == pytest.approx(0.95 * 0.0054, rel=0.05)
-    decisions = _turns(rule, 20, held_return=1.6, unheld_return=1.6, slow=set())
-    assert decisions[0] and not any(decisions[3:])  # returns of 1.6 forwards held (forced hold, 0122): at once
-
-
-def test_an_unheld_launch_is_held_only_once_sessions_come_back_within_a_forward() -> None:
-    """The margin is one-sided: from at once, a return of 1.1 forwards (over a forward, inside the margin to leave
-    the held state) keeps launching at once; 0.9 holds."""
-    rule = GatherRule(GatherSettings(hold_exit_forwards=1.25))
-    assert not any(_turns(rule, 20, held_return=1.1, unheld_return=1.1, slow=set()))
-    assert _turns(rule, 20, held_return=0.9, unheld_return=0.9, slow=set())[-1]

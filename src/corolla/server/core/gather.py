@@ -43,22 +43,16 @@ def ewma(previous: float | None, observed: float) -> float:
 @dataclass(frozen=True)
 class GatherSettings:
     """`fraction`: the longest wait, as a fraction of the finished forward's seconds (0 disables the rule);
-    `quantile`: the share of its sessions waited for; `hold_exit_forwards`: a held launch stays held until the
-    learned return exceeds this many forwards, an unheld one is held once the return is shorter than one
-    (`GatherRule.holds_launch`; 1, the default: no margin. A margin against a held state lost for good to one slow
-    turn is decision 0125's trial: not better on the dev VM's simulated device, its card A/B pending)."""
+    `quantile`: the share of its sessions waited for."""
 
     fraction: float = 0.5
     quantile: float = 0.875
-    hold_exit_forwards: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"gather fraction must be in [0, 1], got {self.fraction}")
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError(f"gather quantile must be in (0, 1], got {self.quantile}")
-        if not 1.0 <= self.hold_exit_forwards <= MAX_RETURN_FORWARDS:
-            raise ValueError(f"hold_exit_forwards must be in [1, {MAX_RETURN_FORWARDS}], got {self.hold_exit_forwards}")
 
 
 @dataclass
@@ -87,7 +81,6 @@ class GatherRule:
         self.return_s: float | None = None  # learned: a finished forward's `quantile`-th own session back, s after it
         self.forward_s: float | None = None  # the last merged forward's seconds (of 2 steps or more)
         self._cohort: _Cohort | None = None
-        self._held = False  # the launch decision (`holds_launch`) at the last forward or return learned
         self.num_skipped = 0  # cohorts not waited for (their return takes longer than the budget)
 
     def finished(self, *, size: int, forward_s: float, now_s: float, num_pushed: int) -> int | None:
@@ -101,7 +94,6 @@ class GatherRule:
         self.forward_s = forward_s
         if self.return_s is not None:  # kept within MAX_RETURN_FORWARDS of this forward (see `_learn`)
             self.return_s = min(self.return_s, MAX_RETURN_FORWARDS * forward_s)
-        self._decide()
         target = max(1, math.ceil(self.settings.quantile * size))
         self._cohort = _Cohort(now_s, num_pushed, target, self.settings.fraction * forward_s)
         return target
@@ -114,7 +106,6 @@ class GatherRule:
             self._learn(back_s - finished_s)
         if unreturned_s is not None and (self.return_s is None or unreturned_s > self.return_s):
             self._learn(unreturned_s)
-        self._decide()
 
     def wait(self, now_s: float, num_pushed: int) -> GatherWait | None:
         """The wait before the next pop, or None (no cohort, already back, or it would not come back in time)."""
@@ -131,19 +122,9 @@ class GatherRule:
 
     def holds_launch(self) -> bool:
         """Whether a batch queued behind the running merged forward waits for its end (see the module docstring):
-        while the learned return time is shorter than a forward, or, once held, than `hold_exit_forwards` of them
-        (never before both are known, or with the rule off)."""
-        if self.return_s is None or self.forward_s is None:
-            return False
-        limit_forwards = self.settings.hold_exit_forwards if self._held else 1.0
-        return self.return_s < limit_forwards * self.forward_s
-
-    def _decide(self) -> None:
-        """Keeps the launch decision after a forward or a return learned, for `hold_exit_forwards`' margin to leave
-        the held state: the return a rule observes may depend on its own decision (decision 0122: at 64 p2p sessions
-        on an H200, held, returns of 0.95 of a forward; at once, 1.4-1.6), so that a held state left on one return
-        over a forward (a pause, a slow turn) would not come back (decision 0125)."""
-        self._held = self.holds_launch()
+        while the learned return time is shorter than a forward (never before both are known, or with the rule
+        off)."""
+        return self.return_s is not None and self.forward_s is not None and self.return_s < self.forward_s
 
     def _learn(self, observed_s: float) -> None:
         observed_s = max(0.0, observed_s)
