@@ -13,6 +13,7 @@ import socket
 import pytest
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import KiB, MiB, PeerLimits, ReplyStalled, StreamStalled, StreamTooSlow
@@ -76,6 +77,28 @@ async def _guarded(method, budget: StreamBudget, send, rejected: list):
     finally:
         sending.cancel()
     return theirs, writer.transport
+
+
+async def _socket_forward(handler, budget: StreamBudget, send):
+    """Serves one forward stream of `handler` over the socket's and the direct port's framing (`serve_inference` of a
+    training rpc, paced by `budget`'s limits) of what `send(client_socket)` sends; returns (the client's socket, the
+    server's connection) once it was served and closed."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
+    sending = asyncio.create_task(send(theirs))
+    context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
+    serving = serve_inference(
+        handler, conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(budget, "peer"), idle_s=IDLE_S,
+        pace=budget.limits.message_pace, rpc="rpc_forward_stream",
+    )  # fmt: skip
+    try:
+        await asyncio.wait_for(serving, BOUND_S)
+    finally:
+        sending.cancel()
+        conn.close()
+    return theirs, conn
 
 
 async def _socket_released(transport: asyncio.BaseTransport) -> bool:
@@ -151,21 +174,8 @@ def test_a_socket_front_forward_reply_the_client_never_takes_is_dropped(monkeypa
     handler = _TrainingHandler()
 
     async def run() -> bool:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
-        await loop.sock_sendall(theirs, b"".join(ls.frame(ls.MESSAGE, _request())) + b"".join(ls.frame(ls.END)))
-        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
-        lease = StreamLease(StreamBudget(REPLY_PACED), "peer")
-        serving = serve_inference(
-            handler, conn, context, PlainFrames(), 2 * MiB, lease=lease, idle_s=IDLE_S,
-            pace=REPLY_PACED.message_pace, rpc="rpc_forward_stream",
-        )  # fmt: skip
-        try:
-            await asyncio.wait_for(serving, BOUND_S)
-        finally:
-            conn.close()
+        request = b"".join(ls.frame(ls.MESSAGE, _request())) + b"".join(ls.frame(ls.END))
+        theirs, conn = await _socket_forward(handler, StreamBudget(REPLY_PACED), lambda sock: _send(sock, request))
         assert conn.transport is not None
         released = await _socket_released(conn.transport)
         theirs.close()
@@ -174,6 +184,35 @@ def test_a_socket_front_forward_reply_the_client_never_takes_is_dropped(monkeypa
     released = asyncio.run(run())
     assert handler.metrics.reasons == ["reply_stalled"]
     assert released
+
+
+def test_a_p2p_forward_methods_error_is_cut_to_the_error_limit_as_an_inference_sessions_is() -> None:
+    """A forward/backward method's error goes to the caller as an `RPCError` cut as every other error text
+    (`ls.error_text`): a 1 MiB text (it may quote what the caller sent) is not sent whole, past a client's limit."""
+    text = "é" * (ls.MAX_ERROR_BYTES * 8)  # (2-byte characters: the cut must not split one)
+
+    async def failing(requests, context):
+        async for _ in requests:
+            pass
+        raise ValueError(text)
+        yield  # (an async generator, as the rpc methods are)
+
+    async def run() -> bytes:
+        loop = asyncio.get_running_loop()
+        theirs, _ = await _guarded(
+            failing, StreamBudget(PeerLimits()), lambda sock: _send(sock, _peer_frame(_request()) + END), []
+        )
+        received = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(theirs, 1 << 20), BOUND_S):
+            received += chunk
+        theirs.close()
+        return received
+
+    received = asyncio.run(run())
+    assert received[:1] == P2P.ERROR_MARKER
+    body = received[1 + P2P.HEADER_LEN :]
+    message = RPCError.FromString(body).message
+    assert len(body) <= ls.MAX_ERROR_BYTES and message and text.startswith(message) and "\ufffd" not in message
 
 
 # ---- requests trickled in ------------------------------------------------------------------------------------------
@@ -281,30 +320,17 @@ def test_a_socket_front_forward_request_split_into_small_parts_is_refused_at_its
 
     async def run() -> tuple[bytes, StreamBudget]:
         loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
         part = b"".join(ls.frame(ls.MESSAGE, _request(filler=40)))
 
-        async def parts() -> None:
+        async def parts(sock: socket.socket) -> None:
             for _ in range(nparts):  # 10 s of parts, twice the bound
-                await loop.sock_sendall(theirs, part)
+                await loop.sock_sendall(sock, part)
                 await asyncio.sleep(0.25)
             await asyncio.sleep(10)
-            await loop.sock_sendall(theirs, b"".join(ls.frame(ls.END)))
+            await loop.sock_sendall(sock, b"".join(ls.frame(ls.END)))
 
         budget = StreamBudget(PACED)
-        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
-        serving = serve_inference(
-            _GatheringHandler(), conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(budget, "peer"),
-            idle_s=IDLE_S, pace=PACED.message_pace, rpc="rpc_forward_stream",
-        )  # fmt: skip
-        sending = asyncio.create_task(parts())
-        try:
-            await asyncio.wait_for(serving, BOUND_S)
-        finally:
-            sending.cancel()
-            conn.close()
+        theirs, _ = await _socket_forward(_GatheringHandler(), budget, parts)
         received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
         theirs.close()
         return received, budget
@@ -335,21 +361,9 @@ def test_a_socket_front_forward_requests_parts_stay_charged_until_the_stream_end
     part = _request(filler=1000)
 
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
-        await loop.sock_sendall(theirs, b"".join(ls.frame(ls.MESSAGE, part)) * 3 + b"".join(ls.frame(ls.END)))
-        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
-        serving = serve_inference(
-            handler, conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(budget, "peer"), idle_s=IDLE_S,
-            pace=PACED.message_pace, rpc="rpc_forward_stream",
-        )  # fmt: skip
-        try:
-            await asyncio.wait_for(serving, BOUND_S)
-        finally:
-            conn.close()
-            theirs.close()
+        request = b"".join(ls.frame(ls.MESSAGE, part)) * 3 + b"".join(ls.frame(ls.END))
+        theirs, _ = await _socket_forward(handler, budget, lambda sock: _send(sock, request))
+        theirs.close()
 
     asyncio.run(run())
     assert held == [3 * len(part)]
@@ -378,21 +392,10 @@ def test_a_slow_but_steady_request_in_many_parts_is_read_whole_on_both_fronts() 
 
     async def socket_front() -> bytes:
         loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        theirs.setblocking(False)
-        _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
         frames = [b"".join(ls.frame(ls.MESSAGE, b)) for b in parts]
-        sending = asyncio.create_task(steady(theirs, frames, b"".join(ls.frame(ls.END))))
-        context = P2PContext(handle_name="rpc_forward_stream", local_id=CLIENT_PEER, remote_id=CLIENT_PEER)
-        serving = serve_inference(
-            _GatheringHandler(), conn, context, PlainFrames(), 2 * MiB, lease=StreamLease(StreamBudget(PACED), "peer"),
-            idle_s=IDLE_S, pace=PACED.message_pace, rpc="rpc_forward_stream",
-        )  # fmt: skip
-        try:
-            await asyncio.wait_for(serving, BOUND_S)
-        finally:
-            sending.cancel()
-            conn.close()
+        theirs, _ = await _socket_forward(
+            _GatheringHandler(), StreamBudget(PACED), lambda sock: steady(sock, frames, b"".join(ls.frame(ls.END)))
+        )
         received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
         theirs.close()
         return received

@@ -29,6 +29,10 @@ class MessagePace:
     def allowed_s(self, nbytes: int) -> float:
         return self.grace_s + nbytes / self.min_bytes_per_s
 
+    def __str__(self) -> str:
+        """The rule as a refusal states it (the flags a peer's operator would look up)."""
+        return f"min_stream_rate_kib_s={self.min_bytes_per_s / KiB:g} after {self.grace_s:g} s"
+
 
 @dataclass(frozen=True)
 class SessionTimeouts:

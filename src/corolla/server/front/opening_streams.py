@@ -6,8 +6,6 @@ one is refused (`PeerLimitExceeded`, reason `peer_opening_streams`)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits
 
 
@@ -16,7 +14,7 @@ class OpeningStreams:
 
     def __init__(self, limits: PeerLimits):
         self.limits = limits
-        self.per_peer: dict[str, int] = defaultdict(int)
+        self.per_peer: dict[str, int] = {}
 
     def enter(self, peer: str) -> None:
         """Counts a new stream of `peer`; PeerLimitExceeded (nothing counted) where it holds the limit already."""

@@ -36,7 +36,6 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
 from corolla.server.core.limits import (
-    KiB,
     MessagePace,
     MiB,
     PeerLimitExceeded,
@@ -383,7 +382,7 @@ class FrameConnection(asyncio.Protocol):
             nbytes = self._paced_before + self._needed()
             fail(StreamTooSlow(
                 f"a message of {nbytes} bytes did not arrive within {pace.allowed_s(nbytes):.1f} s "
-                f"(min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s)"
+                f"({pace})"
             ))  # fmt: skip
         else:
             fail(StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s {INSIDE_A_MESSAGE}"))
@@ -1002,8 +1001,7 @@ async def drain_reply(drain: Awaitable[None], nbytes: int, pace: MessagePace | N
         await asyncio.wait_for(drain, allowed_s)
     except asyncio.TimeoutError:
         raise ReplyStalled(
-            f"the peer did not take a reply of {nbytes} bytes within {allowed_s:.1f} s "
-            f"(min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s)"
+            f"the peer did not take a reply of {nbytes} bytes within {allowed_s:.1f} s ({pace})"
         ) from None
 
 

@@ -25,7 +25,6 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
 from corolla.server.core.limits import (
-    KiB,
     MessagePace,
     MiB,
     PeerLimitExceeded,
@@ -105,9 +104,7 @@ async def within_idle(
 
 
 def _too_slow(pace: MessagePace) -> StreamTooSlow:
-    return StreamTooSlow(
-        f"a request did not arrive at min_stream_rate_kib_s={pace.min_bytes_per_s / KiB:g} after {pace.grace_s:g} s"
-    )
+    return StreamTooSlow(f"a request did not arrive at {pace}")
 
 
 async def read_message(
@@ -320,7 +317,7 @@ def guarded_stream_handler(
                 await _answer_failure(name, e, writer, pace)
             except Exception as e:
                 with suppress(Exception):
-                    await send_message(RPCError(message=str(e)), writer, pace)
+                    await send_message(RPCError(message=ls.error_text(e).decode()), writer, pace)
 
         async def receive() -> None:
             """The stream's one reader: messages into the queue until the end of the input (a task per stream,
