@@ -5,7 +5,8 @@ GEMV within one rounding of x and a float32 reference; a row's output is bit-ide
 and on a repeat, and a CUDA graph replays it on new inputs; the gated form (w_gate_up writing silu(gate) * up) has
 the bits of the same kernel + silu_mul, and the tuner's gated choice is what DecodeOps.gate_up and the engine's
 graph step serve; kernels launched back to back (programmatic launch: each may start before the one ahead ends)
-give the bits of launches separated by a synchronization; bad calls are refused. Skipped without CUDA."""
+give the bits of launches separated by a synchronization; bad calls (a tiling past the shared memory among them)
+are refused. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -268,3 +269,9 @@ def test_row_mma_refuses_bad_calls() -> None:
     fp32 = quantize_int8(torch.randn(64, 256, device=DEV))
     with pytest.raises(ValueError, match="bf16/fp16"):
         int8_row_mma(x.float(), fp32, None, config)
+    # a tiling the checks accept whose cp.async ring (4 x 8 tiles x 16 warps: 512 KiB) no device's shared memory holds:
+    # refused before any CUDA call, and the kernel runs as before after it (nothing left failed on the context)
+    with pytest.raises(ValueError, match="shared memory"):
+        int8_row_mma(x, weight, None, (8, 16, 4, 0, 0))
+    torch.cuda.synchronize()
+    assert torch.isfinite(int8_row_mma(x, weight, None, config)).all()

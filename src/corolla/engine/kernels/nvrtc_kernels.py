@@ -423,7 +423,8 @@ class NvrtcKernel:
         self.defines = dict(defines)
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._modules: list[ctypes.c_void_p] = []  # kept loaded for the process's life
-        self._shared_limit: dict[int, int] = {}
+        self._shared_limit: dict[int, int] = {}  # device index -> the dynamic shared bytes a launch may take now
+        self._shared_max: dict[int, int] = {}  # device index -> the most a program may opt in to (sm_90: 227 KiB)
         self._programmatic: dict[int, bool] = {}  # device index -> sm_90 or newer
 
     def function(self, device: torch.device) -> ctypes.c_void_p:
@@ -448,6 +449,8 @@ class NvrtcKernel:
                 self._modules.append(module)
                 self._functions[index] = fn
                 self._shared_limit[index] = 48 * 1024
+                props = torch.cuda.get_device_properties(dev)
+                self._shared_max[index] = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (stubs)
                 self._programmatic[index] = torch.cuda.get_device_capability(dev)[0] >= 9
         return self._functions[index]
 
@@ -465,7 +468,14 @@ class NvrtcKernel:
         return count.value
 
     def _allow_shared(self, device: torch.device, fn: ctypes.c_void_p, shared_bytes: int) -> None:
+        """Lets `fn` take `shared_bytes` of dynamic shared memory a program; ValueError (before any CUDA call, so
+        nothing is left failed on the context and a tuner skips the config) past what the device allows."""
         index = device.index if device.index is not None else torch.cuda.current_device()
+        if shared_bytes > self._shared_max[index]:
+            raise ValueError(
+                f"{self.name} {self.defines}: {shared_bytes} bytes of shared memory a program, more than the "
+                f"{self._shared_max[index]} this device allows"
+            )
         if shared_bytes > self._shared_limit[index]:
             _check_cu(
                 _lib("cuda").cuFuncSetAttribute(

@@ -301,7 +301,8 @@ def ring_bytes(config: tuple[int, int, int, int, int]) -> int:
 
 def check_row_config(config: tuple[int, int, int, int, int]) -> None:
     """ValueError unless `config` is (RT in 1..8 row tiles, W in 1..16 warps, P in 1..4 chunks in flight, 0, 0) with
-    a thread per output row (16 RT <= 32 W)."""
+    a thread per output row (16 RT <= 32 W). A tiling whose shared memory (x, the ring: `ring_bytes`) the device
+    cannot hold is refused at launch (`NvrtcKernel`: ValueError)."""
     tiles, warps, depth, *rest = config
     if not (1 <= tiles <= 8 and 1 <= warps <= 16 and 1 <= depth <= 4 and tiles <= 2 * warps) or any(rest):
         raise ValueError(f"bad INT8 row GEMV config {config}")
