@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
-from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import DenseOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, rotary_tables, table_slots, tensors_nbytes
+from corolla.engine.spans.span_model import ChunkedPrefill, PrefillChunk, rotary_tables, static_inv_freq, tensors_nbytes
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -228,14 +228,9 @@ class FastDenseSpan(ChunkedPrefill):
             else:
                 mode = {torch.bfloat16: ALIBI_BF16, torch.float16: ALIBI_FP16}.get(dtype, ALIBI_FP32)
             return cls(spec, layers, max_positions=max_positions, alibi=Alibi(slopes, attn.alibi_scale, mode), **kwargs)
-        rotary = attn.rotary
-        if not isinstance(rotary, RotaryEmbedding):
-            raise ValueError("A Falcon block without ALiBi needs rotary position embeddings")
-        if rotary.attention_scaling != 1.0:
+        inv_freq = static_inv_freq(attn.rotary, max_positions, layers[0].ln1_w.device)
+        if isinstance(attn.rotary, RotaryEmbedding) and attn.rotary.attention_scaling != 1.0:
             raise ValueError("The fast path does not scale rotary tables (YaRN's attention factor)")
-        if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
-            raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
-        inv_freq = rotary.inv_freq(layers[0].ln1_w.device, 0)  # [D/2] fp32
         return cls(spec, layers, max_positions=max_positions, inv_freq=inv_freq, **kwargs)
 
     # ------------------------------------------------------------------------------------------ compute
@@ -349,38 +344,24 @@ class FastDenseSpan(ChunkedPrefill):
             return self.dense.add(d, o, h), None
         return self.dense.add_norm(d, o, h, nxt.ln1_w, nxt.ln1_b, s.layer_norm_eps)
 
-    def _prefill_chunk(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        layers: tuple[int, int],
-        prompts: torch.Tensor | None,
+    def _chunk_state(self, chunk: PrefillChunk) -> torch.Tensor | None:
+        # ALiBi's bias [nq, L] of the chunk's keys, or None
+        return None if self.alibi is None else self.alibi.bias(chunk.key_positions).to(self.dtype)
+
+    def _prefill_layer(
+        self, i: int, h: torch.Tensor, chunk: PrefillChunk, pool: KVPool, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        s = self.spec
-        t = hidden.shape[0]
-        total = start + t
-        all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = table_slots(slot.table.to(self.device, non_blocking=True), all_pos, pool.page_size_tokens)  # [L]
-        positions, slots = all_pos[start:], all_slots[start:]  # [T]
-        bias = None if self.alibi is None else self.alibi.bias(all_pos).to(self.dtype)  # [nq, L]
-        h = hidden
-        for j, i in enumerate(range(*layers)):
-            w = self.layers[i]
-            if prompts is not None:
-                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
-            x = self._norm(h, w.ln1_w, w.ln1_b)  # [T, H]
-            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
-            q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
-                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
-            )  # fmt: skip  # [T, nq, D]
-            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
-            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
-            attn = self._prefill_attention(q.transpose(0, 1)[None], k, v, positions, all_pos, bias)  # [1, nq, T, D]
-            h = self._tail(w, h, x, attn[0].transpose(0, 1).reshape(t, s.q_size), None)[0]
-        return h
+        s, w = self.spec, self.layers[i]
+        x = self._norm(h, w.ln1_w, w.ln1_b)  # [T, H]
+        qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+        q = self.ops.rope_and_store(
+            qkv, self.cos, self.sin, chunk.positions, chunk.slots, pool.k[i], pool.v[i],
+            s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
+        )  # fmt: skip  # [T, nq, D]
+        k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, chunk.key_slots).transpose(0, 1)[None]
+        v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, chunk.key_slots).transpose(0, 1)[None]
+        attn = self._prefill_attention(q.transpose(0, 1)[None], k, v, chunk.positions, chunk.key_positions, bias)
+        return self._tail(w, h, x, attn[0].transpose(0, 1).reshape(h.shape[0], s.q_size), None)[0]  # [T, H]
 
     def _prefill_attention(
         self,

@@ -16,22 +16,21 @@ import torch
 
 from corolla.engine.kernels.cpu_linear import CpuLinearConfig, SlotKey
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
-from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.moe.routed_experts import RoutedMoE, tune_experts
 from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.spans.span_model import (
     ChunkedPrefill,
-    add_prompt,
+    PrefillChunk,
     rotary_tables,
-    row_slots,
-    table_slots,
+    static_inv_freq,
     tensors_nbytes,
 )
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
-from corolla.models.positions import RotaryEmbedding
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -274,12 +273,7 @@ class FastLlamaSpan(ChunkedPrefill):
                     moe=moe,
                 )
             )
-        rotary = getattr(blocks[0].attn, "rotary", None)
-        if not isinstance(rotary, RotaryEmbedding):
-            raise ValueError("The fast path needs rotary position embeddings")
-        if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
-            raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
-        inv_freq = rotary.inv_freq(layers[0].ln1.device, 0)  # [D/2] fp32
+        inv_freq = static_inv_freq(getattr(blocks[0].attn, "rotary", None), max_positions, layers[0].ln1.device)
         return cls(spec, layers, inv_freq, max_positions=max_positions, adapters=adapters, **kwargs)
 
     # ------------------------------------------------------------------------------------------ compute
@@ -295,8 +289,7 @@ class FastLlamaSpan(ChunkedPrefill):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
+        slots, seq_lens = decode_slots_ref(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
@@ -387,28 +380,14 @@ class FastLlamaSpan(ChunkedPrefill):
         # x [N, H] normed -> routed experts' output [N, H]
         return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape), graph_safe=graph_safe)
 
-    def _prefill_chunk(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        layers: tuple[int, int],
-        prompts: torch.Tensor | None,
+    def _chunk_state(self, chunk: PrefillChunk) -> OneAdapter | None:
+        return None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
+
+    def _prefill_layer(
+        self, i: int, h: torch.Tensor, chunk: PrefillChunk, pool: KVPool, lora: OneAdapter | None
     ) -> torch.Tensor:
-        t = hidden.shape[0]
-        total = start + t
-        table = slot.table.to(self.device, non_blocking=True)  # [maxp]
-        key_slots = table_slots(table, torch.arange(total, device=self.device), pool.page_size_tokens)  # [L]
-        positions = torch.arange(start, total, device=self.device)  # [T]
-        lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
-        h = hidden
-        for j, i in enumerate(range(*layers)):
-            if prompts is not None:
-                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
-            q = self.chunk_pre(i, h, positions, key_slots[start:], pool, lora)  # [T, nq, D]
-            h = self.chunk_post(i, h, self.chunk_attend(i, q, key_slots, pool), lora)  # [T, H]
-        return h
+        q = self.chunk_pre(i, h, chunk.positions, chunk.slots, pool, lora)  # [T, nq, D]
+        return self.chunk_post(i, h, self.chunk_attend(i, q, chunk.key_slots, pool), lora)  # [T, H]
 
     # The three pieces of a prefill chunk's layer. `prefill_graphs` captures `chunk_pre` and `chunk_post` of every
     # layer in static shapes (rows padded to a bucket) as one CUDA graph, with the paged Triton attention that reads

@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 from corolla.engine.kernels.mla_kernels import paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
-from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
 from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import linear_bias
-from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, row_slots, table_slots, tensors_nbytes
+from corolla.engine.spans.span_model import ChunkedPrefill, PrefillChunk, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE, group_limited_route
@@ -362,8 +363,7 @@ class FastMlaSpan(ChunkedPrefill):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
+        slots, seq_lens = decode_slots_ref(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         start, end = layers or (0, self.num_layers)
         for i in range(start, end):
@@ -396,45 +396,27 @@ class FastMlaSpan(ChunkedPrefill):
             h = self._mlp(i, h, graph_safe=True)
         return h
 
-    def _prefill_chunk(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        layers: tuple[int, int],
-        prompts: torch.Tensor | None,
-    ) -> torch.Tensor:
-        s = self.spec
-        t = hidden.shape[0]
+    def _prefill_layer(self, i: int, h: torch.Tensor, chunk: PrefillChunk, pool: KVPool, state: None) -> torch.Tensor:
+        s, w = self.spec, self.layers[i]
         n, nope, c = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
-        total = start + t
-        all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = table_slots(slot.table.to(self.device, non_blocking=True), all_pos, pool.page_size_tokens)  # [L]
-        positions, slots = all_pos[start:], all_slots[start:]  # [T]
-        h = hidden
-        for j, i in enumerate(range(*layers)):
-            w = self.layers[i]
-            if prompts is not None:
-                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
-            x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
-            q_nope, q_rope, latent, k_rope = self._project(i, x, positions)
-            store_latent(latent, k_rope, slots, pool.k[i], pool.v[i])
-            lat_all = pool.k[i].view(-1, c).index_select(0, all_slots)  # [L, c]
-            rope_all = pool.v[i].view(-1, s.qk_rope_head_dim).index_select(0, all_slots)  # [L, r]
-            kv = F.linear(lat_all, w.attn.kv_b).view(total, n, nope + s.v_head_dim)  # [L, n, nope + v]
-            k = torch.cat((kv[..., :nope], rope_all[:, None].expand(total, n, s.qk_rope_head_dim)), dim=-1)
-            q = torch.cat((q_nope, q_rope), dim=-1)  # [T, n, qk]
-            attn = causal_prefill_attention(
-                q.transpose(0, 1)[None],  # [1, n, T, qk]
-                k.transpose(0, 1)[None],  # [1, n, L, qk]
-                kv[..., nope:].transpose(0, 1)[None],  # [1, n, L, v]
-                scale=s.softmax_scale,
-            )  # [1, n, T, v]
-            attn = attn[0].transpose(0, 1).reshape(t, n * s.v_head_dim)  # [T, n v]
-            h = self.ops.linear(attn, w.attn.o, w.attn.o_bias, residual=h)
-            h = self._mlp(i, h)
-        return h
+        t, total = h.shape[0], chunk.key_slots.shape[0]
+        x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
+        q_nope, q_rope, latent, k_rope = self._project(i, x, chunk.positions)
+        store_latent(latent, k_rope, chunk.slots, pool.k[i], pool.v[i])
+        lat_all = pool.k[i].view(-1, c).index_select(0, chunk.key_slots)  # [L, c]
+        rope_all = pool.v[i].view(-1, s.qk_rope_head_dim).index_select(0, chunk.key_slots)  # [L, r]
+        kv = F.linear(lat_all, w.attn.kv_b).view(total, n, nope + s.v_head_dim)  # [L, n, nope + v]
+        k = torch.cat((kv[..., :nope], rope_all[:, None].expand(total, n, s.qk_rope_head_dim)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [T, n, qk]
+        attn = causal_prefill_attention(
+            q.transpose(0, 1)[None],  # [1, n, T, qk]
+            k.transpose(0, 1)[None],  # [1, n, L, qk]
+            kv[..., nope:].transpose(0, 1)[None],  # [1, n, L, v]
+            scale=s.softmax_scale,
+        )  # [1, n, T, v]
+        attn = attn[0].transpose(0, 1).reshape(t, n * s.v_head_dim)  # [T, n v]
+        h = self.ops.linear(attn, w.attn.o, w.attn.o_bias, residual=h)
+        return self._mlp(i, h)
 
 
 def _plain_weight(module: torch.nn.Module | None, name: str, *, allow_bias: bool = False) -> torch.Tensor:

@@ -7,12 +7,14 @@ says what one token takes in that pool per layer (`KVLayout`). Implemented by `f
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight
+from corolla.models.positions import RotaryEmbedding
 
 
 class SpanSpec(Protocol):
@@ -82,12 +84,6 @@ class SpanModel(Protocol):
         ...
 
 
-def row_slots(block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-    """The flat cache slot [N] long of each row's position: block_tables [N, maxp] int32, positions [N] long."""
-    pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
-    return pages * page + positions % page
-
-
 def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
     """The flat cache slot [N] long of each of `positions` [N] long in a sequence whose pages `table` [maxp] int32
     names."""
@@ -101,6 +97,16 @@ def rotary_tables(
     positions = torch.arange(max_positions, dtype=torch.float32, device=device)  # [P]
     freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [P, D/2]
     return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+def static_inv_freq(rotary: object, max_positions: int, device: torch.device) -> torch.Tensor:
+    """The rotary frequencies [D/2] fp32 of a block's `rotary` for tables of `max_positions` positions (ValueError
+    for no rotary embedding, or a dynamic rope whose frequencies change inside that range)."""
+    if not isinstance(rotary, RotaryEmbedding):
+        raise ValueError("The fast path needs rotary position embeddings")
+    if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
+        raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
+    return rotary.inv_freq(device, 0)
 
 
 def tensors_nbytes(values: Iterable[object]) -> int:
@@ -125,12 +131,32 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int)
     return torch.cat([head, hidden[:, overlap:]], dim=1)
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Where one prefill chunk of a sequence sits: its T tokens at [start, start + T) attend to the L = start + T
+    keys at `key_positions` [L] long, whose flat cache slots are `key_slots` [L] long."""
+
+    start: int
+    key_positions: torch.Tensor  # [L]
+    key_slots: torch.Tensor  # [L]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.key_positions[self.start :]  # [T]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.key_slots[self.start :]  # [T]
+
+
 class ChunkedPrefill:
     """What every span type shares: its `layers` (each with `nbytes()`), and the `prefill` that runs the sequence
-    in chunks of at most `chunk_tokens` tokens, each by the span's own
-    `_prefill_chunk(chunk [t, H], chunk_start, slot, pool, (first, last), prompts) -> [t, H]`."""
+    in chunks of at most `chunk_tokens` tokens, each by `_prefill_chunk`: for the fused spans the chunk's positions
+    and cache slots once (`PrefillChunk`), what each layer of the chunk reads besides (`_chunk_state`: adapters,
+    ALiBi's bias), then per layer its deep prompt and the span's `_prefill_layer`."""
 
     layers: list
+    device: torch.device
 
     @property
     def num_layers(self) -> int:
@@ -148,6 +174,25 @@ class ChunkedPrefill:
         layers: tuple[int, int],
         prompts: torch.Tensor | None,
     ) -> torch.Tensor:
+        """One sequence's chunk: hidden [T, H] at [start, start + T) through layers [first, last); prompts
+        [n_layers, P, H] -> [T, H]."""
+        keys = torch.arange(start + hidden.shape[0], device=self.device)  # [L]
+        table = slot.table.to(self.device, non_blocking=True)  # [maxp]
+        chunk = PrefillChunk(start, keys, table_slots(table, keys, pool.page_size_tokens))
+        state = self._chunk_state(chunk)
+        h = hidden
+        for j, i in enumerate(range(*layers)):
+            if prompts is not None:
+                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
+            h = self._prefill_layer(i, h, chunk, pool, state)
+        return h
+
+    def _chunk_state(self, chunk: PrefillChunk) -> Any:
+        """What every layer of `chunk` reads besides its positions (None: nothing)."""
+        return None
+
+    def _prefill_layer(self, i: int, h: torch.Tensor, chunk: PrefillChunk, pool: KVPool, state: Any) -> torch.Tensor:
+        """Layer i over a chunk's hidden states h [T, H] (its keys and values written to `pool`) -> [T, H]."""
         raise NotImplementedError
 
     @torch.inference_mode()
