@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.moe.expert_set import ExpertSet
+from corolla.engine.moe.expert_set import ExpertSet, module_weights
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, QuantizedWeight, quantized_weight_of
 from corolla.utils.logging import get_logger
 
@@ -67,22 +67,12 @@ class QuantizedExpertWeights(ExpertSet):
     boundaries: torch.Tensor = field(init=False)  # [E + 1] int64: 0..E, for segmenting sorted expert ids
 
     def __post_init__(self) -> None:
-        if not self.gate_up or len(self.gate_up) != len(self.down):
-            raise ValueError(
-                f"need one down per gate_up and at least one expert, got {len(self.gate_up)}/{len(self.down)}"
-            )
+        self._check_shapes()
         first = self.gate_up[0]
         kind = type(first)
-        two_i, h = first.shape
-        if two_i % 2:
-            raise ValueError(f"gate_up must be [2I, H], got {first.shape}")
         for e, (gu, dn) in enumerate(zip(self.gate_up, self.down, strict=True)):
             if type(gu) is not kind or type(dn) is not kind:
                 raise ValueError(f"expert {e}: every projection must be a {kind.__name__}")
-            if gu.shape != (two_i, h) or dn.shape != (h, two_i // 2):
-                raise ValueError(
-                    f"expert {e}: gate_up {gu.shape} / down {dn.shape} differ from ({two_i}, {h}) / ({h}, {two_i // 2})"
-                )
             for w in (gu, dn):
                 codes = w.packed if isinstance(w, NF4Weight) else w.codes
                 if w.dtype != first.dtype or w.device != first.device:
@@ -101,27 +91,21 @@ class QuantizedExpertWeights(ExpertSet):
         object.__setattr__(self, "down_tables", ProjectionTables.of(self.down, dev))
         pairs = first.pair_levels if isinstance(first, NF4Weight) else torch.zeros(256, dtype=torch.int32, device=dev)
         object.__setattr__(self, "pair_levels", pairs.contiguous())
-        object.__setattr__(self, "boundaries", torch.arange(len(self.gate_up) + 1, device=dev))
 
     @classmethod
     def from_modules(cls, experts: Sequence[torch.nn.Module], dtype: torch.dtype) -> QuantizedExpertWeights:
         """corolla `GatedMLP` experts whose bias-free `gate_up` / `down` are bitsandbytes `Linear4bit` (nf4) or
         `Linear8bitLt` layers; `dtype` is the block's compute dtype. ValueError for anything else."""
-        gate_up: list[QuantizedWeight] = []
-        down: list[QuantizedWeight] = []
-        for e, expert in enumerate(experts):
-            act = getattr(expert, "act_name", None)
-            if act not in ("silu", "swish"):
-                raise ValueError(f"expert {e}: the fused experts implement SiLU-gated MLPs, not {act!r}")
-            for name, out in (("gate_up", gate_up), ("down", down)):
-                linear = expert.get_submodule(name)
-                weight = quantized_weight_of(linear, dtype)
-                if weight is None or linear.bias is not None:
-                    raise ValueError(
-                        f"expert {e}: {name} must be a bias-free bitsandbytes layer, not {type(linear).__name__}"
-                    )
-                out.append(weight)
-        return cls(tuple(gate_up), tuple(down))
+
+        def weight_of(e: int, name: str, linear: torch.nn.Module) -> QuantizedWeight:
+            weight = quantized_weight_of(linear, dtype)
+            if weight is None or linear.bias is not None:
+                raise ValueError(
+                    f"expert {e}: {name} must be a bias-free bitsandbytes layer, not {type(linear).__name__}"
+                )
+            return weight
+
+        return cls(*module_weights(experts, weight_of))
 
     @property
     def kind(self) -> str:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.moe import moe_nf4_tile
-from corolla.engine.moe.expert_set import ExpertSet
+from corolla.engine.moe.expert_set import ExpertSet, module_weights
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant.quant_weights import quantized_weight_of
 from corolla.models.layers import SparseMoE
@@ -64,20 +64,9 @@ class ExpertWeights(ExpertSet):
     boundaries: torch.Tensor = field(init=False)  # [E + 1] int64: 0..E, for segmenting sorted expert ids
 
     def __post_init__(self) -> None:
-        if not self.gate_up or len(self.gate_up) != len(self.down):
-            raise ValueError(
-                f"need one down per gate_up and at least one expert, got {len(self.gate_up)}/{len(self.down)}"
-            )
+        self._check_shapes()
         first = self.gate_up[0]
-        if first.ndim != 2 or first.shape[0] % 2:
-            raise ValueError(f"gate_up must be [2I, H], got {tuple(first.shape)}")
-        two_i, h = first.shape
         for e, (gu, dn) in enumerate(zip(self.gate_up, self.down, strict=True)):
-            if tuple(gu.shape) != (two_i, h) or tuple(dn.shape) != (h, two_i // 2):
-                raise ValueError(
-                    f"expert {e}: gate_up {tuple(gu.shape)} / down {tuple(dn.shape)} differ from [{two_i}, {h}] / "
-                    f"[{h}, {two_i // 2}]"
-                )
             for t in (gu, dn):
                 if t.dtype != first.dtype or t.device != first.device:
                     raise ValueError(f"expert {e}: every tensor must be {first.dtype} on {first.device}")
@@ -88,7 +77,6 @@ class ExpertWeights(ExpertSet):
         dev = first.device
         object.__setattr__(self, "gate_up_ptrs", _address_table(self.gate_up, dev))
         object.__setattr__(self, "down_ptrs", _address_table(self.down, dev))
-        object.__setattr__(self, "boundaries", torch.arange(len(self.gate_up) + 1, device=dev))
 
     @classmethod
     def from_tensors(cls, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor]) -> ExpertWeights:
@@ -107,20 +95,13 @@ class ExpertWeights(ExpertSet):
     def from_modules(cls, experts: Sequence[torch.nn.Module]) -> ExpertWeights:
         """corolla `GatedMLP` experts with plain bias-free `nn.Linear` projections (ValueError otherwise: quantized or
         LoRA-wrapped experts are not read by this op)."""
-        gate_up: list[torch.Tensor] = []
-        down: list[torch.Tensor] = []
-        for e, expert in enumerate(experts):
-            act = getattr(expert, "act_name", None)
-            if act not in ("silu", "swish"):
-                raise ValueError(f"expert {e}: the fused experts implement SiLU-gated MLPs, not {act!r}")
-            for name, out in (("gate_up", gate_up), ("down", down)):
-                linear = expert.get_submodule(name)
-                if type(linear) is not torch.nn.Linear or linear.bias is not None:
-                    raise ValueError(
-                        f"expert {e}: {name} must be a bias-free torch.nn.Linear, not {type(linear).__name__}"
-                    )
-                out.append(linear.weight.data)
-        return cls(tuple(gate_up), tuple(down))
+
+        def weight_of(e: int, name: str, linear: torch.nn.Module) -> torch.Tensor:
+            if type(linear) is not torch.nn.Linear or linear.bias is not None:
+                raise ValueError(f"expert {e}: {name} must be a bias-free torch.nn.Linear, not {type(linear).__name__}")
+            return linear.weight.data
+
+        return cls(*module_weights(experts, weight_of))
 
     def expert_nbytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per expert it uses)."""
