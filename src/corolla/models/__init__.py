@@ -3,5 +3,5 @@ Qwen3; `mixtral`, `falcon`, `bloom`, `qwen3_moe`, `gemma`, `phi3`, `deepseek_v3`
 `CorollaBlock` (contract in `block_base`) built from shared parts: `attention` and `window_attention` (fused q/k/v, our
 KV cache layout, SDPA), `positions` and `rope_yarn` (rotary, ALiBi) and `layers` (norms, MLPs, MoE). Around the
 blocks: `config` (configs, dtype rule, DHT prefix), `loading` + `hub_files` + `disk_cache` (only a block's own
-tensors, shared LRU cache), `quantization`, `placement`, `lora`, `tensor_parallel` and `sizing` (with `moe_sizing`).
+tensors, shared LRU cache), `quantization`, `placement`, `lora`, `tensor_parallel` and `sizing`.
 Never imports networking."""
