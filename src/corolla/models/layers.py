@@ -1,9 +1,11 @@
 """Small building blocks shared by the families: RMSNorm, gated (SwiGLU-style) and dense MLPs, and the sparse
-mixture-of-experts MLP. Projections are plain `nn.Linear` so quantization, LoRA and tensor parallelism can
-replace or slice them."""
+mixture-of-experts MLP with its router (`softmax_topk`) and the weighted sum over the chosen experts (`mix_experts`,
+also the other families' mixtures'). Projections are plain `nn.Linear` so quantization, LoRA and tensor parallelism
+can replace or slice them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -107,15 +109,36 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(B * T, H)  # [N, H]
         logits = F.linear(flat, self.router.weight.to(flat.device))  # [N, E]
-        probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.normalize_top_k:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # fp32, as the reference
-        out = torch.zeros_like(flat)  # [N, H]
-        for local, expert_id in enumerate(self.expert_ids):
-            token_idx, slot = torch.where(top_i == expert_id)  # [n], [n]
-            if token_idx.numel() == 0:
-                continue
-            y = self.experts[local](flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H] fp32
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out.reshape(B, T, H)
+        top_w, top_i = softmax_topk(logits, self.top_k, normalize=self.normalize_top_k)  # [N, k] each
+        return mix_experts(flat, top_w, top_i, zip(self.expert_ids, self.experts, strict=True)).reshape(B, T, H)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k] fp32, ids [N, k] int64): softmax in fp32 over all experts, the k largest,
+    renormalized to sum 1 when `normalize` (Mixtral; Qwen3-MoE's `norm_topk_prob`)."""
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k must lie in [1, {logits.shape[-1]}], got {top_k}")
+    probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def mix_experts(
+    flat: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: Iterable[tuple[int, Callable[[torch.Tensor], torch.Tensor]]],
+) -> torch.Tensor:
+    """flat [N, H] routed to experts `ids` [N, k] with `weights` [N, k] fp32 -> [N, H]: each (id, expert) of
+    `experts` in turn runs on its tokens, its output weighted in fp32 and added in flat's dtype (the blocks' order of
+    rounding); experts no token chose are skipped, ids of no listed expert contribute nothing."""
+    out = torch.zeros_like(flat)  # [N, H]
+    for expert_id, expert in experts:
+        token_idx, slot = torch.where(ids == expert_id)  # [n], [n]
+        if token_idx.numel() == 0:
+            continue
+        y = expert(flat[token_idx]) * weights[token_idx, slot, None]  # [n, H] fp32
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out

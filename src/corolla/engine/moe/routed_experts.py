@@ -16,7 +16,8 @@ API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own grou
   CUDA-graph safe; each chosen expert's weights are read once per step whatever the number of tokens choosing it);
   otherwise the torch reference `experts_forward_ref` (one dense GEMM per used expert; syncs to find them).
 - Routers: `softmax_topk(logits [N, E], top_k, normalize=...)` -> (weights [N, k] fp32, ids [N, k] int64), the
-  Mixtral / Qwen3-MoE rule (softmax in fp32, top-k, optionally renormalized to sum 1).
+  Mixtral / Qwen3-MoE rule of the blocks' own `models.layers.SparseMoE` (softmax in fp32, top-k, optionally
+  renormalized to sum 1).
 - `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer.
 - Quantized experts (bitsandbytes NF4 / Int8 layouts read in place): `moe_quant.QuantizedExpertWeights` stands
   wherever `ExpertWeights` does (`Experts` is either); `experts_forward` runs `moe_quant_kernels`' grouped kernels
@@ -37,7 +38,7 @@ from corolla.engine.moe import moe_nf4_tile
 from corolla.engine.moe.expert_set import ExpertSet, module_weights
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant.quant_weights import quantized_weight_of
-from corolla.models.layers import SparseMoE
+from corolla.models.layers import SparseMoE, softmax_topk
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference.
@@ -120,21 +121,6 @@ Experts = ExpertWeights | QuantizedExpertWeights  # dense or bitsandbytes-quanti
 
 def _address_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)  # [E]
-
-
-# ---------------------------------------------------------------------------------------------- routers
-
-
-def softmax_topk(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> (weights [N, k] fp32, ids [N, k] int64): softmax in fp32 over all experts, the k largest,
-    renormalized to sum 1 when `normalize` (Mixtral; Qwen3-MoE's `norm_topk_prob`)."""
-    if not 1 <= top_k <= logits.shape[-1]:
-        raise ValueError(f"top_k must lie in [1, {logits.shape[-1]}], got {top_k}")
-    probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 # ---------------------------------------------------------------------------------------------- experts

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corolla.models.layers import GatedMLP
+from corolla.models.layers import GatedMLP, mix_experts
 
 NORM_EPS = 1e-20  # added to the top-k weight sum, as the reference does
 
@@ -60,12 +60,8 @@ class GroupLimitedMoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(B * T, H)  # [N, H]
         top_w, top_i = self.route(flat)  # [N, k] each
-        out = torch.zeros_like(flat)  # [N, H]
-        for expert_id in torch.unique(top_i).tolist():
-            token_idx, slot = torch.where(top_i == expert_id)  # [n], [n]
-            y = self.experts[expert_id](flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H] fp32
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out.reshape(B, T, H) + self.shared_experts(x)
+        chosen = ((e, self.experts[e]) for e in torch.unique(top_i).tolist())
+        return mix_experts(flat, top_w, top_i, chosen).reshape(B, T, H) + self.shared_experts(x)
 
 
 def group_limited_route(

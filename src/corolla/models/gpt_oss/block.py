@@ -6,6 +6,7 @@ column, `[E, I, H]`); routing is local to the block, so no expert traffic leaves
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.gemma.block import sliding_window_of
 from corolla.models.gpt_oss.mxfp4 import dequantize_expert_tensors
-from corolla.models.layers import RMSNorm
+from corolla.models.layers import RMSNorm, mix_experts
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
@@ -60,12 +61,8 @@ class GptOssMoE(nn.Module):
         logits = F.linear(flat, self.router.weight, self.router.bias)  # [N, E]
         top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)  # [N, k]
         top_w = torch.softmax(top_logits, dim=-1)  # [N, k], softmax over the chosen experts only
-        out = torch.zeros_like(flat)  # [N, H]
-        for e in torch.unique(top_i).tolist():
-            token_idx, slot = torch.where(top_i == e)  # [n], [n]
-            y = self.experts.run(e, flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out.reshape(B, T, H)
+        chosen = ((e, functools.partial(self.experts.run, e)) for e in torch.unique(top_i).tolist())
+        return mix_experts(flat, top_w, top_i, chosen).reshape(B, T, H)
 
 
 class GptOssBlock(CorollaBlock):
