@@ -30,7 +30,10 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_CANDIDATES = 2  # replacement servers tried per hand-off before falling back to a replay
-MIN_HANDOFF_S = 2.0  # a hand-off may take the draining server's remaining time, at least this, + connect_timeout_s
+# a hand-off may take the draining server's remaining time, at least this, at most the client's request_timeout_s
+# (the deadline is the server's word: one that claims 1e9 s must not hold the step longer than a response's wait),
+# + connect_timeout_s
+MIN_HANDOFF_S = 2.0
 NONE = runtime_pb2.CompressionType.NONE
 
 
@@ -83,7 +86,9 @@ async def hand_off_draining_spans(log: HandoffLog, spans: list[SpanSession]) -> 
         log.tried.add(old.session_id)
         started = time.perf_counter()
         record = HandoffRecord(old.span.start, old.span.end, old.span.peer_id, None, old.position, 0, 0.0)
-        timeout_s = max(MIN_HANDOFF_S, old.drain_notice.deadline_s) + log.manager.config.connect_timeout_s
+        config = log.manager.config
+        timeout_s = max(MIN_HANDOFF_S, min(old.drain_notice.deadline_s, config.request_timeout_s))
+        timeout_s += config.connect_timeout_s
         try:
             new, record.num_bytes = await asyncio.wait_for(_move(log, old), timeout_s)
             spans[index] = new

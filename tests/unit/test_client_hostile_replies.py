@@ -1,0 +1,124 @@
+"""A client against servers whose replies are hostile in size or time (in-process fake servers, no network): a
+draining server that claims a far deadline and trickles its KV export holds a step no longer than one response's
+wait; a forward reply streamed without end is cut at the bytes the request implies (the server blamed), not read
+until the timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.session.inference_session import InferenceSession
+from corolla.protocol import handoff as wire
+from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+
+TRICKLE_MESSAGES = 40
+TRICKLE_GAP_S = 0.5  # inside request_timeout_s: each message on its own is on time
+
+
+class DrainingTrickler(FakeServer):
+    """Marks every answer draining with a deadline far in the future; asked for the session's cache, it announces
+    `TRICKLE_MESSAGES` messages and sends one byte every `TRICKLE_GAP_S` (each response on time, the whole never)."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps)
+        self.trickled = 0
+
+    async def _serve(self, requests):
+        exporting = False
+
+        async def steps():
+            nonlocal exporting
+            async for request in requests:
+                if request.metadata and wire.EXPORT_KEY in decode_metadata(request.metadata):
+                    exporting = True
+                    return
+                yield request
+
+        far = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(1e9).to_dict()})
+        async for response in super()._serve(steps()):
+            yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=far)
+        if not exporting:
+            return
+        metadata, tokens = self.requests[-1]
+        header = wire.KvHeader(
+            position=metadata["start_from_position"] + tokens, batch_size=1, start_block=self.start,
+            end_block=self.end, num_messages=TRICKLE_MESSAGES, total_bytes=TRICKLE_MESSAGES * wire.MAX_MESSAGE_BYTES,
+        )  # fmt: skip
+        yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))
+        for _ in range(TRICKLE_MESSAGES):
+            await asyncio.sleep(TRICKLE_GAP_S)
+            self.trickled += 1
+            yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"x")])
+
+
+def test_a_forged_drain_deadline_holds_a_step_no_longer_than_one_response_wait():
+    torch.manual_seed(0)
+    # the trickler looks fastest, so the session starts on it; B holds the same blocks (a hand-off candidate)
+    servers = {"trickler": DrainingTrickler(0, 2, inference_rps=1e6), "B": FakeServer(0, 2), "C": FakeServer(2, 4)}
+    manager = FakeManager(
+        servers, 4, request_timeout_s=1.0, connect_timeout_s=0.5, liveness_check_period_s=0, max_wait_s=10
+    )
+    tokens = torch.randn(1, 6, HIDDEN)
+    with InferenceSession(manager, max_length=6) as session:
+        started = time.monotonic()
+        first = session.step(tokens[:, :4])  # its answer says "draining": the hand-off runs before step() returns
+        took_s = time.monotonic() - started
+        rest = [session.step(tokens[:, t : t + 1]) for t in range(4, 6)]
+        records = session.handoffs.records
+    # the hand-off's bound is the client's (request_timeout_s, at least MIN_HANDOFF_S, + connect_timeout_s): ~2.5 s
+    # here; the server's claim of 1e9 s let it read all 40 trickled messages (20 s) before
+    assert took_s < 10.0, f"the step took {took_s:.1f} s"
+    assert servers["trickler"].trickled < TRICKLE_MESSAGES
+    assert len(records) == 1 and records[0].to_peer is None and records[0].error is not None
+    # the next step replays the history on the replacement: the outputs are still exact
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+
+
+REPLY_PART_BYTES = 1 << 16
+ENDLESS_PARTS = 256  # 16 MiB in all, 12x the reply the request implies
+
+
+class EndlessForward(FakeServer):
+    """Answers `rpc_forward_stream` with a tensor's first part and then parts without end (up to `ENDLESS_PARTS`,
+    then silence): what the reply's bytes are is the server's choice, how many the client reads is the client's."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end)
+        self.parts_sent = 0
+
+    async def rpc_forward_stream(self, requests):
+        async def replies():
+            async for _ in requests:
+                pass
+            first = serialize_tensor(torch.zeros(1, 1 << 20, HIDDEN))  # a declared [1, 1Mi, 8] fp32 tensor (32 MiB)
+            first.buffer, first.chunks = first.buffer[:REPLY_PART_BYTES], 1 << 20
+            yield runtime_pb2.ExpertResponse(tensors=[first])
+            self.parts_sent += 1
+            for _ in range(ENDLESS_PARTS - 1):
+                yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=bytes(REPLY_PART_BYTES))])
+                self.parts_sent += 1
+            await asyncio.sleep(3600)
+
+        return replies()
+
+
+def test_a_streamed_forward_reply_is_cut_at_the_bytes_its_request_implies():
+    server = EndlessForward(0, 2)
+    manager = FakeManager({"endless": server}, 2, request_timeout_s=30, direct_transport=False)
+    inputs = torch.randn(1, 40_000, HIDDEN)  # 1.28 MB of fp32: past the unary limit, so both ways are streams
+    span = manager.make_sequence(0, 2, mode="max_throughput")[0]
+    started = time.monotonic()
+    with pytest.raises(BadServerOutput, match="more than"):
+        asyncio.run(asyncio.wait_for(run_remote_forward(manager, span, inputs, torch.empty(0)), 60))
+    assert time.monotonic() - started < 20.0  # refused as the bytes came, not at request_timeout_s
+    expected_parts = 4 * inputs.numel() // REPLY_PART_BYTES
+    assert server.parts_sent <= expected_parts + 20, f"{server.parts_sent} parts were read"
