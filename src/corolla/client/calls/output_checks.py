@@ -3,6 +3,7 @@ asked for, a floating dtype a server may use), and the numeric tolerance when tw
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,6 +24,8 @@ WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what servers com
 VERIFY_RTOL_PER_EPS = 32.0
 VERIFY_MIN_RTOL = 1e-3
 QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
+# what an honest reply holds besides its tensors' values: metadata (decoded within 64 KiB), codebooks, protobuf fields
+REPLY_OVERHEAD_BYTES = 1 << 20
 
 
 class BadServerOutput(ConnectionError):
@@ -47,6 +50,14 @@ def check_outputs(
         count = int((~torch.isfinite(outputs)).sum())
         raise BadServerOutput(peer_id, f"{what} has {count} non-finite values (NaN/Inf)")
     return outputs
+
+
+def reply_limit_bytes(*shapes: Sequence[int]) -> int:
+    """The most bytes an honest reply carrying tensors of `shapes` holds: 4 a value (float32, the widest wire dtype;
+    every codec writes at most that plus a header of its own) and `REPLY_OVERHEAD_BYTES`. A reply past it is the
+    server's failure, refused as its bytes arrive (without it, a reply was read for as long as the server sent it
+    within `request_timeout_s`)."""
+    return 4 * sum(math.prod(shape) for shape in shapes) + REPLY_OVERHEAD_BYTES
 
 
 def verify_rtol(*dtypes: torch.dtype, quantized: bool = False) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.calls.output_checks import BadServerOutput, check_outputs
+from corolla.client.calls.output_checks import BadServerOutput, check_outputs, reply_limit_bytes
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.transport.direct_transport import open_direct
 from corolla.client.transport.framed_socket import FramedSocketStream
@@ -79,8 +79,14 @@ class ReplyParts:
 
 
 async def _call(
-    manager: RemoteSequenceManager, span: RemoteSpanInfo, method: str, tensors: Sequence[torch.Tensor], structure: Any
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    method: str,
+    tensors: Sequence[torch.Tensor],
+    structure: Any,
+    limit_bytes: int,
 ) -> list[torch.Tensor]:
+    """The reply's tensors; BadServerOutput once its messages hold more than `limit_bytes` (`reply_limit_bytes`)."""
     stub = await manager.get_stub(span.peer_id)
     uid = manager.make_chain(span.start, span.end)
     metadata = encode_metadata({**manager.request_metadata(span.peer_id), "args_structure": structure})
@@ -99,17 +105,20 @@ async def _call(
     elif not needs_streaming(tensors):
         request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)
         response = await getattr(stub, method)(request, timeout=config.request_timeout_s)
+        _check_size(span, method, response.ByteSize(), limit_bytes)
         return [deserialize_tensor(t) for t in response.tensors]
     else:
         stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
     reply = ReplyParts()
     parts: list[runtime_pb2.Tensor] = []
-    replies = 0
+    replies = received = 0
 
     async def _read() -> None:
-        nonlocal replies
+        nonlocal replies, received
         async for response in stream:
             replies += 1
+            received += response.ByteSize()
+            _check_size(span, method, received, limit_bytes)
             reply.add(response.tensors)
             parts.extend(response.tensors)
 
@@ -123,6 +132,13 @@ async def _call(
     if reply.cut:
         raise ConnectionError(f"{method}_stream of {span.peer_id} closed in the middle of its reply")
     return [deserialize_tensor(t) for t in combine_parts(parts)]
+
+
+def _check_size(span: RemoteSpanInfo, method: str, received_bytes: int, limit_bytes: int) -> None:
+    if received_bytes > limit_bytes:
+        raise BadServerOutput(
+            span.peer_id, f"{method} reply holds more than {limit_bytes} bytes, the most its request implies"
+        )
 
 
 async def open_socket_stream(manager: RemoteSequenceManager, peer_id: str, rpc: str) -> FramedSocketStream | None:
@@ -142,7 +158,7 @@ async def run_remote_forward(
     """Outputs `[B, T, H]` of blocks `[span.start, span.end)` for `inputs [B, T, H]` (prompts: `[blocks, B|1, P, H]`
     or empty)."""
     tensors, structure = pack_args_kwargs(inputs, prompts)
-    outputs = await _call(manager, span, "rpc_forward", tensors, structure)
+    outputs = await _call(manager, span, "rpc_forward", tensors, structure, reply_limit_bytes(inputs.shape))
     if len(outputs) != 1:
         raise BadServerOutput(span.peer_id, f"rpc_forward returned {len(outputs)} tensors, expected 1")
     return check_outputs(outputs[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="rpc_forward output")
@@ -157,7 +173,8 @@ async def run_remote_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(grad wrt inputs `[B, T, H]`, grad wrt this span's deep prompts or None)."""
     tensors, structure = pack_args_kwargs(inputs, grad_outputs, prompts)
-    grads = await _call(manager, span, "rpc_backward", tensors, structure)
+    limit_bytes = reply_limit_bytes(inputs.shape, prompts.shape)
+    grads = await _call(manager, span, "rpc_backward", tensors, structure, limit_bytes)
     if not 1 <= len(grads) <= 2:
         raise BadServerOutput(span.peer_id, f"rpc_backward returned {len(grads)} tensors, expected 1 or 2")
     grad_inputs = check_outputs(grads[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="input gradient")
