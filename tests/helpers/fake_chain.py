@@ -143,7 +143,7 @@ class FakeStream:
     async def send_end(self) -> None:
         await self.queue.put(None)
 
-    async def receive(self):
+    async def receive(self, max_bytes=None):  # (a fake's responses are objects: no bytes to bound)
         try:
             return await anext(self.responses)
         except StopAsyncIteration:

@@ -1,11 +1,14 @@
 """A client against servers whose replies are hostile in size or time (in-process fake servers, no network): a
 draining server that claims a far deadline and trickles its KV export holds a step no longer than one response's
-wait; a forward reply streamed without end is cut at the bytes the request implies (the server blamed), not read
-until the timeout."""
+wait; a forward reply streamed without end, or an inference reply announcing far more bytes than its step's outputs,
+is refused at the bytes the request implies (the server blamed), not read until the timeout."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
 import time
 
 import pytest
@@ -14,10 +17,16 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.config import ClientConfig
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession
+from corolla.client.session.span_session import SpanSession
+from corolla.client.transport.p2p_stream import P2PInferenceStream
 from corolla.protocol import handoff as wire
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
+from corolla.protocol.stream_frames import FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
 
 TRICKLE_MESSAGES = 40
@@ -122,3 +131,47 @@ def test_a_streamed_forward_reply_is_cut_at_the_bytes_its_request_implies():
     assert time.monotonic() - started < 20.0  # refused as the bytes came, not at request_timeout_s
     expected_parts = 4 * inputs.numel() // REPLY_PART_BYTES
     assert server.parts_sent <= expected_parts + 20, f"{server.parts_sent} parts were read"
+
+
+PEER = "12D3KooWBNitLprcTBawSZBqZrrFMcka27mVwJcgm6LBUWMRXLq1"
+ANNOUNCED_BYTES = 64 << 20  # under the stream's absolute bound (1 GiB), 4000x a one-token step's 16 KiB of outputs
+
+
+def _bloated_server(sock: socket.socket) -> None:
+    """Reads one request, then answers with a frame announcing `ANNOUNCED_BYTES` and sends 1 MiB of it."""
+    header = sock.recv(FRAME_HEADER_BYTES, socket.MSG_WAITALL)
+    length = int.from_bytes(header[1:], "big")
+    while length > 0:
+        length -= len(sock.recv(min(length, 1 << 16)))
+    with contextlib.suppress(OSError):  # the client may close the stream before it is all sent
+        sock.sendall(frame_header(MESSAGE_MARKER, ANNOUNCED_BYTES) + bytes(1 << 20))
+
+
+@pytest.mark.parametrize("path", ["step_here", "step"])
+def test_an_inference_reply_over_the_bytes_of_its_outputs_is_refused_at_its_header(path):
+    manager = RemoteSequenceManager(
+        ClientConfig(request_timeout_s=3.0, liveness_check_period_s=0), ["m.0", "m.1"], start_updates=False
+    )
+    manager._input_compressions[PEER] = runtime_pb2.CompressionType.NONE  # as after the first rpc_info
+    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
+    session = SpanSession(manager, span, max_length=64)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    stream = P2PInferenceStream(ours, PEER)
+    session._stream = session._direct = stream
+    session._started = True
+    hidden = torch.randn(1, 1, 4096)  # 16 KiB of fp32 outputs expected
+    kwargs = dict(position=0, prompts=torch.empty(0), hypo_ids=torch.empty(0, dtype=torch.int64), step_id="s")
+    server = threading.Thread(target=_bloated_server, args=(theirs,))
+    server.start()
+    try:
+        with pytest.raises(ConnectionError, match="exceeds the limit"):  # not a TimeoutError after reading 1 MiB
+            if path == "step_here":
+                session.step_here(hidden, 0, **kwargs)
+            else:
+                asyncio.run(asyncio.wait_for(session.step(hidden, 0, **kwargs), 30))
+        assert len(stream._buffer) < FRAME_HEADER_BYTES + (1 << 20)  # the payload was never buffered whole
+    finally:
+        server.join(10)
+        stream.close()
+        theirs.close()

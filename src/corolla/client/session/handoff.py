@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, reply_limit_bytes
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.span_session import SpanSession
 from corolla.protocol import handoff as wire
@@ -181,7 +182,7 @@ async def _export(
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)
     await old.send(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
-    first = await old._next_response()
+    first = await old._next_response(limit_bytes=REPLY_OVERHEAD_BYTES)  # metadata only
     try:
         raw = decode_metadata(first.metadata).get(wire.KV_HEADER_KEY) if first.metadata else None
     except ValueError as e:
@@ -200,7 +201,7 @@ async def _export(
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
     messages, received = [], 0
     for _ in range(header.num_messages):
-        response = await old._next_response()
+        response = await old._next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
         received += wire.message_bytes(response.tensors)
         if received > header.total_bytes:
             raise HandoffFailed(f"the server sent more than the {header.total_bytes} bytes it announced")
@@ -227,5 +228,5 @@ async def _import(
     await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
-    response = await new._next_response()
+    response = await new._next_response(limit_bytes=reply_limit_bytes(inputs.shape))
     new._accept(response, inputs, send_from, empty.dtype)

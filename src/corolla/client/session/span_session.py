@@ -23,7 +23,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import BadServerOutput, check_outputs
+from corolla.client.calls.output_checks import BadServerOutput, check_outputs, reply_limit_bytes
 from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
 from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
@@ -323,7 +323,9 @@ class SpanSession:
         num_tokens = inputs.shape[1]
         started_s = time.monotonic()
         await self.send(request)
-        response = await self._next_response(self.clock.deadline_s(num_tokens))
+        response = await self._next_response(
+            self.clock.deadline_s(num_tokens), limit_bytes=reply_limit_bytes(inputs.shape)
+        )
         result = self._accept(response, inputs, send_from, hidden.dtype)
         if not self.last_step_suspect:  # a stalled step's time says nothing of the server's speed
             self.clock.record(num_tokens, time.monotonic() - started_s)
@@ -341,7 +343,7 @@ class SpanSession:
         )
         self._started = True
         await self.send(request)
-        response = await self._next_response(None)
+        response = await self._next_response(None, limit_bytes=reply_limit_bytes(empty.shape))
         self._accept(response, empty, 0, like.dtype)
         try:
             metadata = decode_metadata(response.metadata) if response.metadata else {}
@@ -397,6 +399,7 @@ class SpanSession:
                 poll_s=_poll_s(config),
                 check_alive=check_alive,
                 check_period_s=config.liveness_check_period_s,
+                max_response_bytes=reply_limit_bytes(inputs.shape),
             )
             return self._accept(response, inputs, send_from, hidden.dtype)
         except BaseException:
@@ -407,8 +410,11 @@ class SpanSession:
         """From a thread other than the client loop's: does the server answer a ping?"""
         return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
 
-    async def _next_response(self, stall_deadline_s: float | None = None) -> runtime_pb2.ExpertResponse:
-        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`).
+    async def _next_response(
+        self, stall_deadline_s: float | None = None, *, limit_bytes: int
+    ) -> runtime_pb2.ExpertResponse:
+        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`), of
+        at most `limit_bytes` (what the request implies: `output_checks.reply_limit_bytes`; else ConnectionError).
         While waiting, pings the server every `liveness_check_period_s`, and once when the step deadline passes. A
         silent server that does not answer the ping fails the step (`HopStalled`, ConnectionError) when another
         server holds its blocks; when it is the only one, the client keeps waiting (its link may come back) up to
@@ -423,7 +429,9 @@ class SpanSession:
         ping_period_s = config.liveness_check_period_s or math.inf
         next_ping = started_s + ping_period_s
         self.last_step_suspect = False
-        pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(self._stream.receive())
+        pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(
+            self._stream.receive(limit_bytes)
+        )
         poll_s = _poll_s(config)
         poller = background_loop.get_selector() if poll_s > 0 else None
         if poller is not None and loop is background_loop.get_loop():

@@ -2,7 +2,8 @@
 client loop and whose sync `exchange` runs a whole step (send, wait, parse) in any one thread, so that a step costs
 no hop to the loop thread and back (each hop is an idle thread's wake-up). Subclasses give the framing: the
 same-host server socket (`local_transport.LocalInferenceStream`) and a p2pd stream (`p2p_stream.P2PInferenceStream`).
-Every frame's length is checked against a limit before the buffer grows for it."""
+Every frame's length is checked against a limit before the buffer grows for it: the caller's (what its request
+implies, `output_checks.reply_limit_bytes`), never above `MAX_RESPONSE_FRAME_BYTES`."""
 
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ class FramedSocketStream(ABC):
     async def send_end(self) -> None:
         await asyncio.get_running_loop().sock_sendall(self.sock, self._end_frame())
 
-    async def receive(self) -> runtime_pb2.ExpertResponse | None:
-        """The next response; None once the server ended the stream (or went away)."""
+    async def receive(self, max_bytes: int = MAX_RESPONSE_FRAME_BYTES) -> runtime_pb2.ExpertResponse | None:
+        """The next response (ConnectionError once its frame announces more than `max_bytes`); None once the server
+        ended the stream (or went away)."""
         try:
-            kind, payload = await self.receive_frame(MAX_RESPONSE_FRAME_BYTES)
+            kind, payload = await self.receive_frame(min(max_bytes, MAX_RESPONSE_FRAME_BYTES))
         except (EOFError, ConnectionResetError, BrokenPipeError):
             return None
         return self._response(kind, payload)
@@ -89,10 +91,13 @@ class FramedSocketStream(ABC):
         poll_s: float = 0.0,
         check_alive: Callable[[], bool] | None = None,
         check_period_s: float = math.inf,
+        max_response_bytes: int = MAX_RESPONSE_FRAME_BYTES,
     ) -> runtime_pb2.ExpertResponse:
         """Sends `request` and waits for its response in the calling thread: polling for up to `poll_s`, then
         sleeping in `poll(2)`; every `check_period_s` of waiting, `check_alive()` must say the server still answers
-        (else ConnectionError). ConnectionError when the stream ends or breaks, TimeoutError past `timeout_s`."""
+        (else ConnectionError). ConnectionError when the stream ends or breaks or the response's frame announces
+        more than `max_response_bytes`, TimeoutError past `timeout_s`."""
+        max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
         deadline = start + timeout_s
         data = memoryview(self._request_frame(request))
@@ -110,7 +115,7 @@ class FramedSocketStream(ABC):
         next_check = start + check_period_s if check_alive is not None else math.inf
         poller.register(self.sock, select.POLLIN)
         slept = False
-        while (parsed := self._parse_frame(MAX_RESPONSE_FRAME_BYTES)) is None:
+        while (parsed := self._parse_frame(max_response_bytes)) is None:
             try:
                 chunk = self.sock.recv(RECV_BYTES)
             except BlockingIOError:
