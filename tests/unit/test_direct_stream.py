@@ -1,17 +1,33 @@
 """Direct-stream pieces without a server: tickets (the MAC checked before anything in the token is believed,
 expiry, layout), the hello's bounded parsing, sealed frames (a changed, repeated, reordered or wrongly keyed frame
-does not open), the offer a hostile server could send (IP literals only, bounded), and the client's offer cache."""
+does not open), the offer a hostile server could send (IP literals only, bounded; a host local to the client dialled
+only where p2p reached the server there), and the client's offer cache."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import pytest
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
+from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.client.transport.direct_transport import NO_DIRECT_RETRY_S, RENEW_BEFORE_EXPIRY_S, DirectOffers
+from corolla.client.calls.remote_forward_backward import open_socket_stream
+from corolla.client.config import ClientConfig
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.transport.direct_transport import (
+    NO_DIRECT_RETRY_S,
+    RENEW_BEFORE_EXPIRY_S,
+    DirectOffers,
+    connection_ips,
+    dialable,
+)
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
+from corolla.protocol.metadata import encode_metadata
 
 
 def test_tickets_check_out_only_as_issued() -> None:
@@ -98,6 +114,68 @@ def test_offers_from_a_hostile_server_are_bounded() -> None:
             ds.DirectOffer.from_dict(_offer_dict(**changes))
     with pytest.raises(ValueError):
         ds.DirectOffer.from_dict(["not", "a", "dict"])
+
+
+@pytest.mark.parametrize(
+    "hosts, p2p_ips, kept",
+    [
+        (["203.0.113.9", "10.1.2.3", "fd00::5"], [], ["203.0.113.9", "10.1.2.3", "fd00::5"]),  # other machines' IPs
+        (["127.0.0.1", "::1"], ["127.0.0.1"], ["127.0.0.1"]),  # a loopback swarm: p2p reached it there
+        (["127.0.0.1", "203.0.113.9"], ["203.0.113.9"], ["203.0.113.9"]),
+        (["127.0.0.1"], ["203.0.113.9"], None),  # a remote server pointing the client at its own machine
+        (["127.0.0.2"], ["127.0.0.1"], None),
+        (["::ffff:127.0.0.1"], ["203.0.113.9"], None),
+        (["0.0.0.0"], [], None),
+        (["::"], [], None),
+        (["169.254.169.254"], [], None),
+        (["fe80::1"], [], None),
+        (["224.0.0.1"], [], None),
+        (["240.0.0.1"], [], None),
+    ],
+)
+def test_an_offer_points_at_the_clients_own_machine_only_where_p2p_reached_the_server_there(hosts, p2p_ips, kept):
+    offer = ds.DirectOffer.from_dict(_offer_dict(hosts=hosts))
+    if kept is None:
+        with pytest.raises(ValueError, match="local to the client"):
+            dialable(offer, p2p_ips)
+    else:
+        assert list(dialable(offer, p2p_ips).hosts) == kept
+
+
+class _HostileP2P:
+    """A p2p whose server (reached at a public address) answers the ticket RPC with an offer of its choosing."""
+
+    def __init__(self, offer: ds.DirectOffer, server: str):
+        self.offer, self.server = offer, server
+
+    async def call_protobuf_handler(self, peer, handle, request, response_type):
+        return runtime_pb2.ExpertInfo(serialized_info=encode_metadata(self.offer.to_dict()))
+
+    async def list_peers(self):
+        return [PeerInfo(PeerID.from_base58(self.server), [Multiaddr("/ip4/198.51.100.7/tcp/31337")])]
+
+
+def test_a_remote_servers_offer_of_a_port_on_the_clients_loopback_is_never_dialled() -> None:
+    server = "12D3KooWBNitLprcTBawSZBqZrrFMcka27mVwJcgm6LBUWMRXLq1"
+    victim = socket.create_server(("127.0.0.1", 0))  # a service of the client's machine (redis, memcached, ...)
+    victim.settimeout(0.5)
+    payload = b"\r\nFLUSHALL\r\n"  # what the server puts in its "token": the hello would carry it there
+    secret_ticket = ds.Ticket(token=payload + bytes(20), key=bytes(ds.KEY_BYTES), expires_at_s=2**31 - 1)
+    offer = ds.DirectOffer(("127.0.0.1",), victim.getsockname()[1], secret_ticket)
+    config = ClientConfig(local_transport=False, direct_connect_timeout_s=0.5)
+    manager = RemoteSequenceManager(config, ["m.0"], start_updates=False, p2p=_HostileP2P(offer, server))
+    try:
+        assert asyncio.run(open_socket_stream(manager, server, "rpc_inference")) is None
+        with pytest.raises(TimeoutError):  # nothing connected, nothing was sent
+            connection, _ = victim.accept()
+            with connection:
+                raise AssertionError(f"the client dialled the offered loopback port and sent {connection.recv(512)!r}")
+    finally:
+        victim.close()
+    assert connection_ips([Multiaddr("/ip4/198.51.100.7/tcp/1"), Multiaddr("/ip6/::1/tcp/2/p2p/" + server)]) == {
+        "198.51.100.7",
+        "::1",
+    }
 
 
 def test_client_reuses_an_offer_until_near_expiry_and_backs_off_from_servers_without_one() -> None:

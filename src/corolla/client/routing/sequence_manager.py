@@ -21,7 +21,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.client.routing.bans import BanList
 from corolla.client.routing.finding_store import FindingStore
-from corolla.client.transport.direct_transport import DirectOffers
+from corolla.client.transport.direct_transport import DirectOffers, connection_ips, dialable
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
@@ -412,8 +412,10 @@ class RemoteSequenceManager:
         return await P2PInferenceStream.open(await self._get_p2p(), peer_id)
 
     async def _ask_direct_ticket(self, peer_id: str) -> DirectOffer:
-        """A ticket for `peer_id`'s direct port, asked for over p2p (must be awaited on the client loop); raises
-        where the server has none (a stock Petals server does not know the RPC) or answers nonsense."""
+        """A ticket for `peer_id`'s direct port, asked for over p2p (must be awaited on the client loop), with the
+        hosts the client may dial (`direct_transport.dialable`: a host local to the client only where p2p reached
+        the server there); raises where the server has none (a stock Petals server does not know the RPC), answers
+        nonsense or offers only hosts local to the client."""
         uid = ""
         if self.membership is not None:  # a private swarm's server wants the proof on the uid, as for rpc_info
             uid = join_info_uid(uid, self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id))
@@ -423,7 +425,11 @@ class RemoteSequenceManager:
             runtime_pb2.ExpertInfo,
         )  # fmt: skip
         response = await asyncio.wait_for(call, self.config.request_timeout_s)
-        return DirectOffer.from_dict(decode_metadata(response.serialized_info))
+        offer = DirectOffer.from_dict(decode_metadata(response.serialized_info))
+        peers = await asyncio.wait_for(p2p.list_peers(), self.config.request_timeout_s)
+        return dialable(
+            offer, connection_ips(a for info in peers if info.peer_id.to_base58() == peer_id for a in info.addrs)
+        )
 
     def cached_input_compression(self, peer_id: str) -> int | None:
         """`input_compression` if already known (any thread), else None."""

@@ -5,18 +5,26 @@ the two p2pd daemons.
 the handshake proves the server holds the ticket key that p2p gave us (else the stream is not used), then every
 frame both ways is sealed. `DirectOffers` keeps each server's offer (a ticket, asked for over p2p once and reused
 until shortly before it expires) and remembers, for a while, servers that have no direct port or could not be
-reached at it. Any problem means "use p2p"."""
+reached at it. Any problem means "use p2p".
+
+A server names the hosts of its offer, so it could point the client at any address: a host no other machine could
+have (loopback, unspecified, link-local, multicast, reserved) is dialled only where p2p reached that server at that
+very address (`dialable`), else a hostile server would have every client send a hello carrying ~180 bytes of its
+choosing (the token) to a service on the client's own machine (docs/decisions/0132)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import ipaddress
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 
 from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr, protocols
 
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import frame_response, say_hello
@@ -28,6 +36,45 @@ logger = get_logger(__name__)
 
 RENEW_BEFORE_EXPIRY_S = 60.0  # a ticket this close to its expiry is renewed before a new stream uses it
 NO_DIRECT_RETRY_S = 300.0  # after a server had no direct port (or we could not reach it), ask again this much later
+
+
+def _only_here(host: str) -> bool:
+    """True for an address that names this machine or its link, never another host of the swarm's networks."""
+    address = ipaddress.ip_address(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is the loopback too
+    return (
+        address.is_loopback
+        or address.is_unspecified
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+    )
+
+
+def connection_ips(addresses: Iterable[Multiaddr]) -> set[str]:
+    """The IP addresses in multiaddrs (p2pd's `list_peers` gives a peer's connections' remote addresses)."""
+    ips = set()
+    for maddr in addresses:
+        for code in (protocols.P_IP4, protocols.P_IP6):
+            try:
+                ips.add(str(ipaddress.ip_address(maddr.value_for_protocol(code))))
+            except Exception:  # not in this multiaddr, or not an address
+                continue
+    return ips
+
+
+def dialable(offer: ds.DirectOffer, p2p_ips: Collection[str]) -> ds.DirectOffer:
+    """`offer` with only the hosts the client may dial: any address another machine can have, and an address of
+    this machine or its link (`_only_here`) only where p2p reached the server at it (`p2p_ips`: its connections'
+    remote IPs, e.g. a loopback swarm). ValueError when none is left."""
+    reached = {str(ipaddress.ip_address(ip)) for ip in p2p_ips}
+    hosts = tuple(h for h in offer.hosts if not _only_here(h) or str(ipaddress.ip_address(h)) in reached)
+    if not hosts:
+        raise ValueError(
+            f"the direct offer's hosts {list(offer.hosts)} are local to the client (p2p: {sorted(reached)})"
+        )
+    return dataclasses.replace(offer, hosts=hosts)
 
 
 class DirectInferenceStream(FramedSocketStream):
