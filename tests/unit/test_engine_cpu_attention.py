@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FP32, Alibi
-from corolla.engine.kernels.cpu_attention import paged_decode_attention_cpu
 from corolla.engine.ops import decode_ops as ops
 
 PAGES, PAGE, D = 64, 8, 16
@@ -40,7 +39,7 @@ def test_matches_the_reference_and_never_reads_past_a_rows_length(nq: int, nkv: 
     q, k_cache, v_cache, tables, lens = _case(len(lengths), nq, nkv, lengths)
     scale = 1 / math.sqrt(D)
     expected = ops.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
-    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+    got = ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert torch.isfinite(got).all()  # the NaN past each row's length never reached it
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -52,7 +51,7 @@ def test_alibi_bias_matches_the_reference(mode: int) -> None:
     alibi = Alibi(slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), scale=0.7, mode=mode)
     expected = ops.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25, alibi)
     plain = ops.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
-    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25, alibi)
+    got = ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25, alibi)
     assert (expected - plain).abs().max() > 1e-2  # the bias matters in this case
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -61,7 +60,7 @@ def test_bfloat16_rows_stay_within_rounding_of_the_reference() -> None:
     q, k_cache, v_cache, tables, lens = _case(4, 8, 2, [7, 7, 30, 1], seed=2)
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     expected = ops.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
-    got = paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25)
+    got = ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
@@ -70,5 +69,5 @@ def test_the_engines_cpu_ops_use_it() -> None:
     q, k_cache, v_cache, tables, lens = _case(2, 4, 4, [3, 11])
     decode_ops = ops.DecodeOps(torch.device("cpu"), D, use_triton=False)
     got = decode_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
-    torch.testing.assert_close(got, paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25))
+    torch.testing.assert_close(got, ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25))
     assert torch.isfinite(got).all()

@@ -1,5 +1,5 @@
 """The ALiBi attention bias of Falcon and BLOOM spans (`Alibi`: per-head slopes, scale and rounding mode), shared by
-the torch reference ops (`ops`, `cpu_attention`) and the Triton kernels (`alibi_triton` reads the same modes)."""
+the torch reference ops (`ops.decode_ops`) and the Triton kernels (`alibi_triton` reads the same modes)."""
 
 from __future__ import annotations
 
