@@ -1,5 +1,6 @@
 """The non-GEMM operations of the DeepSeek-V3 fast path, all CUDA-graph safe (static shapes, no host sync):
-`rope_rotate` (DeepSeek's interleaved pairs or rotate-half, math in fp32), `store_latent` (the token's latent and
+`rope_rotate` (DeepSeek's interleaved pairs or rotate-half, math in fp32; the llama family's reference rotation too,
+`ops.decode_ops.rope_and_store_ref`), `store_latent` (the token's latent and
 rotary key into the paged pool), `paged_latent_attention` (absorbed decode attention: queries already in the latent
 space score against cached latents + rotary keys, the output stays in the latent space). (The router with group-limited
 top-k is the blocks' own: `models.deepseek_v3.moe.group_limited_route`.)"""

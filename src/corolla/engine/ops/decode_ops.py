@@ -13,6 +13,7 @@ from corolla.engine.kernels import cpu_linear
 from corolla.engine.kernels.alibi import Alibi
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.kernel_choices import KernelChoices
+from corolla.engine.kernels.mla_kernels import rope_rotate
 from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
@@ -49,12 +50,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight * y.to(x.dtype)).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [N, heads, D] (float32), cos/sin [N, 1, D/2]: rotate-half convention of Llama
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 def rope_and_store_ref(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -75,11 +70,9 @@ def rope_and_store_ref(
     n = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q, k = q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim)
-    if rotate:
-        c = cos[positions].unsqueeze(1)  # [N, 1, D/2]
-        s = sin[positions].unsqueeze(1)
-        q = _rotate(q.float(), c, s).to(qkv.dtype)
-        k = _rotate(k.float(), c, s).to(qkv.dtype)
+    if rotate:  # Llama's rotate-half convention, in float32
+        c, s = cos[positions], sin[positions]  # [N, D/2]
+        q, k = rope_rotate(q, c, s, interleaved=False), rope_rotate(k, c, s, interleaved=False)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [pages * page, nkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, slots, k)
