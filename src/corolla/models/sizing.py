@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from corolla.models.llama.block import head_dim_of
 from corolla.models.quantization import BYTES_PER_VALUE, QuantType
 from corolla.models.registry import get_family
 
@@ -57,8 +58,7 @@ def kv_cache_values_per_token(config: Any) -> int:
     family = get_family(config)
     if family.cache_values_per_token is not None:
         return int(family.cache_values_per_token(config))
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return 2 * int(family.num_kv_heads(config)) * head_dim
+    return 2 * int(family.num_kv_heads(config)) * int(head_dim_of(config))
 
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

@@ -30,6 +30,7 @@ from corolla.engine.spans.span_model import (
     tensors_nbytes,
 )
 from corolla.models.layers import SparseMoE
+from corolla.models.llama.block import head_dim_of, num_kv_heads_of
 from corolla.models.lora import LoraLinear
 from corolla.utils.logging import get_logger
 
@@ -70,8 +71,7 @@ class LlamaSpec:
         if model_type in ("qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
             raise ValueError("The fast path does not implement Qwen3's sliding-window layers")
         num_heads = int(config.num_attention_heads)
-        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+        num_kv_heads, head_dim = int(num_kv_heads_of(config)), int(head_dim_of(config))
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         act = getattr(config, "hidden_act", "silu")
