@@ -11,7 +11,8 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamRpcs, serve_inference
+from corolla.server.core.limits import MessagePace
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamLease, StreamRpcs, serve_inference
 
 SERVER_PEER = PeerID(b"\x12\x20" + bytes(32))  # the context's local id (nothing reads it)
 
@@ -52,3 +53,19 @@ async def _replies(reader: asyncio.StreamReader) -> tuple[list[bytes], str | Non
         else:
             assert kind == ls.ERROR, kind
             return payloads, payload.decode()
+
+
+async def read_frame(
+    conn: FrameConnection,
+    max_payload_bytes: int,
+    *,
+    lease: StreamLease | None = None,
+    idle_s: float | None = None,
+    pace: MessagePace | None = None,
+) -> tuple[int, bytes, int]:
+    """(kind, payload, bytes charged to `lease`) of the connection's next frame, read as a socket front reads one:
+    its payload charged to `lease` once its header is parsed, before it is waited for."""
+    held = 0 if lease is None else lease.held
+    charge = None if lease is None else lease.charge
+    kind, payload = await conn.read_frame(max_payload_bytes, charge=charge, idle_s=idle_s, pace=pace)
+    return kind, payload, (0 if lease is None else lease.held - held)

@@ -9,10 +9,11 @@ import asyncio
 import socket
 
 import pytest
+from tests.helpers.socket_session import read_frame
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
-from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamBudget, StreamLease, read_frame
+from corolla.server.front.stream_endpoint import FrameConnection, StreamBudget, StreamLease
 
 IDLE_S = 0.5
 
@@ -31,7 +32,7 @@ def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: Str
         _, conn = await asyncio.get_running_loop().connect_accepted_socket(FrameConnection, ours)
         feeding = asyncio.create_task(_feed(theirs, pieces, gap_s))
         try:
-            return await read_frame(conn, PlainFrames(), limit, lease=lease, idle_s=IDLE_S)
+            return await read_frame(conn, limit, lease=lease, idle_s=IDLE_S)
         finally:
             feeding.cancel()
             conn.close()

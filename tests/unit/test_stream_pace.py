@@ -14,6 +14,7 @@ import pytest
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
+from tests.helpers.socket_session import read_frame
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import KiB, MiB, PeerLimits, ReplyStalled, StreamStalled, StreamTooSlow
@@ -24,7 +25,6 @@ from corolla.server.front.stream_endpoint import (
     PlainFrames,
     StreamBudget,
     StreamLease,
-    read_frame,
     serve_inference,
 )
 
@@ -477,7 +477,7 @@ def _read_trickled(pieces_at_once: bytes, rest: bytes, *, rate_bps: float = 0):
         lease = StreamLease(StreamBudget(PACED), "peer")
         try:
             return await asyncio.wait_for(
-                read_frame(conn, PlainFrames(), 1 << 20, lease=lease, idle_s=IDLE_S, pace=PACED.message_pace),
+                read_frame(conn, 1 << 20, lease=lease, idle_s=IDLE_S, pace=PACED.message_pace),
                 BOUND_S,
             )
         finally:

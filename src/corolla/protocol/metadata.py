@@ -209,30 +209,29 @@ class InferenceRequestMetadata:
 
     def to_dict(self) -> dict[str, Any]:
         """Only the keys that are set, as a Petals client would send them."""
-        out: dict[str, Any] = dict(self.extra)
-        for key, value in (("session_id", self.session_id), ("step_id", self.step_id)):
-            if value is not None:
-                out[key] = value
-        if self.max_length is not None:
-            out["max_length"] = self.max_length
-        if self.points:
-            out["points"] = self.points
-        if self.alloc_timeout_s:
-            out["alloc_timeout"] = self.alloc_timeout_s
-        if self.active_adapter:
-            out["active_adapter"] = self.active_adapter
-        if self.args_structure is not None:
-            out["args_structure"] = self.args_structure
-        if self.start_from_position is not None:
-            out["start_from_position"] = self.start_from_position
-        if self.next_servers:
-            out["next_servers"] = [hop.to_list() for hop in self.next_servers]
-        if self.pushed:
-            out["pushed"] = True
-        return out
+        return _set_keys(
+            self.extra,
+            session_id=self.session_id,
+            step_id=self.step_id,
+            max_length=self.max_length,
+            points=self.points or None,
+            alloc_timeout=self.alloc_timeout_s or None,
+            active_adapter=self.active_adapter or None,
+            args_structure=self.args_structure,
+            start_from_position=self.start_from_position,
+            next_servers=[hop.to_list() for hop in self.next_servers] or None,
+            pushed=True if self.pushed else None,
+        )
 
     def to_bytes(self) -> bytes:
         return encode_metadata(self.to_dict())
+
+
+def _set_keys(extra: Mapping[str, Any], **keys: Any) -> dict[str, Any]:
+    """`extra`, then the `keys` that are set (not None), in their order (a Petals client's order: the bytes follow)."""
+    out = dict(extra)
+    out.update((key, value) for key, value in keys.items() if value is not None)
+    return out
 
 
 # every field's default but `extra`'s (a new dict per instance), for the decode step's shortcut in `from_dict`
@@ -266,16 +265,13 @@ class ForwardRequestMetadata:
         return cls.from_dict(decode_metadata(data))
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.extra)
-        if self.points:
-            out["points"] = self.points
-        if self.active_adapter:
-            out["active_adapter"] = self.active_adapter
-        if self.args_structure is not None:
-            out["args_structure"] = self.args_structure
-        if self.output_compression is not None:
-            out["output_compression"] = tuple(self.output_compression)
-        return out
+        return _set_keys(
+            self.extra,
+            points=self.points or None,
+            active_adapter=self.active_adapter or None,
+            args_structure=self.args_structure,
+            output_compression=None if self.output_compression is None else tuple(self.output_compression),
+        )
 
     def to_bytes(self) -> bytes:
         return encode_metadata(self.to_dict())

@@ -172,11 +172,6 @@ class StepOrder:
         if inbox is not None:
             inbox.wake = self._wake
 
-    @property
-    def holds_client_request(self) -> bool:
-        """A client request waits here (the transport hands over the next one only after `ready`)."""
-        return self._client is not None
-
     def start(self, first: runtime_pb2.ExpertRequest) -> None:
         """Begins with the session's opening request."""
         self.client(first)

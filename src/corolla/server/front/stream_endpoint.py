@@ -270,19 +270,19 @@ class FrameConnection(asyncio.Protocol):
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("Connection lost"))
-        self.writing_paused = False  # nothing will be written: who waits to write is told (`on_writable`)
-        callback, self.on_writable = self.on_writable, None
-        if callback is not None:
-            callback()
+        self._writable()  # nothing will be written: who waits to write is told (`on_writable`)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
 
     def resume_writing(self) -> None:
-        self.writing_paused = False
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        self._writable()
+
+    def _writable(self) -> None:
+        self.writing_paused = False
         callback, self.on_writable = self.on_writable, None
         if callback is not None:
             callback()
@@ -323,9 +323,8 @@ class FrameConnection(asyncio.Protocol):
         self._frame_clock, self._paced_before = None, 0
         payload = bytes(buffer[start:end]) if length else b""
         del buffer[:end]
-        if self._reading_paused and len(buffer) <= self._limit and self.transport is not None:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        if len(buffer) <= self._limit:
+            self._resume_reading()
         return kind, payload
 
     @property
@@ -567,6 +566,10 @@ def check_hello(what: str, *, version: int, expected_version: int, peer_id: str,
         raise ValueError(f"{what} version {version} is not {expected_version}")
     if peer_id != own_peer_id:
         raise ValueError(f"this {what} endpoint belongs to another peer id")
+    check_served(rpc)
+
+
+def check_served(rpc: str) -> None:
     if rpc not in SERVED_RPCS:
         raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
 
@@ -621,12 +624,12 @@ _PEER_HEADER = struct.Struct(">BQ")  # hivemind's marker byte and 8-byte big-end
 MAX_END_BYTES = 64 * 1024  # the caller's end-of-stream (an `RPCError`): small, read and ignored
 
 
-class PeerFrames:
+class PeerFrames(PlainFrames):
     """A p2pd stream's frames (hivemind's framing, `protocol.stream_frames`, which stock Petals peers read and write)
     in the local stream's kinds: a message is MESSAGE, the caller's end-of-stream (the error marker: an empty `RPCError`
-    from a stock client, its text not read) is END; an ERROR written goes out as an `RPCError` with its text."""
+    from a stock client, its text not read) is END; an ERROR written goes out as an `RPCError` with its text. Payloads
+    as they are."""
 
-    overhead_bytes = 0
     header_bytes = FRAME_HEADER_BYTES
 
     @staticmethod
@@ -651,9 +654,6 @@ class PeerFrames:
         if kind != ls.MESSAGE:
             raise ValueError(f"a p2pd stream has no frame of kind {kind}")
         return [frame_header(MESSAGE_MARKER, len(payload)), payload]  # the payload is not copied
-
-    def decode(self, kind: int, payload: bytes) -> bytes:
-        return payload
 
 
 @dataclass(frozen=True)
@@ -707,32 +707,6 @@ async def serve_connection(listener: StreamListener, conn: FrameConnection) -> N
     finally:
         conn.close()
         listener.ended(accepted)
-
-
-async def read_frame(
-    conn: FrameConnection,
-    codec: FrameCodec,
-    max_payload_bytes: int,
-    *,
-    lease: StreamLease | None = None,
-    idle_s: float | None = None,
-    pace: MessagePace | None = None,
-) -> tuple[int, bytes, int]:
-    """(kind, decoded payload, bytes charged to `lease`) of the next frame; ValueError for an unknown kind, a length
-    over the limit, a payload that does not decode; IncompleteReadError at the end of the connection; StreamStalled
-    for a payload that stops arriving for `idle_s`, StreamTooSlow for one not whole within its `pace`."""
-    charged = 0
-
-    def charge(length: int) -> None:
-        nonlocal charged
-        assert lease is not None
-        lease.charge(length)  # before the payload is waited for
-        charged = length
-
-    kind, payload = await conn.read_frame(
-        max_payload_bytes + codec.overhead_bytes, charge=None if lease is None else charge, idle_s=idle_s, pace=pace
-    )
-    return kind, codec.decode(kind, payload), charged
 
 
 class SocketPort:
@@ -958,7 +932,8 @@ async def serve_inference(
         if rpc == "rpc_inference":
             await handler.serve_steps(port.requests(), context, port)
         else:
-            async for response in _served(handler, rpc)(port.requests(whole=True), context):
+            check_served(rpc)
+            async for response in getattr(handler, rpc)(port.requests(whole=True), context):
                 port.reply(response)
                 await drain_reply(conn.drain(), response.ByteSize(), pace)
         last = codec.encode(ls.END, b"")
@@ -1003,11 +978,3 @@ async def drain_reply(drain: Awaitable[None], nbytes: int, pace: MessagePace | N
         raise ReplyStalled(
             f"the peer did not take a reply of {nbytes} bytes within {allowed_s:.1f} s ({pace})"
         ) from None
-
-
-def _served(
-    handler: StreamRpcs, rpc: str
-) -> Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[runtime_pb2.ExpertResponse]]:
-    if rpc not in SERVED_RPCS:
-        raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
-    return getattr(handler, rpc)
