@@ -98,7 +98,7 @@ class EagerSpan(ChunkedPrefill):
         caching = [block for block in blocks if isinstance(block, CachingBlock)]
         if len(caching) != len(blocks):
             raise ValueError("An eager span runs blocks that describe their caches (models.block_base.CorollaBlock)")
-        self.blocks = list(blocks)
+        self.layers = list(blocks)  # the blocks themselves
         maps = [LayerCacheMap.of_block(block) for block in caching]
         layouts = {layout for _, layout in maps}
         if len(layouts) != 1:
@@ -111,15 +111,11 @@ class EagerSpan(ChunkedPrefill):
         self.dtype: torch.dtype = first.cache_descriptors(1, 1)[0].dtype  # the pool holds what the blocks cache
         self.device = self.maps[0].parts[0].device  # the pool's (a tensor-parallel span: the first shard's)
         self.max_positions = max_positions
-        names = sorted(set().union(*(getattr(b, "adapter_names", set()) for b in self.blocks)))
+        names = sorted(set().union(*(getattr(b, "adapter_names", set()) for b in self.layers)))
         self.adapters = AdapterRows(names, torch.device("cpu")) if names else None
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.blocks)
-
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for b in self.blocks for p in b.parameters())
+        return sum(p.numel() * p.element_size() for b in self.layers for p in b.parameters())
 
     def tune(self) -> dict:
         return {}  # the blocks' own kernels: nothing to choose
@@ -196,7 +192,7 @@ class EagerSpan(ChunkedPrefill):
             for j, i in enumerate(range(first, end)):
                 hidden = add_prompt(hidden, None if prompts is None else prompts[j][None], position)
                 cache = self._cache_views(i, buffers[0][j], buffers[1][j], position)
-                hidden = self.blocks[i](hidden, cache=cache, position=position)
+                hidden = self.layers[i](hidden, cache=cache, position=position)
                 self._collect(i, cache, buffers[0][j], buffers[1][j], position, num_tokens, pool.device)
         new = slots[position:].reshape(-1)  # [T n]
         for pages, buffer in zip((pool.k, pool.v), buffers, strict=True):

@@ -150,10 +150,10 @@ class PrefillChunk:
 
 
 class ChunkedPrefill:
-    """What every span type shares: its `layers` (each with `nbytes()`), and the `prefill` that runs the sequence
-    in chunks of at most `chunk_tokens` tokens, each by `_prefill_chunk`: for the fused spans the chunk's positions
-    and cache slots once (`PrefillChunk`), what each layer of the chunk reads besides (`_chunk_state`: adapters,
-    ALiBi's bias), then per layer its deep prompt and the span's `_prefill_layer`."""
+    """What every span type shares: its `layers` (each with `nbytes()`, or the span counts their bytes itself), and
+    the `prefill` that runs the sequence in chunks of at most `chunk_tokens` tokens, each by `_prefill_chunk`: for the
+    fused spans the chunk's positions and cache slots once (`PrefillChunk`), what each layer of the chunk reads
+    besides (`_chunk_state`: adapters, ALiBi's bias), then per layer its deep prompt and the span's `_prefill_layer`."""
 
     layers: list
     device: torch.device
