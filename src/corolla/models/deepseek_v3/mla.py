@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corolla.models.attention import full_cache_step
+from corolla.models.attention import causal_mask, full_cache_step
 from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, rope_parameters
@@ -121,7 +121,5 @@ class LatentAttention(BlockAttention):
         T, S = q.shape[-2], k.shape[-2]
         if T == 1 or query_start - key_start == S - T == 0:
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale)
-        q_pos = torch.arange(query_start, query_start + T, device=q.device)  # [T]
-        k_pos = torch.arange(key_start, key_start + S, device=q.device)  # [S]
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+        allowed, _ = causal_mask(query_start, T, key_start, S, None, q.device)  # [T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
