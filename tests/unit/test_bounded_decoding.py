@@ -200,14 +200,13 @@ def test_nested_tuples_do_not_crash_any_decoder():
 
 
 def test_installed_serializer_is_bounded_and_compatible():
-    bm.install_bounded_serializer()
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # hivemind's own decoder is back on exit
+        patch.setattr(MSGPackSerializer, "loads", MSGPackSerializer.__dict__["loads"])
+        bm.install_bounded_serializer()
         assert bm.bounded_serializer_installed()
         wire = MSGPackSerializer.dumps(_dictionary_value())
         assert MSGPackSerializer.dumps(MSGPackSerializer.loads(wire)) == wire
         assert MSGPackSerializer.loads(b"\xc1garbage") == b"\xc1garbage"  # undecodable: bytes, not an exception
-    finally:
-        bm.uninstall_bounded_serializer()
     assert not bm.bounded_serializer_installed()
 
 

@@ -40,7 +40,7 @@ async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_ou
         for i in range(SESSIONS):
             await real.step(direct[i], step_inputs(prompts[i], 0))
             await proxy.step(remote[i], step_inputs(prompts[i], 0))
-        frames_in, frames_out, requests = channel.num_frames_in, channel.num_frames_out, channel.num_requests
+        frames_in, frames_out, requests = channel.num_frames_in, channel.io.frames_sent, channel.num_requests
         for step, row in enumerate(tokens):  # every session steps in the same loop iteration
             want = [await real.step(direct[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)]
             got = await asyncio.gather(*(proxy.step(remote[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)))
@@ -49,7 +49,7 @@ async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_ou
         steps = len(tokens) * SESSIONS
         assert channel.num_requests - requests == steps
         assert channel.num_frames_in - frames_in == len(tokens)  # one STEP_BATCH per round
-        assert channel.num_frames_out - frames_out < steps  # replies of one merged forward share frames
+        assert channel.io.frames_sent - frames_out < steps  # replies of one merged forward share frames
 
 
 async def test_a_refused_step_inside_a_batch_fails_only_its_caller(backend) -> None:

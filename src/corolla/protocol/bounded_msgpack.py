@@ -266,7 +266,6 @@ def _describe(error: Exception) -> str:
 
 # ---- hivemind integration ------------------------------------------------------------------------------------------
 
-_ORIGINAL_LOADS = MSGPackSerializer.__dict__["loads"]
 _install_lock = threading.Lock()
 
 
@@ -289,12 +288,6 @@ def install_bounded_serializer() -> None:
         if not bounded_serializer_installed():
             MSGPackSerializer.loads = classmethod(_bounded_serializer_loads)
             logger.debug("msgpack.bounded_serializer_installed()")
-
-
-def uninstall_bounded_serializer() -> None:
-    """Restores hivemind's own decoder (tests only)."""
-    with _install_lock:
-        MSGPackSerializer.loads = _ORIGINAL_LOADS
 
 
 def bounded_serializer_installed() -> bool:

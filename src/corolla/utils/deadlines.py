@@ -95,11 +95,6 @@ class TaskDeadline:
         if when is not None and not self._expiring and (self._timer is None or self._timer_when > when):
             self._arm(when)
 
-    def expire_now(self) -> None:
-        """Ends the current scope now (its block raises TimeoutError at its await); no-op outside a scope."""
-        if self._active and not self._expiring:
-            self._expire()
-
     def close(self) -> None:
         """Cancels the timer (the stream is over)."""
         if self._timer is not None:

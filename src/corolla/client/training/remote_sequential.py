@@ -142,7 +142,7 @@ class _RemoteSequentialFunction(torch.autograd.Function):
         results = background_loop.run(_run())
         ctx.manager, ctx.start, ctx.end, ctx.verifier = manager, start, end, verifier
         ctx.results, ctx.prompt_batches, ctx.per_row_prompts, ctx.rows = results, prompt_batches, per_row_prompts, rows
-        ctx.prompts_shape, ctx.device = prompts.shape, inputs.device
+        ctx.device = inputs.device
         return torch.cat([outputs for outputs, _, _ in results], dim=0).to(device=inputs.device, dtype=inputs.dtype)
 
     @staticmethod

@@ -574,10 +574,6 @@ class DeviceChannel:
         self.num_frames_in = 0
         self.num_sessions_opened = 0
 
-    @property
-    def num_frames_out(self) -> int:
-        return self.io.frames_sent
-
     def close(self) -> None:
         """Ends the channel (the server stops): the intake reads its end, `serve` ends every session."""
         self.io.shutdown()
