@@ -143,3 +143,25 @@ def test_forged_records_change_nothing_a_corolla_client_does(swarm, model_path, 
         reports = {r["dht_prefix"]: r for r in health.state["model_reports"]}
     assert reports[prefix]["num_blocks"] == NUM_LAYERS and reports[prefix]["state"] == "healthy"
     assert torch.equal(_generate(swarm, model_path), expected)
+
+
+def test_a_record_expiring_far_in_the_future_is_read_by_nobody(swarm, model_path, attacker, reader):
+    """A ghost: an identity signs its own record (all blocks, 1e9 tokens/s) valid for ten years, stores it once and
+    could leave: every reader would count it ONLINE for a decade (clients dial it, placement weighs its claim). Past
+    `MAX_EXPIRATION_AHEAD_S` a record is ignored by readers, signed or not; one within it is read (the control)."""
+    prefix = model_path.name
+    uids = [make_uid(prefix, i) for i in range(NUM_LAYERS)]
+    claim = ServerInfo(state=ServerState.ONLINE, throughput=1e9, start_block=0, end_block=NUM_LAYERS)
+    ghost, control = RecordSigner.generate(), RecordSigner.generate()
+    for signer, expiration in ((ghost, time.time() + 10 * 365 * 86400), (control, time.time() + 60)):
+        key, subkey, value = sign_server_record(signer, prefix, claim, ModelInfo(num_blocks=NUM_LAYERS), expiration)
+        # corolla nodes refuse the ghost's signed record (the attacker's own node, which validates nothing, keeps
+        # it); its unsigned ones are stored, as any node of a Petals swarm stores them, and skipped by readers
+        assert _store(attacker, key, value, expiration, subkey=subkey) == (signer is control)
+        assert all([_store(attacker, uid, claim.to_tuple(), expiration, subkey=signer.peer_id) for uid in uids])
+    for max_signed_lookups in (1024, 0):  # the corolla view and the unsigned (Petals) one
+        infos = get_remote_module_infos(
+            reader, uids, latest=True, timeout_s=TIMEOUT_S, max_signed_lookups=max_signed_lookups
+        )
+        assert all(control.peer_id in info.servers for info in infos)
+        assert not any(ghost.peer_id in info.servers for info in infos)

@@ -12,7 +12,7 @@ from hivemind.dht.storage import DHTLocalStorage
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol.records import ModelInfo, RemoteModuleInfo, ServerInfo, ServerState
+from corolla.protocol.records import MAX_EXPIRATION_AHEAD_S, ModelInfo, RemoteModuleInfo, ServerInfo, ServerState
 from corolla.swarm.identity import RecordSigner, peer_id_from_public_key
 from corolla.swarm.signed_records import (
     VERIFY_CACHE,
@@ -68,6 +68,17 @@ def test_sign_and_verify_round_trip(honest):
     assert record.peer_id == honest.peer_id and record.prefix == PREFIX
     assert record.server_info == _info() and record.model_info == MODEL and record.span == range(2, 6)
     assert SignedRecordValidator().validate(_dht_record(key, subkey, value, exp))
+
+
+def test_a_signed_record_valid_far_ahead_is_refused_an_unsigned_one_left_to_readers(honest):
+    validator = SignedRecordValidator()
+    within, beyond = time.time() + MAX_EXPIRATION_AHEAD_S - 60, time.time() + MAX_EXPIRATION_AHEAD_S + 60
+    for exp, valid in ((within, True), (beyond, False), (float("inf"), False), (float("nan"), False)):
+        key, subkey, value = sign_server_record(honest, PREFIX, _info(), MODEL, exp)
+        assert validator.validate(_dht_record(key, subkey, value, exp)) is valid
+    # refusing an unsigned entry would drop its block's whole dictionary from a lookup (every server of the block):
+    # readers skip it themselves (swarm.records_io)
+    assert validator.validate(_dht_record("tiny-test.0", honest.peer_id, _info().to_tuple(), beyond))
 
 
 def test_a_record_about_x_signed_by_someone_else_is_refused(honest, attacker):

@@ -16,7 +16,13 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, RemoteModuleInfo, ServerInfo
+from corolla.protocol.records import (
+    MAX_EXPIRATION_AHEAD_S,
+    MODELS_INDEX_KEY,
+    ModelInfo,
+    RemoteModuleInfo,
+    ServerInfo,
+)
 from corolla.protocol.uids import make_uid, parse_uid, validate_dht_prefix
 from corolla.swarm.dht import DEFAULT_DHT_TIMEOUT_S, call_with_timeout, run_in_dht
 from corolla.swarm.identity import get_signer
@@ -124,13 +130,29 @@ async def _get_records(dht: hivemind.DHT, node: Any, *, keys: list[str], latest:
     expiration = math.inf if latest else get_dht_time()  # inf: look for the freshest copy, not the first found
     found = await node.get_many(keys, expiration, num_workers=min(len(keys), dht.num_workers))
     out: dict[str, Any] = {}
+    latest_valid = get_dht_time() + MAX_EXPIRATION_AHEAD_S
     for key in keys:
         entries = _entries(found.get(key))
         if entries is None:
             out[key] = None if found.get(key) is None else "not-a-dict"
             continue
-        out[key] = {subkey: getattr(item, "value", item) for subkey, item in entries.items()}
+        out[key] = {
+            subkey: getattr(item, "value", item)
+            for subkey, item in entries.items()
+            if _expires_by(item, latest_valid, key, subkey)
+        }
     return out
+
+
+def _expires_by(item: Any, latest_valid: float, key: str, subkey: Any) -> bool:
+    """Whether a found entry expires no later than `latest_valid` (an entry without an expiration passes)."""
+    expiration = getattr(item, "expiration_time", None)
+    if isinstance(expiration, (int, float)) and not expiration <= latest_valid:  # (NaN fails too)
+        logger.warning(
+            f"records.expires_too_late(key={key[:80]}, subkey={str(subkey)[:60]!r}, expiration={expiration!r:.30})"
+        )
+        return False
+    return True
 
 
 async def _lookup_signed(

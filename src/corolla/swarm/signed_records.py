@@ -22,7 +22,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.bounded_msgpack import MsgpackLimits
 from corolla.protocol.bounded_msgpack import loads as bounded_loads
-from corolla.protocol.records import ModelInfo, RemoteModuleInfo, ServerInfo
+from corolla.protocol.records import MAX_EXPIRATION_AHEAD_S, ModelInfo, RemoteModuleInfo, ServerInfo
 from corolla.protocol.uids import parse_uid, validate_dht_prefix
 from corolla.swarm.identity import RecordSigner, load_public_key, peer_id_from_public_key, verify_signature
 from corolla.utils.logging import get_logger
@@ -215,8 +215,10 @@ def _verify_uncached(
 
 class SignedRecordValidator(RecordValidatorBase):
     """Installed on every corolla DHT node (`create_dht`): a record whose subkey is a signed record key and that is
-    stored under that key must verify, else the node neither stores it nor accepts it from a lookup. Every other
-    record passes untouched (Petals' unsigned ones included), except plain (non-dictionary) values when
+    stored under that key must verify and expire within `MAX_EXPIRATION_AHEAD_S`, else the node neither stores it nor
+    accepts it from a lookup. Every other record passes untouched (Petals' unsigned ones included: a refusal drops the
+    whole dictionary of a lookup's answer, every server of a block; readers skip a far-future one themselves,
+    `records_io`), except plain (non-dictionary) values when
     `refuse_plain_values`: neither Petals nor corolla stores any, and one with a later expiration would replace a
     whole dictionary (every server of a block, or the whole `_petals.models` index) at a node that accepts it."""
 
@@ -239,6 +241,8 @@ class SignedRecordValidator(RecordValidatorBase):
         try:
             if len(record.value) > MAX_SIGNED_VALUE_BYTES:
                 raise SignedRecordError(f"signed record is over {MAX_SIGNED_VALUE_BYTES} bytes")
+            if not record.expiration_time <= time.time() + MAX_EXPIRATION_AHEAD_S:
+                raise SignedRecordError(f"signed record expires more than {MAX_EXPIRATION_AHEAD_S:.0f} s ahead")
             value = bounded_loads(record.value, ENVELOPE_LIMITS)
             verify_signed_entry(record.key, subkey, value, record.expiration_time)
             return True
