@@ -18,7 +18,7 @@ import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.spans.adapter_rows import AdapterRows
-from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt
+from corolla.engine.spans.span_model import SpanModel, add_prompt
 from corolla.models.block_base import TensorDescriptor
 from corolla.models.lora import using_adapter
 
@@ -87,8 +87,10 @@ class EagerSpec:
     sliding_window_tokens: int | None = None
 
 
-class EagerSpan(ChunkedPrefill):
+class EagerSpan(SpanModel):
     """Consecutive loaded blocks run one by one over the pool (see the module docstring)."""
+
+    spec: EagerSpec
 
     supports_graphs = False  # gathers of data-dependent length: no CUDA-graph capture
 
@@ -116,9 +118,6 @@ class EagerSpan(ChunkedPrefill):
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for b in self.layers for p in b.parameters())
-
-    def tune(self) -> dict:
-        return {}  # the blocks' own kernels: nothing to choose
 
     # ---- steps
 

@@ -25,7 +25,7 @@ from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import DenseOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import ChunkedPrefill, PrefillChunk, rotary_tables, static_inv_freq, tensors_nbytes
+from corolla.engine.spans.span_model import PrefillChunk, SpanModel, rotary_tables, static_inv_freq, tensors_nbytes
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -129,8 +129,10 @@ class DenseLayerWeights:
         return tensors_nbytes(v for k, v in vars(self).items() if k != "w_qkv_up")  # its blocks are counted
 
 
-class FastDenseSpan(ChunkedPrefill):
+class FastDenseSpan(SpanModel):
     """Consecutive Falcon or BLOOM layers with a batched decode step and a prefill step over a `KVPool`."""
+
+    spec: DenseSpec
 
     def __init__(
         self,

@@ -23,8 +23,8 @@ from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.spans.span_model import (
-    ChunkedPrefill,
     PrefillChunk,
+    SpanModel,
     rotary_tables,
     static_inv_freq,
     tensors_nbytes,
@@ -129,8 +129,10 @@ class LayerWeights:
         return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
 
 
-class FastLlamaSpan(ChunkedPrefill):
+class FastLlamaSpan(SpanModel):
     """Consecutive llama-family layers with a batched decode step and a prefill step over a `KVPool`."""
+
+    spec: LlamaSpec
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, ti
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import linear_bias
-from corolla.engine.spans.span_model import ChunkedPrefill, PrefillChunk, tensors_nbytes
+from corolla.engine.spans.span_model import PrefillChunk, SpanModel, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE, group_limited_route
@@ -172,9 +172,10 @@ def _mlp_bytes(mlp: DenseMlpWeights | MoeWeights, num_experts_used: int | None) 
     return tensors_nbytes((mlp.router, mlp.score_bias, mlp.shared.gate_up, mlp.shared.down)) + experts
 
 
-class FastMlaSpan(ChunkedPrefill):
-    """Consecutive DeepSeek-V3 layers with a batched decode step and a prefill step over a latent `KVPool` (a
-    `SpanModel`)."""
+class FastMlaSpan(SpanModel):
+    """Consecutive DeepSeek-V3 layers with a batched decode step and a prefill step over a latent `KVPool`."""
+
+    spec: MlaSpec
 
     def __init__(
         self,

@@ -1,8 +1,8 @@
-"""The seam between `SpanEngine` and one kind of fused span: a `SpanModel` runs a batched single-token decode step
-over ragged positions (CUDA-graph safe) and a chunked prefill of one sequence over a paged `KVPool`, and its `spec`
-says what one token takes in that pool per layer (`KVLayout`). Implemented by `fast_llama.FastLlamaSpan`
-(llama-family attention: K/V heads), `fast_mla.FastMlaSpan` (DeepSeek-V3: latent + rotary key) and
-`fast_dense.FastDenseSpan` (Falcon, BLOOM: K/V heads, rotary or ALiBi)."""
+"""The seam between `SpanEngine` and one kind of span: a `SpanModel` runs a batched single-token decode step over
+ragged positions (CUDA-graph safe) and a chunked prefill of one sequence over a paged `KVPool`, and its `spec` says
+what one token takes in that pool per layer (`KVLayout`). Its kinds: `fast_llama.FastLlamaSpan` (llama-family
+attention: K/V heads), `fast_mla.FastMlaSpan` (DeepSeek-V3: latent + rotary key), `fast_dense.FastDenseSpan`
+(Falcon, BLOOM: K/V heads, rotary or ALiBi) and `eager_span.EagerSpan` (any family's own blocks)."""
 
 from __future__ import annotations
 
@@ -28,60 +28,6 @@ class SpanSpec(Protocol):
 
     @property
     def kv_layout(self) -> KVLayout: ...
-
-
-class SpanModel(Protocol):
-    """Consecutive fused decoder layers the engine drives (see the module docstring)."""
-
-    @property
-    def spec(self) -> SpanSpec: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def max_positions(self) -> int: ...
-
-    @property
-    def num_layers(self) -> int: ...
-
-    def weight_bytes(self) -> int:
-        """Bytes of all layers' weights (what a batch-1 decode step of a dense span reads)."""
-        ...
-
-    def tune(self) -> dict:
-        """Picks kernels by timing them on this device (may be a no-op); returns the timings."""
-        ...
-
-    def decode(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        pool: KVPool,
-        layers: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
-        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
-        Static shapes, no host sync."""
-        ...
-
-    def prefill(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        *,
-        chunk_tokens: int,
-        layers: tuple[int, int] | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One sequence: hidden [T, H] at positions [start, start + T); prompts [n_layers, P, H] -> [T, H]."""
-        ...
 
 
 def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
@@ -149,21 +95,44 @@ class PrefillChunk:
         return self.key_slots[self.start :]  # [T]
 
 
-class ChunkedPrefill:
-    """What every span type shares: its `layers` (each with `nbytes()`, or the span counts their bytes itself), and
-    the `prefill` that runs the sequence in chunks of at most `chunk_tokens` tokens, each by `_prefill_chunk`: for the
-    fused spans the chunk's positions and cache slots once (`PrefillChunk`), what each layer of the chunk reads
-    besides (`_chunk_state`: adapters, ALiBi's bias), then per layer its deep prompt and the span's `_prefill_layer`."""
+class SpanModel:
+    """Consecutive decoder layers the engine drives (see the module docstring), the base of every kind of span: its
+    `layers` (each with `nbytes()`, or the span counts their bytes itself), the batched `decode` step each kind
+    implements, and the `prefill` that runs a sequence in chunks of at most `chunk_tokens` tokens, each by
+    `_prefill_chunk`: for the fused spans the chunk's positions and cache slots once (`PrefillChunk`), what each layer
+    of the chunk reads besides (`_chunk_state`: adapters, ALiBi's bias), then per layer its deep prompt and the span's
+    `_prefill_layer`."""
 
+    spec: SpanSpec
     layers: list
     device: torch.device
+    dtype: torch.dtype
+    max_positions: int
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     def weight_bytes(self) -> int:
+        """Bytes of all layers' weights (what a batch-1 decode step of a dense span reads)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def tune(self) -> dict:
+        """Picks kernels by timing them on this device (default: nothing to pick); returns the timings."""
+        return {}
+
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        pool: KVPool,
+        layers: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
+        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
+        Static shapes, no host sync (the fused kinds)."""
+        raise NotImplementedError
 
     def _prefill_chunk(
         self,
