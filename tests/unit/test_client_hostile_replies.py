@@ -92,6 +92,41 @@ def test_a_forged_drain_deadline_holds_a_step_no_longer_than_one_response_wait()
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
 
 
+class DrainingConfetti(DrainingTrickler):
+    """Drains; asked for the session's cache, announces 2 messages of 8 MiB and sends 200,000 empty parts in the
+    first: a few bytes each on the wire, a Python object each in the client (its export holds every part)."""
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            if response.tensors or not response.metadata:
+                yield response
+                continue
+            raw = decode_metadata(response.metadata).get(wire.KV_HEADER_KEY)
+            if raw is None:
+                yield response
+                continue
+            header = wire.KvHeader(**{**raw, "num_messages": 2, "total_bytes": 2 * wire.MAX_MESSAGE_BYTES})
+            yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))
+            for _ in range(2):
+                self.trickled += 1
+                yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor() for _ in range(200_000)])
+            return
+
+
+def test_a_kv_export_of_more_parts_than_its_header_allows_is_refused_at_the_first_message():
+    torch.manual_seed(0)
+    servers = {"confetti": DrainingConfetti(0, 2, inference_rps=1e6), "B": FakeServer(0, 2), "C": FakeServer(2, 4)}
+    manager = FakeManager(servers, 4, request_timeout_s=30, liveness_check_period_s=0, max_wait_s=10)
+    tokens = torch.randn(1, 5, HIDDEN)
+    with InferenceSession(manager, max_length=5) as session:
+        outputs = [session.step(tokens[:, :4]), session.step(tokens[:, 4:])]
+        records = session.handoffs.records
+    # 2 messages of 4 MiB over 4 tensors (2 blocks' K and V) hold at most 2 + 4 parts
+    assert len(records) == 1 and records[0].to_peer is None and "parts" in str(records[0].error)
+    assert servers["confetti"].trickled == 1  # the second message was never read
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+
+
 REPLY_PART_BYTES = 1 << 16
 ENDLESS_PARTS = 256  # 16 MiB in all, 12x the reply the request implies
 

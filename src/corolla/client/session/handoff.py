@@ -199,12 +199,18 @@ async def _export(
     max_bytes = manager.config.kv_handoff_max_bytes
     if header.total_bytes > max_bytes:
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
-    messages, received = [], 0
+    # parts of at most MAX_MESSAGE_BYTES, all but each tensor's last full (`wire.pack_messages`): an empty part is a
+    # few bytes on the wire and a Python object here, so their count is bounded too
+    max_parts = math.ceil(header.total_bytes / wire.MAX_MESSAGE_BYTES) + 2 * (header.end_block - header.start_block)
+    messages, received, parts = [], 0, 0
     for _ in range(header.num_messages):
         response = await old._next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
         received += wire.message_bytes(response.tensors)
+        parts += len(response.tensors)
         if received > header.total_bytes:
             raise HandoffFailed(f"the server sent more than the {header.total_bytes} bytes it announced")
+        if parts > max_parts:
+            raise HandoffFailed(f"the server sent more than the {max_parts} parts its header allows")
         messages.append(list(response.tensors))
     if received != header.total_bytes:
         raise HandoffFailed(f"the server sent {received} bytes, announced {header.total_bytes}")
