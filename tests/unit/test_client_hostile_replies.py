@@ -23,7 +23,7 @@ from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.span_session import SpanSession
 from corolla.client.transport.p2p_stream import P2PInferenceStream
 from corolla.protocol import handoff as wire
-from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.stream_frames import FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
@@ -125,6 +125,41 @@ def test_a_kv_export_of_more_parts_than_its_header_allows_is_refused_at_the_firs
     assert len(records) == 1 and records[0].to_peer is None and "parts" in str(records[0].error)
     assert servers["confetti"].trickled == 1  # the second message was never read
     torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+
+
+class Overflower(FakeServer):
+    """From its second answer on, replies with its outputs in float32 times 1e6: finite on the wire, inf once the
+    float16 client casts them back to its dtype (and then every later server's input)."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps)
+        self.answers = 0
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            self.answers += 1
+            if self.answers > 1:
+                outputs = deserialize_tensor(response.tensors[0]).float() * 1e6
+                response = runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
+            yield response
+
+
+def _generate_fp16(manager, tokens):
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        steps = [session.step(tokens[:, :4])] + [session.step(tokens[:, t : t + 1]) for t in range(4, tokens.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
+def test_outputs_past_the_clients_dtype_fail_their_server_not_the_next_one():
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 7, HIDDEN).half()
+    expected = _generate_fp16(FakeManager({"A2": FakeServer(0, 2), "B": FakeServer(2, 4)}, 4), tokens)
+    servers = {"liar": Overflower(0, 2, inference_rps=1e6), "A2": FakeServer(0, 2), "B": FakeServer(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    outputs = _generate_fp16(manager, tokens)
+    assert servers["liar"].answers > 1 and manager.bans.is_banned("liar")
+    assert not manager.bans.is_banned("B")  # before: B's outputs of the inf inputs were NaN, and B was banned
+    torch.testing.assert_close(outputs, expected)
 
 
 REPLY_PART_BYTES = 1 << 16

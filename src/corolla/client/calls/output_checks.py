@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from corolla.protocol.codecs import check_castable
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.finite import all_finite
 
@@ -39,9 +40,16 @@ class BadServerOutput(ConnectionError):
 
 
 def check_outputs(
-    outputs: torch.Tensor, *, expected_shape: tuple[int, ...] | torch.Size, peer_id: str, what: str
+    outputs: torch.Tensor,
+    *,
+    expected_shape: tuple[int, ...] | torch.Size,
+    peer_id: str,
+    what: str,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Returns `outputs` if they have `expected_shape`, a wire dtype and only finite values; BadServerOutput else."""
+    """Returns `outputs` if they have `expected_shape`, a wire dtype and only finite values, which stay finite cast
+    to `dtype` where given (the client's, in which they go on: float32 1e6 is inf in a float16 client, and the next
+    server, given inf, was blamed for it); BadServerOutput else."""
     if tuple(outputs.shape) != tuple(expected_shape):
         raise BadServerOutput(peer_id, f"{what} has shape {list(outputs.shape)}, expected {list(expected_shape)}")
     if outputs.dtype not in WIRE_DTYPES:
@@ -49,6 +57,11 @@ def check_outputs(
     if outputs.numel() and not all_finite(outputs):
         count = int((~torch.isfinite(outputs)).sum())
         raise BadServerOutput(peer_id, f"{what} has {count} non-finite values (NaN/Inf)")
+    if dtype is not None:
+        try:
+            check_castable(outputs, dtype, name=what, finite_checked=True)
+        except ValueError as e:
+            raise BadServerOutput(peer_id, str(e)) from None
     return outputs
 
 

@@ -161,7 +161,9 @@ async def run_remote_forward(
     outputs = await _call(manager, span, "rpc_forward", tensors, structure, reply_limit_bytes(inputs.shape))
     if len(outputs) != 1:
         raise BadServerOutput(span.peer_id, f"rpc_forward returned {len(outputs)} tensors, expected 1")
-    return check_outputs(outputs[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="rpc_forward output")
+    return check_outputs(
+        outputs[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="rpc_forward output", dtype=inputs.dtype
+    )
 
 
 async def run_remote_backward(
@@ -177,10 +179,18 @@ async def run_remote_backward(
     grads = await _call(manager, span, "rpc_backward", tensors, structure, limit_bytes)
     if not 1 <= len(grads) <= 2:
         raise BadServerOutput(span.peer_id, f"rpc_backward returned {len(grads)} tensors, expected 1 or 2")
-    grad_inputs = check_outputs(grads[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="input gradient")
+    grad_inputs = check_outputs(
+        grads[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="input gradient", dtype=inputs.dtype
+    )
     grad_prompts = grads[1] if len(grads) > 1 and grads[1].numel() > 0 else None
     if grad_prompts is not None:
         if prompts.numel() == 0:
             raise BadServerOutput(span.peer_id, "rpc_backward returned prompt gradients for a call without prompts")
-        check_outputs(grad_prompts, expected_shape=prompts.shape, peer_id=span.peer_id, what="prompt gradient")
+        check_outputs(
+            grad_prompts,
+            expected_shape=prompts.shape,
+            peer_id=span.peer_id,
+            what="prompt gradient",
+            dtype=prompts.dtype,
+        )
     return grad_inputs, grad_prompts

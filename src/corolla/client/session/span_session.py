@@ -293,7 +293,7 @@ class SpanSession:
             outputs = deserialize_tensor(response.tensors[0])
         except ValueError as e:
             raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
-        check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output")
+        check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype)
         self._record(inputs, send_from)
         self.drain_notice, self.last_reply_pushed = reply_flags(response)
         self.last_outputs = outputs
