@@ -4,6 +4,7 @@ response/chunk formats, stop cutting across tokens, errors and concurrency (the 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -298,6 +299,30 @@ def test_concurrent_streams_run_concurrently(api, backend, client):
     assert results == [script_text(10)] * 8
     assert backend.peak_active >= 4  # sessions overlapped rather than queueing one by one
     assert backend.closed_sessions - closed_before == 8
+
+
+def test_a_non_streaming_clients_disconnect_closes_its_session(api, backend):
+    """A client that posts a long non-streaming request and hangs up: its generation stops at its next token (it ran
+    to max_tokens before, holding a worker thread and the swarm session for nobody)."""
+    closed_before, started_before = backend.closed_sessions, len(backend.sent)
+    body = json.dumps(
+        {"model": MODEL, "prompt": "n", "max_tokens": 240, "temperature": 1.0, "ignore_eos": True}
+    ).encode()
+    host, port = api.url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 10
+        while len(backend.sent) == started_before and time.monotonic() < deadline:
+            time.sleep(0.01)  # the generation started
+    deadline = time.monotonic() + 30
+    while backend.closed_sessions == closed_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.closed_sessions == closed_before + 1
+    assert len(backend.sent[started_before]) < 200  # of 240 at 10 ms each: stopped within ~2 s of the hang-up
 
 
 def test_client_disconnect_closes_session(api, backend, client):

@@ -71,6 +71,13 @@ class ApiConfig:
             raise ValueError(f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}")
 
 
+async def client_gone(request: Request) -> None:
+    """Returns once the client of `request` (its body already read) has hung up: the server's next ASGI message for
+    it is then the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> FastAPI:
     """Builds the gateway around `backend` (owns a thread pool that closes with the app's lifespan)."""
     config = config or ApiConfig()
@@ -218,13 +225,21 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         )
         return queue, cancelled
 
-    async def complete(request: GenerationRequest) -> list[ChoiceDone]:
+    async def complete(request: GenerationRequest, http: Request) -> list[ChoiceDone]:
+        """The choices of a non-streaming request; ApiError 499 once its client hangs up (the generation stops at its
+        next token instead of running to max_tokens for nobody, holding a worker and its swarm session)."""
         queue, cancelled = await start_generation(request)
         metrics.running(1)
+        hung_up = asyncio.ensure_future(client_gone(http))
         try:
             choices: list[ChoiceDone] = []
             while True:
-                event = await queue.get()
+                getting = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():
+                    getting.cancel()
+                    raise ApiError(499, "The client closed the request", code="client_closed_request")
+                event = getting.result()
                 if isinstance(event, ChoiceDone):
                     choices.append(event)
                 elif isinstance(event, Finished):
@@ -232,10 +247,12 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 elif isinstance(event, Failed):
                     raise error_for(event.error, backend.model_id)
         finally:
+            hung_up.cancel()
             metrics.running(-1)
             cancelled.set()
 
     async def respond(
+        http: Request,
         req: CompletionRequest | ChatCompletionRequest,
         gen: GenerationRequest,
         prompt_ids: list[int],
@@ -249,7 +266,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         chat = isinstance(req, ChatCompletionRequest)
         rid, now = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if not req.stream:
-            done = await complete(gen)
+            done = await complete(gen, http)
             choices = [{**done_choice(d), "finish_reason": d.finish_reason, "stop_reason": d.stop_reason} for d in done]
             usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
             return envelope(
@@ -347,7 +364,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 "logprobs": logprobs_of(index, entries) if done is None else None,
             }
 
-        return await respond(req, gen, prompt_ids, done_choice, chunk_choice)
+        return await respond(request, req, gen, prompt_ids, done_choice, chunk_choice)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -383,6 +400,6 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         prelude = tuple(
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None} for i in range(gen.n)
         )
-        return await respond(req, gen, prompt_ids, done_choice, chunk_choice, prelude)
+        return await respond(request, req, gen, prompt_ids, done_choice, chunk_choice, prelude)
 
     return app
