@@ -44,6 +44,7 @@ class ScriptedBackend:
         self.peak_active = 0
         self.closed_sessions = 0
         self.sent: list[list[int]] = []  # tokens sent back to each session, in order
+        self.sent_prompts: list[list[int]] = []  # each session's prompt, in the same order
         self._lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -72,6 +73,7 @@ class ScriptedBackend:
             self.peak_active = max(self.peak_active, self.active)
             sent: list[int] = []
             self.sent.append(sent)
+            self.sent_prompts.append(list(prompt_ids))
         try:
             step = 0
             while len(prompt_ids) + step < max_length:
@@ -301,20 +303,26 @@ def test_concurrent_streams_run_concurrently(api, backend, client):
     assert backend.closed_sessions - closed_before == 8
 
 
+def _post_and_keep(url: str, prompt: str, max_tokens: int) -> socket.socket:
+    """A raw connection that has posted a non-streaming completion and reads nothing (the caller hangs up)."""
+    body = json.dumps(
+        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+    ).encode()
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
 def test_a_non_streaming_clients_disconnect_closes_its_session(api, backend):
     """A client that posts a long non-streaming request and hangs up: its generation stops at its next token (it ran
     to max_tokens before, holding a worker thread and the swarm session for nobody)."""
     closed_before, started_before = backend.closed_sessions, len(backend.sent)
-    body = json.dumps(
-        {"model": MODEL, "prompt": "n", "max_tokens": 240, "temperature": 1.0, "ignore_eos": True}
-    ).encode()
-    host, port = api.url.split("//")[1].split("/")[0].split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    with _post_and_keep(api.url, "n", 240):
         deadline = time.monotonic() + 10
         while len(backend.sent) == started_before and time.monotonic() < deadline:
             time.sleep(0.01)  # the generation started
@@ -323,6 +331,22 @@ def test_a_non_streaming_clients_disconnect_closes_its_session(api, backend):
         time.sleep(0.05)
     assert backend.closed_sessions == closed_before + 1
     assert len(backend.sent[started_before]) < 200  # of 240 at 10 ms each: stopped within ~2 s of the hang-up
+
+
+def test_a_queued_request_whose_client_left_never_opens_a_session():
+    """One generation thread, busy: a second request waits for it; its client hangs up meanwhile. When the thread
+    frees, the gone request opens no session (before: it ran its prompt's prefill, then stopped)."""
+    backend = ScriptedBackend(token_delay_s=0.01)
+    with serve_in_thread(create_app(backend, ApiConfig(max_concurrent_requests=1))) as running:
+        with _post_and_keep(running.url, "busy", 120):  # 1.2 s of tokens: the gone request's hang-up is seen by then
+            deadline = time.monotonic() + 10
+            while not backend.sent and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _post_and_keep(running.url, "gone", 60).close()  # queued behind "busy", then its client leaves
+            with _post_and_keep(running.url, "after", 5) as after:  # queued behind both (one thread, in order)
+                after.settimeout(30)
+                assert after.recv(12).startswith(b"HTTP/1.1 200")
+    assert [backend.decode(prompt) for prompt in backend.sent_prompts] == ["busy", "after"]
 
 
 def test_client_disconnect_closes_session(api, backend, client):

@@ -105,6 +105,8 @@ def _run_choice(
     started: float,
     speculative: SpeculativeConfig | None = None,
 ) -> ChoiceDone | None:
+    if cancelled.is_set():  # its client left while it waited for a thread: no session, no prefill for nobody
+        return None
     params = request.params
     sampler = Sampler(params, request.prompt_ids, backend.eos_token_ids, generator)
     choice = _Choice(backend, request, index, emit, metrics, started)
