@@ -303,11 +303,14 @@ def test_concurrent_streams_run_concurrently(api, backend, client):
     assert backend.closed_sessions - closed_before == 8
 
 
-def _post_and_keep(url: str, prompt: str, max_tokens: int) -> socket.socket:
-    """A raw connection that has posted a non-streaming completion and reads nothing (the caller hangs up)."""
+def _post_and_keep(url: str, prompt: str, max_tokens: int, stream: bool = False) -> socket.socket:
+    """A raw connection that has posted a completion and reads nothing (the caller hangs up)."""
     body = json.dumps(
-        {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
-    ).encode()
+        {
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()  # fmt: skip
     host, port = url.split("//")[1].split("/")[0].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(
@@ -333,7 +336,8 @@ def test_a_non_streaming_clients_disconnect_closes_its_session(api, backend):
     assert len(backend.sent[started_before]) < 200  # of 240 at 10 ms each: stopped within ~2 s of the hang-up
 
 
-def test_a_queued_request_whose_client_left_never_opens_a_session():
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_queued_request_whose_client_left_never_opens_a_session(stream):
     """One generation thread, busy: a second request waits for it; its client hangs up meanwhile. When the thread
     frees, the gone request opens no session (before: it ran its prompt's prefill, then stopped)."""
     backend = ScriptedBackend(token_delay_s=0.01)
@@ -342,7 +346,7 @@ def test_a_queued_request_whose_client_left_never_opens_a_session():
             deadline = time.monotonic() + 10
             while not backend.sent and time.monotonic() < deadline:
                 time.sleep(0.01)
-            _post_and_keep(running.url, "gone", 60).close()  # queued behind "busy", then its client leaves
+            _post_and_keep(running.url, "gone", 60, stream).close()  # queued behind "busy", then its client leaves
             with _post_and_keep(running.url, "after", 5) as after:  # queued behind both (one thread, in order)
                 after.settimeout(30)
                 assert after.recv(12).startswith(b"HTTP/1.1 200")

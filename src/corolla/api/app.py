@@ -71,6 +71,16 @@ class ApiConfig:
             raise ValueError(f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}")
 
 
+async def next_event(queue: asyncio.Queue, hung_up: asyncio.Future) -> Any:
+    """The generation's next event; ApiError 499 once `hung_up` (`client_gone`) is done first."""
+    getting = asyncio.ensure_future(queue.get())
+    await asyncio.wait({getting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    if not getting.done():
+        getting.cancel()
+        raise ApiError(499, "The client closed the request", code="client_closed_request")
+    return getting.result()
+
+
 async def client_gone(request: Request) -> None:
     """Returns once the client of `request` (its body already read) has hung up: the server's next ASGI message for
     it is then the disconnect."""
@@ -234,12 +244,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         try:
             choices: list[ChoiceDone] = []
             while True:
-                getting = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-                if not getting.done():
-                    getting.cancel()
-                    raise ApiError(499, "The client closed the request", code="client_closed_request")
-                event = getting.result()
+                event = await next_event(queue, hung_up)
                 if isinstance(event, ChoiceDone):
                     choices.append(event)
                 elif isinstance(event, Finished):
@@ -284,8 +289,17 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             )
 
         queue, cancelled = await start_generation(gen)
-        # Wait for the first event so that failures before any output get a proper HTTP status.
-        first = await queue.get()
+        # Wait for the first event so that failures before any output get a proper HTTP status (and for the client:
+        # one that hangs up while its request waits for a thread opens no session; from the first chunk on, the SSE
+        # response sees the hang-up)
+        hung_up = asyncio.ensure_future(client_gone(http))
+        try:
+            first = await next_event(queue, hung_up)
+        except ApiError:
+            cancelled.set()
+            raise
+        finally:
+            hung_up.cancel()
         if isinstance(first, Failed):
             cancelled.set()
             raise error_for(first.error, backend.model_id)
