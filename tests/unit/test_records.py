@@ -7,7 +7,15 @@ import msgpack
 import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
+from corolla.protocol.records import (
+    LOAD_FIELDS,
+    MAX_ADAPTERS,
+    MAX_INFO_STR_CHARS,
+    MAX_NEXT_PINGS,
+    ModelInfo,
+    ServerInfo,
+    ServerState,
+)
 
 
 def _petals_tuple_bytes(state: int, throughput: float, extra: dict | None) -> bytes:
@@ -172,6 +180,27 @@ def test_load_fields_are_optional_extensions():
 def test_hostile_load_fields_are_refused(field, value):
     with pytest.raises((TypeError, ValueError)):
         ServerInfo.from_tuple((2, 1.0, {"start_block": 0, "end_block": 2, field: value}))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("public_name", "x" * (MAX_INFO_STR_CHARS + 1)), ("version", "9" * (1 << 20)), ("torch_dtype", "f" * 4096),
+        ("quant_type", "q" * 4096), ("adapters", ["a"] * (MAX_ADAPTERS + 1)), ("adapters", ["a" * 4096]),
+        ("next_pings", {f"Qm{i}": 0.01 for i in range(MAX_NEXT_PINGS + 1)}), ("next_pings", {"p" * 4096: 0.01}),
+    ],
+)  # fmt: skip
+def test_oversized_fields_are_refused(field, value):
+    """A record is at most a few KiB (corolla stores at most 8 KiB, Petals' are smaller); one decoded from a 4 MiB DHT
+    value would be kept in every reader's view (and looked up per hop by routing) for as long as it is announced."""
+    with pytest.raises(ValueError, match=field):
+        ServerInfo.from_tuple((2, 1.0, {"start_block": 0, "end_block": 2, field: value}))
+    honest = {
+        "public_name": "n" * 64,
+        "adapters": ["org/" + "a" * 60] * 8,
+        "next_pings": {f"Qm{i}": 0.01 for i in range(64)},
+    }
+    ServerInfo.from_tuple((2, 1.0, {"start_block": 0, "end_block": 2, **honest}))
 
 
 def test_petals_reader_ignores_the_load_fields():

@@ -20,6 +20,11 @@ MAX_NUM_MOVES = 1 << 20
 # update_period_s and set 2x that (Petals: 120 s); without a bound, a record stored once with a far expiration (a
 # ghost server, ONLINE with any claim) outlived its writer for as long as it said (docs/decisions/0133)
 MAX_EXPIRATION_AHEAD_S = 24 * 3600.0
+# a record is a few KiB (corolla stores at most 8 KiB, Petals' are smaller), but a reader decodes DHT values of up
+# to 4 MiB: one that passed these would be kept in every reader's view (and read per hop by routing) while announced
+MAX_INFO_STR_CHARS = 256  # public_name, version, torch_dtype, quant_type, each adapter's name, each next_pings peer
+MAX_ADAPTERS = 64
+MAX_NEXT_PINGS = 1024
 # corolla's optional load fields: left out of the tuple when None, so a record without them is what Petals writes
 LOAD_FIELDS = ("sessions_active", "busy_fraction", "tokens_served", "num_moves", "moving_to")
 
@@ -86,6 +91,12 @@ def _check_optional(name: str, value: Any, kind: type) -> Any:
     return value
 
 
+def _check_short(name: str, value: str) -> str:
+    if len(value) > MAX_INFO_STR_CHARS:
+        raise ValueError(f"{name} strings must be at most {MAX_INFO_STR_CHARS} characters, got {len(value)}")
+    return value
+
+
 @dataclass
 class ServerInfo:
     """What a server announces for each block it holds; field names and types are Petals' exactly, plus corolla's
@@ -131,22 +142,27 @@ class ServerInfo:
             if getattr(self, name) is not None:
                 _check_finite_rps(name, getattr(self, name))
         for name in ("public_name", "version", "torch_dtype", "quant_type"):
-            _check_optional(name, getattr(self, name), str)
+            if _check_optional(name, getattr(self, name), str) is not None:
+                _check_short(name, getattr(self, name))
         _check_optional("using_relay", self.using_relay, bool)
         self.cache_tokens_left = _check_nonneg_int("cache_tokens_left", self.cache_tokens_left)
         if isinstance(self.adapters, str) or not isinstance(self.adapters, Sequence):
             raise TypeError("adapters must be a sequence of strings")
         if not all(isinstance(a, str) for a in self.adapters):
             raise TypeError("adapters must be a sequence of strings")
-        self.adapters = tuple(self.adapters)
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise ValueError(f"adapters must name at most {MAX_ADAPTERS}, got {len(self.adapters)}")
+        self.adapters = tuple(_check_short("adapters", a) for a in self.adapters)
         if self.next_pings is not None:
             if not isinstance(self.next_pings, Mapping):
                 raise TypeError("next_pings must be a dict")
+            if len(self.next_pings) > MAX_NEXT_PINGS:
+                raise ValueError(f"next_pings must hold at most {MAX_NEXT_PINGS} entries, got {len(self.next_pings)}")
             pings = {}
             for peer, rtt in self.next_pings.items():
                 if not isinstance(peer, str) or not isinstance(rtt, float) or not rtt >= 0:  # inf allowed, NaN not
-                    raise ValueError(f"next_pings entries must be str -> float >= 0, got {peer!r}: {rtt!r}")
-                pings[peer] = rtt
+                    raise ValueError(f"next_pings entries must be str -> float >= 0, got {peer!r:.80}: {rtt!r}")
+                pings[_check_short("next_pings", peer)] = rtt
             self.next_pings = pings
         self.sessions_active = _check_bounded_int("sessions_active", self.sessions_active, MAX_SESSIONS_ACTIVE)
         self.busy_fraction = _check_fraction("busy_fraction", self.busy_fraction)
