@@ -1,5 +1,5 @@
-"""The lean per-step stream path without a network: `stream_guard`'s message reads under one re-armed deadline
-(a silent peer is cut off between the parts of a request and inside a message, each after its own timeout; a
+"""The lean per-step stream path without a network: a p2pd stream's reads (`FrameConnection` with hivemind's framing:
+a silent peer is cut off between the parts of a request and inside a message, each read after its own timeout; a
 complete message is charged before its body is read), and a session's wait for its next step (`StepOrder`, no task:
 the step timeout ends it, the session timeout and an eviction end it with their errors, a request arriving in time is
 run)."""
@@ -7,6 +7,8 @@ run)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -15,12 +17,12 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from corolla.protocol import local_stream as ls
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
 from corolla.server.core.push_guard import SessionPushGuard
 from corolla.server.front.inference_stream import SessionState, StepOrder
-from corolla.server.front.stream_endpoint import StreamBudget, StreamLease
-from corolla.server.front.stream_guard import read_message
+from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, StreamBudget, StreamLease
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
 
@@ -34,59 +36,85 @@ def _lease(max_message_bytes: int = 1 << 20) -> StreamLease:
     return StreamLease(StreamBudget(PeerLimits(max_stream_message_bytes=max_message_bytes)), "peer")
 
 
+async def _peer_conn() -> tuple[FrameConnection, socket.socket]:
+    """A p2pd stream's connection as the server reads it (`FrameConnection` with hivemind's framing, `PeerFrames`)
+    over a socket pair, and the caller's end."""
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    _, conn = await asyncio.get_running_loop().connect_accepted_socket(
+        lambda: FrameConnection(header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header), ours
+    )
+    return conn, theirs
+
+
 async def test_a_silent_peer_is_cut_off_between_the_parts_of_a_request() -> None:
-    reader = asyncio.StreamReader()  # nothing ever arrives
+    conn, theirs = await _peer_conn()  # nothing ever arrives
+    loop = asyncio.get_running_loop()
     started = time.monotonic()
-    with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s between the parts"):
-        await asyncio.wait_for(read_message(reader, _lease(), idle_s=5.0, between_s=0.2), BOUND_S)
-    assert time.monotonic() - started < 1.5  # its own 0.2 s, not the 5 s meant for reads inside a message
+    with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s"):  # a part of a request: from the wait
+        await asyncio.wait_for(conn.read_frame(sys.maxsize, idle_s=0.2, since=loop.time()), BOUND_S)
+    assert time.monotonic() - started < 1.5
+    conn.close()
+    theirs.close()
 
 
 async def test_a_peer_that_stops_inside_a_message_is_cut_off() -> None:
-    reader = asyncio.StreamReader()
+    conn, theirs = await _peer_conn()
     message = _framed(runtime_pb2.ExpertRequest(uid="p.0", metadata=b"x" * 100))
-    reader.feed_data(message[:-10])  # all but the last bytes of the body
+    await asyncio.get_running_loop().sock_sendall(theirs, message[:-10])  # all but the last bytes of the body
     lease = _lease()
     with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s inside a message"):
-        await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+        await asyncio.wait_for(conn.read_frame(sys.maxsize, charge=lease.charge, idle_s=0.2), BOUND_S)
     assert lease.held == len(message) - 1 - P2P.HEADER_LEN  # charged before the body was read
+    conn.close()
+    theirs.close()
 
 
 async def test_each_read_gets_its_own_idle_timeout() -> None:
     """A slow peer whose pauses are each under the idle timeout (their sum is not) is read to the end."""
-    reader = asyncio.StreamReader()
+    conn, theirs = await _peer_conn()
     request = runtime_pb2.ExpertRequest(uid="p.0", metadata=b"y" * 300)
     message = _framed(request)
 
     async def trickle() -> None:
         for start in range(0, len(message), 100):
-            reader.feed_data(message[start : start + 100])
+            await asyncio.get_running_loop().sock_sendall(theirs, message[start : start + 100])
             await asyncio.sleep(0.12)
 
     feeding = asyncio.create_task(trickle())
-    parsed, _ = await asyncio.wait_for(read_message(reader, _lease(), idle_s=0.3, between_s=0.3), BOUND_S)
+    kind, payload = await asyncio.wait_for(conn.read_frame(sys.maxsize, idle_s=0.3), BOUND_S)
     await feeding
-    assert parsed == request
+    assert kind == ls.MESSAGE and runtime_pb2.ExpertRequest.FromString(payload) == request
+    conn.close()
+    theirs.close()
 
 
-async def test_a_complete_message_is_read_and_charged_and_the_end_is_none() -> None:
-    reader = asyncio.StreamReader()
+async def test_a_complete_message_is_read_and_charged_and_the_end_is_the_end() -> None:
+    conn, theirs = await _peer_conn()
     request = runtime_pb2.ExpertRequest(uid="p.0 p.1", metadata=b"m")
-    reader.feed_data(_framed(request) + P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    end = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    await asyncio.get_running_loop().sock_sendall(theirs, _framed(request) + end)
     lease = _lease()
-    parsed, nbytes = await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
-    assert parsed == request and nbytes == request.ByteSize() == lease.held
-    end, zero = await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
-    assert end is None and zero == 0
+    kind, payload = await asyncio.wait_for(conn.read_frame(sys.maxsize, charge=lease.charge, idle_s=0.2), BOUND_S)
+    assert kind == ls.MESSAGE and runtime_pb2.ExpertRequest.FromString(payload) == request
+    assert request.ByteSize() == lease.held
+    kind, payload = await asyncio.wait_for(conn.read_frame(sys.maxsize, charge=lease.charge, idle_s=0.2), BOUND_S)
+    assert kind == ls.END and payload == b"" and lease.held == request.ByteSize()  # the end is not charged
+    conn.close()
+    theirs.close()
 
 
 async def test_an_oversized_declared_length_is_refused_before_the_body() -> None:
-    reader = asyncio.StreamReader()
-    reader.feed_data(P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    conn, theirs = await _peer_conn()
+    await asyncio.get_running_loop().sock_sendall(
+        theirs, P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    )
     lease = _lease(max_message_bytes=1 << 20)
     with pytest.raises(PeerLimitExceeded, match="max_stream_message_bytes"):
-        await asyncio.wait_for(read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+        await asyncio.wait_for(conn.read_frame(sys.maxsize, charge=lease.charge, idle_s=0.2), BOUND_S)
     assert lease.held == 0
+    conn.close()
+    theirs.close()
 
 
 def _step(step_id: str) -> runtime_pb2.ExpertRequest:

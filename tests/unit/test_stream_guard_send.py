@@ -1,125 +1,84 @@
-"""`stream_guard.send_message`: the bytes hivemind's `P2P.send_protobuf` writes (stock Petals clients read them), as
-one write for a decode step's reply (one wake-up of p2pd per reply instead of three)."""
+"""`stream_guard.guarded_stream_handler`'s answers on a p2p forward or backward stream: a method's refusal is sent
+after the caller's end-of-stream was read (closing a unix socket with unread bytes resets it, and p2pd may then drop
+the refusal it has not delivered), a caller that never ends its input is not waited for long, and a method failing
+on a cancelled wait answers an error instead of closing silently."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
-import pytest
-import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.proto.p2pd_pb2 import RPCError
 
-from corolla.protocol.codecs import serialize_tensor
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front import stream_guard
 from corolla.server.front.stream_endpoint import StreamBudget
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
+PART_BODY = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
+PART = P2P.MESSAGE_MARKER + len(PART_BODY).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + PART_BODY
+END = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
+async def _serve(method, name: str, sent: bytes, end_delay_s: float | None) -> tuple[bytes, float, bool]:
+    """Serves one stream of `method` whose caller sends `sent`, then its end-of-stream `end_delay_s` later (None:
+    with it); returns what the caller received, how long the handler took, and whether the caller's end had been
+    sent when the handler returned."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    theirs.setblocking(False)
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    handle = stream_guard.guarded_stream_handler(
+        type("P2PStub", (), {"peer_id": "server"})(),
+        name,
+        method,
+        StreamBudget(PeerLimits()),
+        on_reject=lambda *_: None,
+    )
+    await loop.sock_sendall(theirs, sent if end_delay_s is not None else sent + END)
+    end_sent = end_delay_s is None
 
-    def write(self, data: bytes | memoryview) -> None:
-        self.writes.append(bytes(data))
+    async def send_end() -> None:
+        nonlocal end_sent
+        await asyncio.sleep(end_delay_s or 0)
+        await loop.sock_sendall(theirs, END)
+        end_sent = True
 
-    async def drain(self) -> None:
-        return None
-
-
-def _sent(send, message) -> _Writer:
-    writer = _Writer()
-    asyncio.run(send(message, writer))
-    return writer
-
-
-def _reply(hidden: int) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(torch.randn(1, 1, hidden))])
-
-
-@pytest.mark.parametrize("message", [_reply(64), RPCError(message="refused: too long")], ids=["reply", "error"])
-def test_a_step_reply_is_hivemind_framing_in_one_write(message):
-    ours, theirs = _sent(stream_guard.send_message, message), _sent(P2P.send_protobuf, message)
-    assert b"".join(ours.writes) == b"".join(theirs.writes)
-    assert len(ours.writes) == 1 and len(theirs.writes) == 3
-
-
-def test_a_large_reply_keeps_the_same_bytes_without_copying_its_body(monkeypatch):
-    monkeypatch.setattr(stream_guard, "ONE_WRITE_MAX_BYTES", 1024)
-    message = _reply(4096)  # 16 KiB body
-    ours, theirs = _sent(stream_guard.send_message, message), _sent(P2P.send_protobuf, message)
-    assert b"".join(ours.writes) == b"".join(theirs.writes)
-    assert len(ours.writes) == 2 and len(ours.writes[0]) == 1 + P2P.HEADER_LEN
-
-
-class _StreamWriter(_Writer):
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        super().__init__()
-        self.reader = reader
-        self.end_sent = False  # the caller has written its end-of-stream
-        self.unread_at_close: int | None = None
-        self.end_sent_at_close = False
-
-    def close(self) -> None:
-        self.unread_at_close = len(self.reader._buffer)  # what a real socket would still hold when it closes
-        self.end_sent_at_close = self.end_sent
+    ending = asyncio.create_task(send_end()) if end_delay_s is not None else None
+    started = time.monotonic()
+    await asyncio.wait_for(handle(type("StreamInfo", (), {"peer_id": CLIENT_PEER})(), reader, writer), 5.0)
+    elapsed_s, ended_first = time.monotonic() - started, end_sent
+    if ending is not None:
+        ending.cancel()
+    received = b""
+    while chunk := await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), 5.0):
+        received += chunk
+    theirs.close()
+    return received, elapsed_s, ended_first
 
 
-def _serve_refusing_stream(end_delay_s: float) -> tuple[_StreamWriter, float]:
-    """A forward stream whose handler refuses its second part while the caller's end-of-stream is still on its way
-    (`end_delay_s` later); returns the writer and how long the handler took."""
-
-    async def refuse_second(requests, context):
-        count = 0
-        async for _ in requests:
-            count += 1
-            if count == 2:
-                raise ValueError("every part must name the same uid")
-        yield runtime_pb2.ExpertResponse()
-
-    async def run() -> tuple[_StreamWriter, float]:
-        reader = asyncio.StreamReader()
-        writer = _StreamWriter(reader)
-        budget = StreamBudget(PeerLimits())
-        p2p = type("P2PStub", (), {"peer_id": "server"})()
-        handle = stream_guard.guarded_stream_handler(
-            p2p, "rpc_forward_stream", refuse_second, budget, on_reject=lambda *_: None
-        )
-        body = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
-        part = P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
-        reader.feed_data(part + part)
-        end = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-
-        def send_end() -> None:
-            reader.feed_data(end)
-            writer.end_sent = True
-
-        asyncio.get_running_loop().call_later(end_delay_s, send_end)
-        info = type("StreamInfo", (), {"peer_id": CLIENT_PEER})()
-        started = time.monotonic()
-        await asyncio.wait_for(handle(info, reader, writer), 5.0)
-        writer.close()  # what hivemind does when the handler returns
-        return writer, time.monotonic() - started
-
-    return asyncio.run(run())
+async def _refuse_second(requests, context):
+    count = 0
+    async for _ in requests:
+        count += 1
+        if count == 2:
+            raise ValueError("every part must name the same uid")
+    yield runtime_pb2.ExpertResponse()
 
 
 def test_a_refused_stream_reads_the_callers_end_before_it_closes():
-    """Closing a unix socket with unread bytes resets it, and p2pd may then drop the refusal it has not delivered
-    (the caller saw a broken pipe instead of the error): the handler reads the caller's end-of-stream first."""
-    writer, _ = _serve_refusing_stream(end_delay_s=0.05)
-    sent = b"".join(writer.writes)
-    assert sent.startswith(P2P.ERROR_MARKER) and b"same uid" in sent
-    assert writer.end_sent_at_close and writer.unread_at_close == 0  # the end arrived and was read before closing
+    """The handler refuses the second part while the caller's end-of-stream is still on its way: it reads that end
+    before it closes."""
+    received, _, ended_first = asyncio.run(_serve(_refuse_second, "rpc_forward_stream", PART + PART, 0.05))
+    assert received.startswith(P2P.ERROR_MARKER) and b"same uid" in received
+    assert ended_first  # the end arrived and was read before closing
 
 
 def test_a_caller_that_never_ends_its_input_is_not_waited_for_long():
-    writer, elapsed_s = _serve_refusing_stream(end_delay_s=30.0)
-    assert b"same uid" in b"".join(writer.writes)
+    received, elapsed_s, _ = asyncio.run(_serve(_refuse_second, "rpc_forward_stream", PART + PART, 30.0))
+    assert b"same uid" in received
     assert elapsed_s < stream_guard.FINISH_INPUT_S + 1.0
 
 
@@ -136,20 +95,5 @@ def test_a_method_failing_on_a_cancelled_wait_answers_an_error_instead_of_closin
         await future  # CancelledError: the future was cancelled elsewhere, this task was not
         yield runtime_pb2.ExpertResponse()
 
-    async def run() -> _StreamWriter:
-        reader = asyncio.StreamReader()
-        writer = _StreamWriter(reader)
-        budget = StreamBudget(PeerLimits())
-        p2p = type("P2PStub", (), {"peer_id": "server"})()
-        handle = stream_guard.guarded_stream_handler(
-            p2p, "rpc_backward_stream", fails_on_cancelled_future, budget, on_reject=lambda *_: None
-        )
-        body = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
-        reader.feed_data(P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)
-        reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
-        info = type("StreamInfo", (), {"peer_id": CLIENT_PEER})()
-        await asyncio.wait_for(handle(info, reader, writer), 5.0)
-        return writer
-
-    sent = b"".join(asyncio.run(run()).writes)
-    assert sent.startswith(P2P.ERROR_MARKER) and b"cancelled" in sent
+    received, _, _ = asyncio.run(_serve(fails_on_cancelled_future, "rpc_backward_stream", PART, None))
+    assert received.startswith(P2P.ERROR_MARKER) and b"cancelled" in received

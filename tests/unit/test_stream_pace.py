@@ -274,13 +274,11 @@ async def _gathered(requests, context):
     yield runtime_pb2.ExpertResponse(metadata=b"done")
 
 
-@pytest.mark.parametrize("task_deadlines", [True, False], ids=["scopes", "wait_for"])
-def test_a_p2p_forward_request_split_into_small_parts_is_refused_at_its_pace(monkeypatch, task_deadlines) -> None:
+def test_a_p2p_forward_request_split_into_small_parts_is_refused_at_its_pace() -> None:
     """A streamed request's parts, each whole at once and 0.25 s apart (inside the 2 s idle timeout and each part's
     own 1 s grace): ~200 B/s for the request, refused once 1 s + its bytes at 8 KiB/s are over (the parts share one
     clock from the stream's start), its charged bytes given back; a clock per part would read it for as long as the
-    caller kept sending parts. Both ways of bounding the reads (Python 3.10's `wait_for` per read too)."""
-    monkeypatch.setattr(stream_guard, "TASK_DEADLINES", task_deadlines)
+    caller kept sending parts."""
     rejected: list = []
     part = _peer_frame(_request(filler=40))
 
