@@ -245,3 +245,29 @@ def test_an_inference_reply_over_the_bytes_of_its_outputs_is_refused_at_its_head
         server.join(10)
         stream.close()
         theirs.close()
+
+
+def _bloated_farewell(sock: socket.socket) -> None:
+    """Reads the client's end of the session, then sends a frame announcing `ANNOUNCED_BYTES` and 1 MiB of it."""
+    sock.recv(1 << 16)
+    with contextlib.suppress(OSError):
+        sock.sendall(frame_header(MESSAGE_MARKER, ANNOUNCED_BYTES) + bytes(1 << 20))
+
+
+def test_a_closing_sessions_last_messages_are_no_bigger_than_a_reply_without_outputs():
+    manager = RemoteSequenceManager(ClientConfig(connect_timeout_s=2.0), ["m.0", "m.1"], start_updates=False)
+    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
+    session = SpanSession(manager, span, max_length=64)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    stream = P2PInferenceStream(ours, PEER)
+    session._stream = session._direct = stream
+    session._started = True
+    server = threading.Thread(target=_bloated_farewell, args=(theirs,))
+    server.start()
+    try:
+        asyncio.run(session.close())  # never raises: the drain's error is logged
+        assert stream.closed and len(stream._buffer) < 1 << 20  # refused at the header, not read for 2 s
+    finally:
+        server.join(10)
+        theirs.close()

@@ -23,7 +23,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import BadServerOutput, check_outputs, reply_limit_bytes
+from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, check_outputs, reply_limit_bytes
 from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
 from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
@@ -493,7 +493,9 @@ class SpanSession:
             self._history_buf = self._history_buf[hypo_ids]
 
     async def _drain(self, stream: InferenceStream) -> None:
-        while await stream.receive() is not None:
+        """Reads the server's last messages until it ends the stream: none is the answer to a step any more (the
+        session is over), so none may be bigger than a reply without outputs."""
+        while await stream.receive(REPLY_OVERHEAD_BYTES) is not None:
             pass
 
     async def close(self, *, drain: bool = True) -> None:
