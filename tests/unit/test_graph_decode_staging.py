@@ -4,7 +4,8 @@ channel's frame copy) and block tables with memoryview copies equal what `torch.
 bucket's rows past the live ones point at the trash page, one copy of the staging block writes a bucket's graph
 inputs (positions, tables, the live rows' hidden states) and no other bucket's, the block's layout (aligned parts,
 hidden states last), views are made once per row count, the collected output
-owns its memory, a merged output is one view per request in its shape (one request too: no split call); a step's bytes that disagree with its hidden states are refused where the step enters; a STEP_BATCH
+owns its memory, a staging set's output buffer is lent to the replies and not written again while any view of it
+lives, a merged output is one view per request in its shape (one request too: no split call); a step's bytes that disagree with its hidden states are refused where the step enters; a STEP_BATCH
 step's bytes are the memory its hidden states view."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tests.helpers.channel_frames import batch_payload
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.graph_decode import (
+    MAX_SPARE_OUTPUTS,
     HostStaging,
     PendingDecode,
     merge_rows,
@@ -28,6 +30,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from corolla.protocol import channel_frames
 from corolla.protocol import channel_frames as wire
+from corolla.utils.tensor_bytes import TensorBytes
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size
@@ -175,6 +178,48 @@ def test_the_collected_output_owns_its_rows_and_splits_per_request() -> None:
     assert torch.equal(torch.cat([first, second]).view(3, H), want) and done.waited == 1
     with pytest.raises(RuntimeError, match="twice"):
         pending.wait()
+
+
+class _Done:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_an_output_buffer_is_lent_to_the_replies_and_not_written_while_one_views_it() -> None:
+    staging = HostStaging.allocate(8, H, 4, torch.bfloat16, pin_memory=False)
+    first = staging.output
+    staging.out.copy_(torch.randn(8, H).to(torch.bfloat16))
+    pending = PendingDecode(staging, _Done(), 3, [2, 1], H, torch.bfloat16)  # type: ignore[arg-type]
+    data = pending.output_bytes()
+    assert bytes(data) == staging.out[:3].view(torch.uint8).numpy().tobytes()
+    staging.out[0].fill_(1.0)  # a view of the buffer, no copy
+    assert bytes(data[:2]) == staging.out[0, :1].view(torch.uint8).numpy().tobytes()
+    # a reply's tensor of the second request's row: the last view alive (the forward and its bytes dropped)
+    reply = TensorBytes(data[2 * H * 2 :], torch.bfloat16, (1, 1, H)).tensor()
+    want = reply.clone()
+    del pending, data
+    staging.reuse()  # the next launch from this set: its output goes elsewhere while the reply views this one
+    assert staging.output is not first and staging.spares == [first]
+    staging.out.fill_(0.0)
+    assert torch.equal(reply, want)
+    second = staging.output
+    held = PendingDecode(staging, _Done(), 2, [2], H, torch.bfloat16).output_bytes()  # type: ignore[arg-type]
+    del reply  # the reply is written: nothing views the first buffer any more
+    staging.reuse()  # the second is viewed (`held`): the first is free again, no new buffer
+    assert staging.output is first and staging.spares == [second]
+    del held
+    staging.reuse()
+    assert staging.output is first  # nothing views it: reused as it is
+
+
+def test_a_staging_set_keeps_a_bounded_number_of_spare_outputs() -> None:
+    staging = HostStaging.allocate(4, H, 4, torch.float32, pin_memory=False)
+    held = []
+    for _ in range(MAX_SPARE_OUTPUTS + 3):  # every output still viewed (a caller keeps them all)
+        held.append(PendingDecode(staging, _Done(), 1, [1], H, torch.float32).wait())  # type: ignore[arg-type]
+        staging.reuse()
+    assert len(staging.spares) == MAX_SPARE_OUTPUTS and not staging.output.viewed
+    assert len({out[0].data_ptr() for out in held}) == len(held)  # each output in a buffer of its own
 
 
 @pytest.mark.parametrize("splits,shapes", [([2], None), ([6], {0: (2, 3, H)}), ([2, 6, 1], {1: (3, 2, H)})])

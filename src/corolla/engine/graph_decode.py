@@ -11,12 +11,19 @@ thread) can stage and launch the next forward while the device still runs this o
 Buffer lifetimes: the graph's static device buffers are reused by the next launch in stream order (its input copies
 run after this replay and this output copy). The pinned host buffers are not ordered by the stream: the CPU writes
 the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it: it
-copies out the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
-last event (a launch never overwrites inputs that a queued copy has not read yet, nor an output not copied out
-yet). With at most one forward pending while the next is launched (the runtime), nothing waits there in practice."""
+collects the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
+last event (a launch never overwrites inputs that a queued copy has not read yet). With at most one forward pending
+while the next is launched (the runtime), nothing waits there in practice.
+
+The output is not copied out of its pinned buffer (`HostOutput`): the replies get views of it (`output_bytes`), and a
+launch writes its output into a set's buffer only once nothing views that buffer any more (every view handed out
+keeps one array object alive, watched through a weak reference: no release call to forget); while a reply still
+views it, the set takes a spare buffer instead (allocated where none is free), and the viewed one lives on with its
+views."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +37,8 @@ from corolla.utils.tensor_bytes import view_bytes
 
 # the most rows of a forward whose waiter spins on the CPU until the device is done (`HostStaging.mark`)
 SPIN_MAX_ROWS = 1
+# output buffers a staging set keeps besides its own for when replies still view that one (`HostStaging.reuse`)
+MAX_SPARE_OUTPUTS = 2
 
 
 @dataclass(eq=False)
@@ -48,27 +57,67 @@ class _RowViews:
     positions_np: np.ndarray  # [bucket] int64, in the staging block
     tables_np: np.ndarray  # [bucket, max pages per sequence] int32, in the staging block
     tables_bytes: memoryview  # tables_np's bytes, flat
-    out: torch.Tensor  # staging.out[:rows]
     adapter_ids: torch.Tensor  # staging.adapter_ids[:bucket]
     bucket: int
     hidden_size: int
 
 
 @dataclass(eq=False)
+class HostOutput:
+    """One pinned host buffer that launched forwards copy their output [rows, H] into, lent to the replies as it is
+    (`lend`: no copy out). It is free for another forward's output once nothing views the last one lent: each lend
+    hands its bytes out through a new array object (`flat[:nbytes]`) that every view made from them keeps alive (a
+    memoryview slice, a `TensorBytes`, a tensor from `torch.frombuffer`: CPython's buffer protocol holds the
+    exporter), and the buffer keeps only a weak reference to it."""
+
+    out: torch.Tensor  # [rows, H] output, engine dtype
+    flat: np.ndarray  # out's bytes, flat uint8
+    pinned: bool
+    lent: weakref.ref[np.ndarray] | None = None  # the array the last output was lent through (dead: nothing views it)
+    row_outs: dict[int, torch.Tensor] = field(default_factory=dict)  # row count -> out[:rows] (made once)
+
+    @classmethod
+    def allocate(cls, rows: int, hidden_size: int, dtype: torch.dtype, *, pin_memory: bool = True) -> HostOutput:
+        out = torch.empty((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
+        return cls(out=out, flat=out.view(torch.uint8).numpy().reshape(-1), pinned=pin_memory)
+
+    @property
+    def viewed(self) -> bool:
+        """Whether a view of the last lent output is still alive somewhere (a reply not written yet, a caller's
+        tensor)."""
+        lent = self.lent
+        return lent is not None and lent() is not None
+
+    def rows(self, rows: int) -> torch.Tensor:
+        """out[:rows], the destination of a forward's output copy."""
+        view = self.row_outs.get(rows)
+        if view is None:
+            view = self.row_outs[rows] = self.out[:rows]
+        return view
+
+    def lend(self, nbytes: int) -> memoryview:
+        """The output's first `nbytes` bytes (C order, flat, writable), viewed in place: the buffer is not free until
+        this view and every view made from it are gone."""
+        array = self.flat[:nbytes]  # a new array object: what `viewed` watches
+        self.lent = weakref.ref(array)
+        return memoryview(array)
+
+
+@dataclass(eq=False)
 class HostStaging:
     """One set of pinned host buffers for a merged forward of up to `rows` rows: one byte `block` holding a bucket's
-    graph inputs laid out as the device's (`InputLayout`: one host-to-device copy per forward), the output, the
-    adapter ids; flat byte views of what the CPU fills or reads per forward (copied with memoryview slice
-    assignments: a memcpy that keeps the GIL); and whether a queued copy still reads or writes them (`done`, an event
-    recorded after the last one; None if none)."""
+    graph inputs laid out as the device's (`InputLayout`: one host-to-device copy per forward), the output's buffer
+    (`output`, lent to the replies; spares for while they still view it), the adapter ids; flat byte views of what
+    the CPU fills per forward (copied with memoryview slice assignments: a memcpy that keeps the GIL); and whether a
+    queued copy still reads or writes them (`done`, an event recorded after the last one; None if none)."""
 
     block: torch.Tensor  # [InputLayout.of(rows, ...).nbytes] uint8: positions, tables, hidden states of one bucket
-    out: torch.Tensor  # [rows, H] output, engine dtype
-    out_bytes: memoryview  # out's bytes, flat
+    output: HostOutput  # where the next forward's output goes ([rows, H], engine dtype)
     adapter_ids: torch.Tensor  # [rows] int64
     adapter_ids_np: np.ndarray
+    spares: list[HostOutput] = field(default_factory=list)  # output buffers set aside while replies viewed them
     done: torch.cuda.Event | None = None
-    owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
+    owner: PendingDecode | None = None  # the launched forward whose output `output` holds, not collected yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
     sleeping_event: torch.cuda.Event | None = None  # the same for a forward whose waiter sleeps (`mark(sleep=True)`)
     start: torch.cuda.Event | None = None  # recorded before each use's first copy (the forward's device time)
@@ -82,21 +131,40 @@ class HostStaging:
         """`pin_memory=False`: plain host memory (the CPU tests of the staging)."""
         nbytes = InputLayout.of(rows, hidden_size, max_pages_per_seq, dtype).nbytes  # the largest bucket's
         block = torch.zeros((nbytes,), dtype=torch.uint8, pin_memory=pin_memory)
-        out = torch.zeros((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
+        output = HostOutput.allocate(rows, hidden_size, dtype, pin_memory=pin_memory)
         adapter_ids = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
-        return cls(
-            block=block, out=out, out_bytes=host_bytes(out), adapter_ids=adapter_ids,
-            adapter_ids_np=adapter_ids.numpy(),
-        )  # fmt: skip
+        return cls(block=block, output=output, adapter_ids=adapter_ids, adapter_ids_np=adapter_ids.numpy())
+
+    @property
+    def out(self) -> torch.Tensor:
+        """[rows, H]: the buffer the next forward's output goes to."""
+        return self.output.out
 
     def reuse(self) -> None:
-        """Waits until no queued copy reads or writes these buffers any more (at once if none does), first copying
-        out the output of a forward launched from them and not waited for yet."""
+        """Waits until no queued copy reads or writes these buffers any more (at once if none does), first collecting
+        the output of a forward launched from them and not waited for yet; then makes `output` a buffer that nothing
+        views (a spare, or a new one, where the replies still view the last output)."""
         if self.owner is not None:
             self.owner.output_bytes()
         if self.done is not None:
             self.done.synchronize()
             self.done = None
+        if self.output.viewed:
+            self.output = self._free_output()
+
+    def _free_output(self) -> HostOutput:
+        """A spare output buffer that nothing views, else a new one; the viewed one becomes a spare (up to
+        `MAX_SPARE_OUTPUTS`; past them it is dropped: its memory lives on as long as its views)."""
+        viewed, spares = self.output, self.spares
+        free = next((i for i, spare in enumerate(spares) if not spare.viewed), None)
+        if free is not None:
+            output = spares.pop(free)
+        else:
+            old = viewed.out
+            output = HostOutput.allocate(old.shape[0], old.shape[1], old.dtype, pin_memory=viewed.pinned)
+        if len(spares) < MAX_SPARE_OUTPUTS:
+            spares.append(viewed)
+        return output
 
     def begin(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         """Records the set's start event on `stream` before a forward's first copy: the device reaches it when it
@@ -142,21 +210,23 @@ class HostStaging:
                 hidden=hidden[:rows], hidden_bytes=host_bytes(hidden[:rows]),
                 graph_rows=target.hidden[:rows].view(rows, 1, layout.hidden_size),
                 positions_np=positions.numpy(), tables_np=tables.numpy(), tables_bytes=host_bytes(tables),
-                out=self.out[:rows], adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
+                adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
                 hidden_size=layout.hidden_size,
             )  # fmt: skip
         return views
 
 
 class PendingDecode:
-    """A launched merged forward: `output_bytes()` gives its output rows' bytes (one fresh copy), `wait()` one output
-    [B_i, T_i, H] per request (CPU tensors viewing that copy). Call them from the launching thread, `wait` once."""
+    """A launched merged forward: `output_bytes()` gives its output rows' bytes (a view of the pinned buffer the
+    device copied them into: `HostOutput.lend`), `wait()` one output [B_i, T_i, H] per request (CPU tensors viewing
+    those bytes). Call them from the launching thread, `wait` once."""
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
         dtype: torch.dtype, start: torch.cuda.Event | None = None, shapes: dict[int, tuple[int, ...]] | None = None,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
+        self._output = staging.output  # the buffer this forward's output is copied into
         self._done = done
         self._start = start
         self.device_s: float | None = None  # once collected: the device's seconds from `start` to `done`
@@ -165,15 +235,15 @@ class PendingDecode:
         self._shapes = shapes  # request index -> its [B, T, H] where T > 1 (`MergedRows.shapes`)
         self._hidden_size = hidden_size
         self.dtype = dtype  # the output's (the engine's)
-        self._data: memoryview | None = None  # the output's bytes [rows, H], once copied out
+        self._data: memoryview | None = None  # the output's bytes [rows, H], once collected
         self._waited = False
         staging.done, staging.owner = done, self
 
     def output_bytes(self) -> memoryview:
-        """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
-        the pinned buffer, once; the buffer is then free for another launch. Returns their bytes ([rows, H] in C
-        order, flat): no torch call beyond the event's (a launched step's reply is encoded from them, `wait` views
-        them as tensors)."""
+        """Waits for this forward's output copy (not for the forwards queued after it), once, and returns the output
+        rows' bytes ([rows, H] in C order, flat) as a view of the pinned buffer they were copied into: no copy, no
+        torch call beyond the event's (a launched step's reply is encoded from them, `wait` views them as tensors).
+        The staging set is then free for another launch, and its output buffer once nothing views these bytes."""
         data = self._data
         if data is None:
             staging = self._staging
@@ -181,10 +251,7 @@ class PendingDecode:
             self._done.synchronize()
             if self._start is not None:
                 self.device_s = self._start.elapsed_time(self._done) / 1e3
-            # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
-            # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
-            nbytes = self.rows * self._hidden_size * self.dtype.itemsize
-            data = self._data = memoryview(bytearray(staging.out_bytes[:nbytes]))
+            data = self._data = self._output.lend(self.rows * self._hidden_size * self.dtype.itemsize)
             if staging.owner is self:
                 staging.owner = None
                 staging.done = None
@@ -249,7 +316,7 @@ def launch_graph_decode(
         adapter_rows[: views.bucket].copy_(views.adapter_ids, non_blocking=True)
     out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
-    views.out.copy_(out, non_blocking=True)
+    staging.output.rows(rows).copy_(out, non_blocking=True)  # into a buffer nothing views (`staging.reuse`)
     # a lone row's waiter spins (its step's latency); a merged forward's sleeps: its few microseconds of wake-up are
     # nothing beside the forward's milliseconds, and spinning held a core for the whole forward (the runtime
     # thread's CPU per step equalled the wall time per step)
