@@ -100,7 +100,7 @@ class HostOutput:
         this view and every view made from it are gone."""
         array = self.flat[:nbytes]  # a new array object: what `viewed` watches
         self.lent = weakref.ref(array)
-        return memoryview(array)
+        return array.data  # (a memoryview of the array: it holds the array)
 
 
 @dataclass(eq=False)
