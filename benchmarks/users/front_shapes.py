@@ -26,10 +26,10 @@ import uuid
 import torch
 from hivemind.proto import runtime_pb2
 
+from benchmarks.users.task_deadline import TaskDeadline
 from corolla.protocol import local_stream as ls
 from corolla.protocol.codecs import plain_record, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
-from corolla.utils.deadlines import TaskDeadline
 from corolla.utils.finite import bytes_finite
 
 HIDDEN_SIZE = 4096

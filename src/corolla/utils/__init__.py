@@ -1,1 +1,1 @@
-"""Helpers that know nothing of blocks or swarms: logging, environment, asyncio glue (deadlines, polling)."""
+"""Helpers that know nothing of blocks or swarms: logging, environment, asyncio glue (polling)."""

@@ -138,7 +138,7 @@ class StepOrder:
     step that processed a token (zero-token keep-alives are not activity), counted from the session's last real token;
     with `TimeoutError` past the session's `deadline` while it waits, `RequestTimeout` past it while a step runs, and
     with its ticket's `SessionEvicted` once evicted (between steps). One timer per session, re-armed lazily when it fires
-    before the time it guards (deadlines only move later while steps come), as `utils.deadlines.TaskDeadline` does.
+    before the time it guards (deadlines only move later while steps come).
 
     `deadline` is a `time.monotonic()` value (the event loop's clock)."""
 

@@ -1,5 +1,6 @@
 """`TaskDeadline`: one task's reusable deadline scope for the per-step waits of a stream (the next request, the
-step's compute, a message's reads), with a lazily moved timer.
+step's compute, a message's reads), with a lazily moved timer: the "tasks" front shape of `front_shapes` (the server's
+fronts wait by callbacks and `FrameConnection`'s timers, decision 0130).
 
 `asyncio.timeout` arms a timer per use (a Timeout object, `call_at`, a heap push, a cancel and the loop's lazy
 removal: ~12 us a use on the dev VM) and a decode step used three. A `TaskDeadline` keeps at most one timer per
@@ -36,8 +37,7 @@ class _Task(Protocol):
 class TaskDeadline:
     """Deadline scopes of one task, entered one at a time (`scope(when)`: a `with` block around awaits in that task).
 
-    `when` is an `asyncio` loop time (`loop.time()`), None for no deadline. `expire_now()` ends the current scope at
-    once (e.g. an eviction). Not thread-safe: the task's loop only."""
+    `when` is an `asyncio` loop time (`loop.time()`), None for no deadline. Not thread-safe: the task's loop only."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop if loop is not None else asyncio.get_running_loop()
