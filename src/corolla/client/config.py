@@ -62,7 +62,8 @@ class ClientConfig:
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
-    # move a span off a draining server by its KV cache (no replay of the history); cap on the bytes relayed
+    # move a span off a draining server by its KV cache (no replay of the history); cap on the bytes relayed. Not in
+    # a client that verifies (verify_fraction, verify_shadow_fraction): the cache is the drainer's unchecked word
     kv_handoff: bool = True
     kv_handoff_max_bytes: int = 2**30
     swarm_key_file: str | None = None  # private swarm with membership (`corolla-dht --new_swarm_key`); None = open
