@@ -30,7 +30,6 @@ from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.opening_streams import OpeningStreams
 from corolla.server.front.stream_endpoint import (
-    STREAM_REFUSALS,
     FrameConnection,
     PeerFrames,
     PeerStreamPort,
@@ -65,6 +64,25 @@ def unanswered(name: str, context: P2PContext, error: BaseException | None) -> N
     )
 
 
+async def _answer(
+    name: str, port: PeerStreamPort, error: BaseException | None, on_reject: Callable[[str, BaseException], None]
+) -> None:
+    """A p2p stream's last word: a refused input counted and answered alone (its bytes given back before the caller
+    hears why), else `error`'s text (None: nothing to say); then the rest of the caller's input read and dropped for
+    up to `FINISH_INPUT_S`."""
+    if port.refused is not None:
+        on_reject(name, port.refused)
+        assert port.lease is not None
+        port.lease.release(port.lease.held)
+        error = port.refused
+    if error is not None:
+        port.conn.writelines(port.codec.encode(ls.ERROR, ls.error_text(error)))
+        with suppress(asyncio.TimeoutError, Exception):  # (a caller that does not read is not waited for)
+            await asyncio.wait_for(port.conn.drain(), FINISH_INPUT_S)
+    if not port.input_over:
+        await port.drop_rest(FINISH_INPUT_S)
+
+
 StreamHandlerFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[Any]]
 
 
@@ -77,6 +95,7 @@ class RequestPort(PeerStreamPort):
     read_error: Exception | None = None
 
     def _input_failed(self, error: Exception) -> bool:
+        super()._input_failed(error)  # `broken` or `refused` (the input is over) where it is one of those
         self.read_error = error
         return False
 
@@ -113,8 +132,7 @@ def guarded_stream_handler(
         conn = FrameConnection.take_over(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
-        codec = PeerFrames()
-        port = RequestPort(conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=None, pace=pace)
+        port = RequestPort(conn, PeerFrames(), sys.maxsize, lease=lease, idle_s=idle_s, timeline=None, pace=pace)
         error: BaseException | None = None
         try:
             try:
@@ -134,22 +152,12 @@ def guarded_stream_handler(
                     error = RuntimeError(f"{name} failed: an awaited operation was cancelled")
             except Exception as e:
                 error = e
-            read_error = port.read_error
-            if conn.lost or isinstance(read_error, (asyncio.IncompleteReadError, ConnectionError)):
-                unanswered(name, context, read_error or error)
+            if port.broken or conn.lost:
+                unanswered(name, context, port.read_error or error)
                 return
-            if read_error is not None:
-                if not isinstance(read_error, STREAM_REFUSALS):
-                    raise read_error
-                on_reject(name, read_error)
-                lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
-                error = read_error
-            if error is not None:
-                conn.writelines(codec.encode(ls.ERROR, ls.error_text(error)))
-                with suppress(asyncio.TimeoutError, Exception):  # (a caller that does not read is not waited for)
-                    await asyncio.wait_for(conn.drain(), FINISH_INPUT_S)
-            if not port.input_over:
-                await port.drop_rest(FINISH_INPUT_S)
+            if port.read_error is not None and port.refused is None:
+                raise port.read_error
+            await _answer(name, port, error, on_reject)
         finally:
             port.detach()
             lease.close()
@@ -182,11 +190,11 @@ def steps_handler(
         conn = FrameConnection.take_over(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
-        codec = PeerFrames()
         timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines (as the socket's)
         port = PeerStreamPort(
-            conn, codec, sys.maxsize, lease=lease, idle_s=idle_s, timeline=timeline, pace=budget.limits.message_pace
-        )
+            conn, PeerFrames(), sys.maxsize, lease=lease, idle_s=idle_s, timeline=timeline,
+            pace=budget.limits.message_pace,
+        )  # fmt: skip
         failure: Exception | None = None
         try:
             opening.enter(peer)
@@ -203,17 +211,7 @@ def steps_handler(
             port.detach()
             if port.broken or conn.lost:
                 return  # the caller closed or died
-            error: BaseException | None = failure
-            if port.refused is not None:
-                on_reject(name, port.refused)
-                lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
-                error = port.refused
-            if error is not None:
-                conn.writelines(codec.encode(ls.ERROR, ls.error_text(error)))
-                with suppress(asyncio.TimeoutError, Exception):  # (a caller that does not read is not waited for)
-                    await asyncio.wait_for(conn.drain(), FINISH_INPUT_S)
-            if not port.input_over:
-                await port.drop_rest(FINISH_INPUT_S)
+            await _answer(name, port, failure, on_reject)
         finally:
             if port.on_open is not None:  # the stream ended before its session opened
                 port.on_open()
