@@ -200,9 +200,8 @@ def test_nested_tuples_do_not_crash_any_decoder():
 
 
 def test_installed_serializer_is_bounded_and_compatible():
-    installed_before = (
-        bm.bounded_serializer_installed()
-    )  # (a server or DHT started earlier in this process installs it)
+    # a server or DHT started earlier in this process installs it: the test leaves it as it found it
+    installed_before = bm.bounded_serializer_installed()
     with pytest.MonkeyPatch.context() as patch:  # the decoder found here is back on exit
         patch.setattr(MSGPackSerializer, "loads", MSGPackSerializer.__dict__["loads"])
         bm.install_bounded_serializer()
