@@ -59,6 +59,12 @@ DHT_LIMITS = MsgpackLimits(
     max_bytes=4 << 20, max_depth=32, max_container_len=1 << 16, max_str_bytes=1 << 20, max_bin_bytes=4 << 20,
     max_items=1 << 18,
 )  # fmt: skip
+# One entry of a DictionaryDHTValue: [subkey, value bytes, expiration]; entries are decoded one by one, their number
+# bounded by DHT_LIMITS.max_bytes only (a failing entry is skipped, not its dictionary).
+DICTIONARY_ENTRY_LIMITS = MsgpackLimits(
+    max_bytes=4 << 20, max_depth=8, max_container_len=1024, max_str_bytes=64 * 1024, max_bin_bytes=4 << 20,
+    max_items=4096,
+)  # fmt: skip
 
 
 class _Budget:
@@ -156,7 +162,7 @@ def _decode_ext(code: int, payload: bytes, budget: _Budget, reentries_left: int)
             raise MsgpackLimitError(f"tuple ext (0x40) must hold an array, got {type(items).__name__}")
         return tuple(items)
     if code == DICTIONARY_DHT_VALUE_EXT_TYPE:
-        return _dictionary_dht_value(_decode(payload, budget, reentries_left))
+        return _dictionary_dht_value(payload, budget, reentries_left)
     if code == BATCH_TENSOR_DESCRIPTOR_EXT_TYPE:
         return _batch_tensor_descriptor(_decode(payload, budget, reentries_left))
     logger.debug(f"msgpack.unknown_ext(code={code}, bytes={len(payload)}): left as bytes")
@@ -167,25 +173,62 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _dictionary_dht_value(fields: Any) -> Any:
-    """hivemind's `DictionaryDHTValue.unpackb`, on an already bounded-decoded `[maxsize, latest_exp, items]`."""
+def _dictionary_dht_value(payload: bytes, budget: _Budget, reentries_left: int) -> Any:
+    """hivemind's `DictionaryDHTValue.unpackb` with each entry decoded on its own, under `DICTIONARY_ENTRY_LIMITS`:
+    an entry that fails them or is malformed (a subkey that is no str or nests past them) is skipped, not the whole
+    dictionary, and the number of entries is bounded by the bytes only. A block key's dictionary is every server of
+    the block, written by anyone: one bad subkey, or 65,537 tiny ones (~1 MiB, within the 4 MiB a p2p message
+    carries), stored at an honest node made every corolla reader drop that node's whole answer (hivemind then
+    drops every key of the same request, and the node from its routing table)."""
     from hivemind.dht.storage import DictionaryDHTValue
 
-    if not isinstance(fields, list) or len(fields) != 3:
-        raise MsgpackLimitError("DictionaryDHTValue (0x50) must be [maxsize, latest_expiration_time, items]")
-    maxsize, latest_expiration_time, items = fields
-    if not _is_number(maxsize) or not _is_number(latest_expiration_time) or not isinstance(items, list):
-        raise MsgpackLimitError("DictionaryDHTValue (0x50) fields have wrong types")
-    with DictionaryDHTValue(maxsize).freeze() as value:
-        for item in items:
-            if not isinstance(item, list) or len(item) != 3 or not _is_number(item[2]):
-                raise MsgpackLimitError("DictionaryDHTValue (0x50) items must be [subkey, value, expiration_time]")
-            key, item_value, expiration_time = item
-            if isinstance(key, (list, dict)):
-                raise MsgpackLimitError("DictionaryDHTValue (0x50) subkeys must be hashable")
-            value.store(key, item_value, expiration_time)
-        value.latest_expiration_time = latest_expiration_time
-        return value
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(payload), 1), raw=False, strict_map_key=True)
+    unpacker.feed(payload)
+    try:
+        if unpacker.read_array_header() != 3:
+            raise MsgpackLimitError("DictionaryDHTValue (0x50) must be [maxsize, latest_expiration_time, items]")
+        fields = _decode(_next_object_bytes(unpacker, payload, 2), budget, reentries_left)
+        num_items = unpacker.read_array_header()
+        if not isinstance(fields, list) or not all(_is_number(field) for field in fields):
+            raise MsgpackLimitError("DictionaryDHTValue (0x50) fields have wrong types")
+        maxsize, latest_expiration_time = fields
+        skipped = 0
+        with DictionaryDHTValue(maxsize).freeze() as value:
+            for _ in range(num_items):
+                entry = _next_object_bytes(unpacker, payload, 1)
+                try:  # re-entries keep shrinking (a subkey may hold a dictionary ext): the C stack stays bounded
+                    depth = min(reentries_left, DICTIONARY_ENTRY_LIMITS.max_depth + 1)
+                    item = _decode(entry, _Budget(DICTIONARY_ENTRY_LIMITS), depth, top=True)
+                    if not isinstance(item, list) or len(item) != 3 or not _is_number(item[2]):
+                        raise MsgpackLimitError("items must be [subkey, value, expiration_time]")
+                    key, item_value, expiration_time = item
+                    if not isinstance(key, str):  # the subkeys Petals and corolla write (peer ids, prefixes, keys);
+                        # another type could be unhashable or, at an equal expiration, not comparable in the heap
+                        raise MsgpackLimitError(f"subkey must be a str, got {type(key).__name__}")
+                except MsgpackLimitError:
+                    skipped += 1
+                    continue
+                value.store(key, item_value, expiration_time)
+            if unpacker.tell() != len(payload):
+                raise MsgpackLimitError("DictionaryDHTValue (0x50) has trailing bytes")
+            value.latest_expiration_time = latest_expiration_time
+    except MsgpackLimitError:
+        raise
+    except (msgpack.OutOfData, msgpack.UnpackException, ValueError) as e:  # framing: the answer itself is garbage
+        raise MsgpackLimitError(f"DictionaryDHTValue (0x50) is malformed: {_describe(e)}") from None
+    if skipped:
+        logger.debug(f"msgpack.dictionary_entries_skipped(skipped={skipped}, kept={len(value)})")
+    return value
+
+
+def _next_object_bytes(unpacker: msgpack.Unpacker, payload: bytes, count: int) -> bytes:
+    """The bytes of the next `count` objects (as one msgpack array of them if count > 1), without decoding them
+    (msgpack's skip builds nothing and calls no ext hook)."""
+    start = unpacker.tell()
+    for _ in range(count):
+        unpacker.skip()
+    body = payload[start : unpacker.tell()]
+    return body if count == 1 else bytes([0x90 | count]) + body
 
 
 _DESCRIPTOR_KEYS = frozenset(
@@ -276,7 +319,8 @@ def _bounded_serializer_loads(cls: type, buf: bytes) -> Any:
     try:
         return loads(buf, DHT_LIMITS)
     except ValueError as e:
-        logger.info(f"msgpack.dht_value_undecodable(bytes={len(buf)}): {e}")
+        # debug: a block key flooded with made-up subkeys would write one line per junk value on every read
+        logger.debug(f"msgpack.dht_value_undecodable(bytes={len(buf)}): {e}")
         return bytes(buf)
 
 
