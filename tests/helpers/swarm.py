@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES
 from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
@@ -335,4 +336,4 @@ async def open_local_inference(
     stream = await LocalInferenceStream.open(peer_id, timeout_s=timeout_s, directory=directory)
     if stream is None:
         return None
-    return responses_of(stream, requests)
+    return responses_of(stream, requests, MAX_RESPONSE_FRAME_BYTES)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.client.calls import remote_forward_backward
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.config import ClientConfig
@@ -305,6 +306,36 @@ def test_a_streamed_forward_reply_is_cut_at_the_bytes_its_request_implies():
 
 
 PEER = "12D3KooWBNitLprcTBawSZBqZrrFMcka27mVwJcgm6LBUWMRXLq1"
+
+
+def test_a_forward_reply_message_over_a_direct_stream_is_refused_at_its_header(monkeypatch):
+    """The attack: over a server's direct port (or its local socket) one reply message was taken up to 1 GiB, its
+    bytes counted only once it was whole; a message announcing 64 MiB for a reply of 1.3 MB is now refused at its
+    header (before: the client buffered what came and waited for the rest until request_timeout_s)."""
+    manager = FakeManager({PEER: FakeServer(0, 2)}, 2, request_timeout_s=3.0)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    stream = P2PInferenceStream(ours, PEER)  # the framing does not matter: each subclass checks its headers
+
+    async def direct(*_args, **_kwargs):
+        return stream
+
+    monkeypatch.setattr(remote_forward_backward, "open_socket_stream", direct)
+    span = manager.make_sequence(0, 2, mode="max_throughput")[0]
+    server = threading.Thread(target=_bloated_server, args=(theirs,))
+    server.start()
+    try:
+        with pytest.raises(ConnectionError, match="exceeds the limit"):
+            asyncio.run(
+                asyncio.wait_for(run_remote_forward(manager, span, torch.randn(1, 4, HIDDEN), torch.empty(0)), 30)
+            )
+        assert len(stream._buffer) < FRAME_HEADER_BYTES + (1 << 20)
+    finally:
+        server.join(10)
+        stream.close()
+        theirs.close()
+
+
 ANNOUNCED_BYTES = 64 << 20  # under the stream's absolute bound (1 GiB), 4000x a one-token step's 16 KiB of outputs
 
 

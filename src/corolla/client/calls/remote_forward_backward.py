@@ -99,7 +99,8 @@ async def _call(
             yield request
 
     socket_stream = await open_socket_stream(manager, span.peer_id, f"{method}_stream")
-    over_socket = None if socket_stream is None else responses_of(socket_stream, _requests())
+    # each message at most the whole reply's bytes: a frame is buffered whole before its bytes are counted
+    over_socket = None if socket_stream is None else responses_of(socket_stream, _requests(), limit_bytes)
     if over_socket is not None:
         stream: AsyncIterator[runtime_pb2.ExpertResponse] = over_socket
     elif not needs_streaming(tensors):

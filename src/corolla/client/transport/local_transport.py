@@ -158,9 +158,10 @@ def frame_response(
 
 
 async def responses_of(
-    stream: FramedSocketStream, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    stream: FramedSocketStream, requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
 ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
-    """Sends `requests` (then END) in a task and yields the responses; closes the stream when done."""
+    """Sends `requests` (then END) in a task and yields the responses, each refused at its header past `max_bytes`
+    (ConnectionError); closes the stream when done."""
 
     async def pump() -> None:
         async for request in requests:
@@ -169,7 +170,7 @@ async def responses_of(
 
     sending = asyncio.create_task(pump())
     try:
-        while (response := await stream.receive()) is not None:
+        while (response := await stream.receive(max_bytes)) is not None:
             yield response
     finally:
         sending.cancel()
