@@ -120,12 +120,14 @@ class FakeServer:
 
 
 class FakeStream:
-    """A fake server's `rpc_inference(requests)` as the client's `InferenceStream` (a queue feeds its requests)."""
+    """A fake server's `rpc_inference(requests)` (or another streaming rpc's) as the client's `InferenceStream` (a
+    queue feeds its requests)."""
 
-    def __init__(self, server: FakeServer):
-        self.server = server
+    def __init__(self, server: FakeServer, rpc: str = "rpc_inference"):
+        self.server, self.rpc = server, rpc
         self.queue: asyncio.Queue = asyncio.Queue()
         self.responses = None
+        self.calling: asyncio.Future
         self.closing: asyncio.Future | None = None
         self.closed = False
 
@@ -134,7 +136,8 @@ class FakeStream:
             while (request := await self.queue.get()) is not None:
                 yield request
 
-        self.responses = (await self.server.rpc_inference(requests())).__aiter__()
+        # a task: a training rpc's fake reads its whole request before it returns its replies
+        self.calling = asyncio.ensure_future(getattr(self.server, self.rpc)(requests()))
         return self
 
     async def send(self, request) -> None:
@@ -144,6 +147,8 @@ class FakeStream:
         await self.queue.put(None)
 
     async def receive(self, max_bytes=None):  # (a fake's responses are objects: no bytes to bound)
+        if self.responses is None:
+            self.responses = (await self.calling).__aiter__()
         try:
             return await anext(self.responses)
         except StopAsyncIteration:
@@ -152,7 +157,11 @@ class FakeStream:
     def close(self) -> None:
         if self.closing is None:  # ends the server's generator, as a closed connection does
             self.closed = True
-            self.closing = asyncio.ensure_future(self.responses.aclose())
+            if self.responses is None:
+                self.calling.cancel()
+                self.closing = self.calling
+            else:
+                self.closing = asyncio.ensure_future(self.responses.aclose())
 
 
 class FakeManager(RemoteSequenceManager):
@@ -178,8 +187,8 @@ class FakeManager(RemoteSequenceManager):
     async def get_stub(self, peer_id):
         return self.servers[peer_id]
 
-    async def open_inference_stream(self, peer_id):
-        return await FakeStream(self.servers[peer_id]).open()
+    async def open_inference_stream(self, peer_id, rpc="rpc_inference"):
+        return await FakeStream(self.servers[peer_id], rpc).open()
 
 
 class PrefixFakeServer(FakeServer):

@@ -105,3 +105,25 @@ def test_a_refusal_over_a_socket_is_the_servers_error(served, transport):
     grad[0, 1, 2] = float("nan")
     with pytest.raises(P2PHandlerError, match="NaN|finite"):
         client.call(run_remote_backward(manager, span, hidden, grad, torch.empty(0)))
+
+
+@pytest.mark.parametrize("transport", ["p2p", "direct"])
+def test_a_payload_over_the_unary_limit_streams_and_a_refusal_is_the_servers_error(served, model_path, transport):
+    """Past 1 MiB a p2p call is a stream, read by the client's own p2pd stream reader (each message bounded at its
+    header); the same results as local autograd, and a server's refusal comes back as its error."""
+    server, client = served
+    manager, span = _manager(server, client, transport)
+    torch.manual_seed(1)
+    hidden, grad = torch.randn(48, 100, HIDDEN), torch.randn(48, 100, HIDDEN)  # 1.2 MB of fp32 each
+    prompts = torch.randn(NUM_BLOCKS, 1, 2, HIDDEN) * 0.1
+    want_output, want_grad, want_prompts = _local_autograd(model_path, hidden, grad, prompts)
+
+    async def go():
+        output = await run_remote_forward(manager, span, hidden, prompts)
+        return output, *await run_remote_backward(manager, span, hidden, grad, prompts)
+
+    for got, want in zip(client.call(go()), (want_output, want_grad, want_prompts), strict=True):
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+    grad[0, 1, 2] = float("nan")
+    with pytest.raises(P2PHandlerError, match="NaN|finite"):
+        client.call(run_remote_backward(manager, span, hidden, grad, torch.empty(0)))

@@ -308,32 +308,42 @@ def test_a_streamed_forward_reply_is_cut_at_the_bytes_its_request_implies():
 PEER = "12D3KooWBNitLprcTBawSZBqZrrFMcka27mVwJcgm6LBUWMRXLq1"
 
 
-def test_a_forward_reply_message_over_a_direct_stream_is_refused_at_its_header(monkeypatch):
-    """The attack: over a server's direct port (or its local socket) one reply message was taken up to 1 GiB, its
-    bytes counted only once it was whole; a message announcing 64 MiB for a reply of 1.3 MB is now refused at its
-    header (before: the client buffered what came and waited for the rest until request_timeout_s)."""
-    manager = FakeManager({PEER: FakeServer(0, 2)}, 2, request_timeout_s=3.0)
+@pytest.mark.parametrize("path", ["direct", "p2p"])
+def test_a_forward_reply_message_is_refused_at_its_header(monkeypatch, path):
+    """The attack: one reply message was read whole before its bytes were counted, at whatever length the server
+    announced: over a direct port or local socket up to 1 GiB, over p2p without any bound (hivemind's stub reads
+    the length an 8-byte header announces, `P2P.receive_raw_data`). A message announcing 64 MiB for a reply of at
+    most 1.3 MB is now refused at its header (before: the client buffered what came and waited for the rest until
+    request_timeout_s)."""
+    manager = FakeManager({PEER: FakeServer(0, 2)}, 2, request_timeout_s=3.0, direct_transport=False)
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    stream = P2PInferenceStream(ours, PEER)  # the framing does not matter: each subclass checks its headers
+    stream = P2PInferenceStream(ours, PEER, "rpc_forward_stream")
 
-    async def direct(*_args, **_kwargs):
+    async def opened(*_args, **_kwargs):
         return stream
 
-    monkeypatch.setattr(remote_forward_backward, "open_socket_stream", direct)
+    async def no_socket(*_args, **_kwargs):
+        return None
+
+    if path == "direct":  # (the framing does not matter: each kind of stream checks its own headers)
+        monkeypatch.setattr(remote_forward_backward, "open_socket_stream", opened)
+        inputs = torch.randn(1, 4, HIDDEN)
+    else:
+        monkeypatch.setattr(remote_forward_backward, "open_socket_stream", no_socket)
+        monkeypatch.setattr(manager, "open_inference_stream", opened)
+        inputs = torch.randn(1, 40_000, HIDDEN)  # 1.28 MB of fp32: past the unary limit, a stream
     span = manager.make_sequence(0, 2, mode="max_throughput")[0]
     server = threading.Thread(target=_bloated_server, args=(theirs,))
     server.start()
     try:
         with pytest.raises(ConnectionError, match="exceeds the limit"):
-            asyncio.run(
-                asyncio.wait_for(run_remote_forward(manager, span, torch.randn(1, 4, HIDDEN), torch.empty(0)), 30)
-            )
+            asyncio.run(asyncio.wait_for(run_remote_forward(manager, span, inputs, torch.empty(0)), 30))
         assert len(stream._buffer) < FRAME_HEADER_BYTES + (1 << 20)
     finally:
-        server.join(10)
         stream.close()
         theirs.close()
+        server.join(10)
 
 
 ANNOUNCED_BYTES = 64 << 20  # under the stream's absolute bound (1 GiB), 4000x a one-token step's 16 KiB of outputs

@@ -20,6 +20,7 @@ from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.transport.direct_transport import open_direct
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
+from corolla.client.transport.p2p_stream import InferenceStream
 from corolla.protocol.codecs import (
     combine_parts,
     deserialize_tensor,
@@ -98,18 +99,17 @@ async def _call(
         for request in stream_messages(runtime_pb2.ExpertRequest, serialized, uid=uid, metadata=metadata):
             yield request
 
-    socket_stream = await open_socket_stream(manager, span.peer_id, f"{method}_stream")
-    # each message at most the whole reply's bytes: a frame is buffered whole before its bytes are counted
-    over_socket = None if socket_stream is None else responses_of(socket_stream, _requests(), limit_bytes)
-    if over_socket is not None:
-        stream: AsyncIterator[runtime_pb2.ExpertResponse] = over_socket
-    elif not needs_streaming(tensors):
+    framed: InferenceStream | None = await open_socket_stream(manager, span.peer_id, f"{method}_stream")
+    if framed is None and not needs_streaming(tensors):
         request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)
         response = await getattr(stub, method)(request, timeout=config.request_timeout_s)
         _check_size(span, method, response.ByteSize(), limit_bytes)
         return [deserialize_tensor(t) for t in response.tensors]
-    else:
-        stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
+    if framed is None:  # not hivemind's stub: its reader takes one message at whatever length the server announces
+        opening = manager.open_inference_stream(span.peer_id, f"{method}_stream")
+        framed = await asyncio.wait_for(opening, config.connect_timeout_s)
+    # each message at most the whole reply's bytes: a frame is buffered whole before its bytes are counted
+    stream = responses_of(framed, _requests(), limit_bytes)
     reply = ReplyParts()
     parts: list[runtime_pb2.Tensor] = []
     replies = received = 0
@@ -126,8 +126,7 @@ async def _call(
     try:
         await asyncio.wait_for(_read(), config.request_timeout_s)
     finally:
-        if over_socket is not None:
-            await over_socket.aclose()  # its sending task ended and its socket closed, whatever happened
+        await stream.aclose()  # its sending task ended and its stream closed, whatever happened
     if not replies:  # hivemind ends a stream closed under it silently: a broken connection, not a server's answer
         raise ConnectionError(f"{method}_stream of {span.peer_id} closed without a reply")
     if reply.cut:

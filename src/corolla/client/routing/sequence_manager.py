@@ -406,10 +406,10 @@ class RemoteSequenceManager:
             self._stubs[peer_id] = stub
         return stub
 
-    async def open_inference_stream(self, peer_id: str) -> InferenceStream:
-        """An `rpc_inference` stream to a server through p2pd (must be awaited on the client loop; the caller bounds
-        the time)."""
-        return await P2PInferenceStream.open(await self._get_p2p(), peer_id)
+    async def open_inference_stream(self, peer_id: str, rpc: str = "rpc_inference") -> InferenceStream:
+        """An `rpc_inference` stream (or another streaming rpc's: `rpc_forward_stream`, `rpc_backward_stream`) to a
+        server through p2pd (must be awaited on the client loop; the caller bounds the time)."""
+        return await P2PInferenceStream.open(await self._get_p2p(), peer_id, rpc)
 
     async def _ask_direct_ticket(self, peer_id: str) -> DirectOffer:
         """A ticket for `peer_id`'s direct port, asked for over p2p (must be awaited on the client loop), with the

@@ -21,6 +21,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.client.transport.framed_socket import FramedSocketStream
+from corolla.client.transport.p2p_stream import InferenceStream
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
 
@@ -158,7 +159,7 @@ def frame_response(
 
 
 async def responses_of(
-    stream: FramedSocketStream, requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
+    stream: InferenceStream, requests: AsyncIterator[runtime_pb2.ExpertRequest], max_bytes: int
 ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
     """Sends `requests` (then END) in a task and yields the responses, each refused at its header past `max_bytes`
     (ConnectionError); closes the stream when done."""

@@ -5,7 +5,8 @@ streams (a marker byte, the length as 8 bytes big-endian, the message), so stock
 bytes a hivemind stub sends. Unlike hivemind's stub, which writes each message in three writes from a writer task
 fed by a queue, each request is one write: one wake-up of p2pd per step instead of three; and a step may run in
 the caller's thread (`exchange`), with no hop to the client loop and back. Response lengths are bounded before
-anything is allocated (hivemind's reader trusts the length a peer sends)."""
+anything is allocated (hivemind's reader trusts the length a peer sends: `P2P.receive_raw_data` reads whatever an
+8-byte header announces). Training calls' streams (`rpc_forward_stream`, `rpc_backward_stream`) go this way too."""
 
 from __future__ import annotations
 
@@ -110,14 +111,15 @@ class P2PInferenceStream(FramedSocketStream):
     header_bytes = FRAME_HEADER_BYTES
 
     @classmethod
-    async def open(cls, p2p: P2P, peer_id: str) -> P2PInferenceStream:
-        """Opens the stream (the caller bounds the time); ConnectionError when p2pd cannot reach the server."""
+    async def open(cls, p2p: P2P, peer_id: str, rpc: str = "rpc_inference") -> P2PInferenceStream:
+        """Opens the stream of `rpc` (`rpc_inference`, or `rpc_forward_stream`/`rpc_backward_stream`: the same
+        framing; the caller bounds the time); ConnectionError when p2pd cannot reach the server."""
         sock, address = _daemon_socket(p2p)
         loop = asyncio.get_running_loop()
         try:
             await loop.sock_connect(sock, address)
             open_request = p2pd_pb2.StreamOpenRequest(peer=PeerID.from_base58(peer_id).to_bytes())
-            open_request.proto.append(INFERENCE_HANDLE)
+            open_request.proto.append(handle_name(rpc))
             request = p2pd_pb2.Request(type=p2pd_pb2.Request.STREAM_OPEN, streamOpen=open_request).SerializeToString()
             await loop.sock_sendall(sock, _varint(len(request)) + request)
             length = await _read_varint(loop, sock, MAX_CONTROL_BYTES)
@@ -128,7 +130,7 @@ class P2PInferenceStream(FramedSocketStream):
         except BaseException:
             sock.close()
             raise
-        stream = cls(sock, peer_id)
+        stream = cls(sock, peer_id, rpc)
         stream.remote_address = tcp_address(remote)
         return stream
 
@@ -151,4 +153,4 @@ class P2PInferenceStream(FramedSocketStream):
         if kind == MESSAGE_MARKER:
             return runtime_pb2.ExpertResponse.FromString(payload)
         error = p2pd_pb2.RPCError.FromString(payload)
-        raise P2PHandlerError(f"Failed to call handler `{INFERENCE_HANDLE}` at {self.peer_id}: {error.message}")
+        raise P2PHandlerError(f"Failed to call handler `{handle_name(self.rpc)}` at {self.peer_id}: {error.message}")
