@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 
+from corolla.api.admission import Admission
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import plain_chat_prompt
 from corolla.api.serving import serve_in_thread
@@ -26,6 +27,7 @@ EOS = 0
 VOCAB = ["<eos>", "Hel", "lo", " wo", "rld", "!", " ST", "OP", " and", " more", "\n"]
 SCRIPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # "Hello world! STOP and more\n"
 CHAR_BASE = 100  # prompt characters encode as CHAR_BASE + ord(c)
+JSON = {"Content-Type": "application/json"}
 
 
 class ScriptedBackend:
@@ -364,3 +366,30 @@ def test_client_disconnect_closes_session(api, backend, client):
     while backend.closed_sessions == closed_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert backend.closed_sessions == closed_before + 1
+
+
+def test_a_request_past_the_threads_and_their_queue_is_refused_with_retry_after():
+    """The attack: no bound on waiting requests (each parsed, its prompt tokenized, waiting in the thread pool's
+    queue): a client opening 10,000 requests held them all. With one thread and a queue of one, a third request gets
+    429 and Retry-After at once; once the others end, requests get in again."""
+    backend = ScriptedBackend(token_delay_s=0.01)
+    app = create_app(backend, ApiConfig(max_concurrent_requests=1, max_queued_requests=1, retry_after_s=2))
+    body = json.dumps({"model": MODEL, "prompt": "third", "max_tokens": 2}).encode()
+    with serve_in_thread(app) as running:
+        admission = app.middleware_stack
+        while not isinstance(admission, Admission):
+            admission = admission.app
+        with _post_and_keep(running.url, "busy", 100), _post_and_keep(running.url, "queued", 2):
+            deadline = time.monotonic() + 10
+            while admission.in_flight < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            request = urllib.request.Request(running.url + "/v1/completions", data=body, headers=JSON)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "2"
+            assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
+        deadline = time.monotonic() + 30
+        while admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert post_raw(running.url + "/v1/completions", body)[0] == 200
+    assert "third" in [backend.decode(prompt) for prompt in backend.sent_prompts]

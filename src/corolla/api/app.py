@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from corolla.api.admission import Admission
 from corolla.api.backend import GenerationBackend
 from corolla.api.chat_page import install_chat_page
 from corolla.api.errors import ApiError, invalid_param
@@ -56,6 +57,9 @@ class ApiConfig:
     model_aliases: tuple[str, ...] = ()  # extra names accepted in the `model` field besides backend.model_id
     unlisted_model_names: tuple[str, ...] = ()  # accepted in `model` but not listed by /v1/models (the --model path)
     max_concurrent_requests: int = 64  # generation threads; further requests wait for a free one
+    max_queued_requests: int = 256  # requests that may wait for a thread; past them (and the threads) a 429
+    max_requests_per_client: int = 64  # running or waiting, from one non-loopback address (api.admission); then 429
+    retry_after_s: int = 1  # the Retry-After of a 429
     default_chat_max_tokens: int = 512  # chat requests without max_tokens get min(this, context left)
     sse_ping_interval_s: float = 15.0  # keep-alive comments on idle streams
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, refused before they are read
@@ -67,6 +71,13 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_concurrent_requests < 1 or self.max_queued_requests < 0 or self.max_requests_per_client < 1:
+            raise ValueError(
+                "max_concurrent_requests and max_requests_per_client must be >= 1 and max_queued_requests >= 0, got "
+                f"{self.max_concurrent_requests}, {self.max_requests_per_client}, {self.max_queued_requests}"
+            )
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ValueError(f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}")
 
@@ -124,7 +135,15 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
-    app.add_middleware(RequestCounter, metrics=metrics, paths=("/v1/completions", "/v1/chat/completions"))
+    generation_paths = ("/v1/completions", "/v1/chat/completions")
+    app.add_middleware(  # inside RequestCounter (added after it: outer), which counts its 429s too
+        Admission,
+        paths=generation_paths,
+        max_in_flight=config.max_concurrent_requests + config.max_queued_requests,
+        max_per_client=config.max_requests_per_client,
+        retry_after_s=config.retry_after_s,
+    )
+    app.add_middleware(RequestCounter, metrics=metrics, paths=generation_paths)
 
     def check_auth(request: Request) -> None:
         if config.api_key is None:

@@ -32,6 +32,9 @@ from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 # integer flags named as the ApiConfig fields they set (defaults: ApiConfig's), with their help
 API_CONFIG_INT_FLAGS = {
     "max_concurrent_requests": "generations at once",
+    "max_queued_requests": "requests that may wait for a generation thread; past them: 429 with Retry-After",
+    "max_requests_per_client": "requests running or waiting from one non-loopback address; past them: 429",
+    "retry_after_s": "the Retry-After (seconds) of a 429",
     "default_chat_max_tokens": "max_tokens of a chat request that sets none (at most the context left)",
     "max_n": "most choices per request (`n`); more: 400",
     "max_logprobs": "most `logprobs`/`top_logprobs` per token",
