@@ -11,6 +11,7 @@ import time
 import hivemind
 import pytest
 import torch
+from hivemind.dht.storage import DHTLocalStorage
 from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
@@ -18,6 +19,7 @@ from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
+from corolla.swarm.bounded_storage import install_bounded_storage
 from corolla.swarm.dht import SwarmConfig, call_with_timeout, create_dht, shutdown_dht
 from corolla.swarm.identity import RecordSigner
 from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
@@ -56,7 +58,10 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
 def attacker(swarm):
     """A DHT node with no record validators: it stores whatever it is sent, and writes whatever it likes."""
     kwargs = SwarmConfig(initial_peers=swarm.initial_peers, startup_timeout_s=30).dht_kwargs()
-    dht = hivemind.DHT(start=True, **kwargs)
+    install_bounded_storage()  # (the servers' create_dht did): the stock node below gets hivemind's own storage back
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DHTLocalStorage, "store_subkey", DHTLocalStorage.store_subkey.__wrapped__)
+        dht = hivemind.DHT(start=True, **kwargs)
     try:
         yield dht
     finally:
@@ -155,10 +160,13 @@ def test_a_record_expiring_far_in_the_future_is_read_by_nobody(swarm, model_path
     ghost, control = RecordSigner.generate(), RecordSigner.generate()
     for signer, expiration in ((ghost, time.time() + 10 * 365 * 86400), (control, time.time() + 60)):
         key, subkey, value = sign_server_record(signer, prefix, claim, ModelInfo(num_blocks=NUM_LAYERS), expiration)
-        # corolla nodes refuse the ghost's signed record (the attacker's own node, which validates nothing, keeps
-        # it); its unsigned ones are stored, as any node of a Petals swarm stores them, and skipped by readers
+        # corolla nodes refuse the ghost's records, signed (validator) and unsigned (swarm.bounded_storage); the
+        # attacker's own stock node keeps them, as any node of a Petals swarm would, and readers skip them
         assert _store(attacker, key, value, expiration, subkey=subkey) == (signer is control)
-        assert all([_store(attacker, uid, claim.to_tuple(), expiration, subkey=signer.peer_id) for uid in uids])
+        for uid in uids:
+            _store(attacker, uid, claim.to_tuple(), expiration, subkey=signer.peer_id)
+        held = call_with_timeout(attacker.get(uids[0], latest=True, return_future=True), TIMEOUT_S, "attacker.get")
+        assert signer.peer_id in held.value  # in the DHT (at the attacker's node at least): readers must skip it
     for max_signed_lookups in (1024, 0):  # the corolla view and the unsigned (Petals) one
         infos = get_remote_module_infos(
             reader, uids, latest=True, timeout_s=TIMEOUT_S, max_signed_lookups=max_signed_lookups

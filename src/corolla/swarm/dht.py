@@ -26,6 +26,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.bounded_msgpack import install_bounded_serializer
+from corolla.swarm.bounded_storage import install_bounded_storage
 from corolla.swarm.identity import prepare_identity, set_signer
 from corolla.swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from corolla.swarm.signed_records import default_record_validators
@@ -241,6 +242,7 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
         logger.info("dht.create(public swarm): relays, AutoNAT and NAT port mapping follow the Petals defaults")
     install_p2pd_deathsig()  # also protects p2pd instances created directly in this process (probes, clients)
     install_bounded_serializer()  # hivemind decodes DHT values with it; the forked DHT process inherits it
+    install_bounded_storage()  # what one key holds stays answerable in one p2p message (swarm.bounded_storage)
     # signed records (swarm.signed_records): refuse forged ones, sign ours with the key behind our peer id
     kwargs["record_validators"] = [*default_record_validators(), *kwargs.get("record_validators", ())]
     for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
