@@ -44,7 +44,9 @@ def test_a_key_holds_at_most_its_bytes(storage):
     value = bytes(10_000)
     stored = [i for i in range(64) if storage.store(KEY, value, later, subkey=f"Qm{i}")]
     assert 0 < len(stored) <= bs.MAX_DICTIONARY_BYTES // len(value) < 64
-    assert not storage.store(KEY, value + bytes(2_000), later + 1, subkey=f"Qm{stored[0]}")  # a refresh may not grow past it
+    assert not storage.store(
+        KEY, value + bytes(2_000), later + 1, subkey=f"Qm{stored[0]}"
+    )  # a refresh may not grow past it
     assert storage.store(KEY, b"small", later + 1, subkey=f"Qm{stored[0]}")
 
 

@@ -63,7 +63,7 @@ def install_bounded_storage() -> None:
     process forks so the child inherits it."""
     with _install_lock:
         if not bounded_storage_installed():
-            DHTLocalStorage.store_subkey = _bounded_store_subkey  # type: ignore[method-assign]
+            DHTLocalStorage.store_subkey = _bounded_store_subkey
             logger.debug("dht_storage.bounds_installed()")
 
 
