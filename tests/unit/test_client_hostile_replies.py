@@ -413,3 +413,34 @@ def test_a_closing_sessions_last_messages_are_no_bigger_than_a_reply_without_out
     finally:
         server.join(10)
         theirs.close()
+
+
+class MadeUp(FakeServer):
+    """A server record with a made-up peer id: nothing answers a dial (or a ping) to it."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 1e6):
+        super().__init__(start, end, inference_rps)
+        self.dialled = 0
+
+    async def rpc_inference(self, requests):
+        self.dialled += 1
+        raise ConnectionError("no address for a made-up peer id")
+
+
+def test_after_a_made_up_server_fails_routes_take_the_measured_honest_one(monkeypatch):
+    """The attack: records of made-up servers (unsigned, any peer id, claiming 1e6 blocks/s) that this client has not
+    pinged yet won the route over an honest server it had measured, one after the other as each failed and was
+    banned (all 1,000 of 1,000 at 300 ms, decision 0137). Now the first failure of a server never measured makes the
+    unmeasured ones count as unreachable until the view is measured again: one made-up server tried, then the honest
+    one."""
+    servers: dict = {"honest": FakeServer(0, 2, inference_rps=2.0)}  # slow: 1 s a token for its 2 blocks
+    manager = FakeManager(servers, 2, max_backoff_s=0.05)  # its first refresh measured the honest server
+    made_up = {f"made-up-{i}": MadeUp(0, 2) for i in range(20)}
+    servers.update(made_up)
+    monkeypatch.setattr(manager, "measure_rtts_s", lambda peer_ids: {})  # none of them answers a ping
+    manager.update()
+    assert manager.make_sequence(0, 2, mode="min_latency")[0].peer_id.startswith("made-up")  # the bait works
+    tokens = torch.randn(1, 8, HIDDEN)
+    outputs, _ = _generate_8(manager, tokens)
+    assert torch.allclose(outputs, reference(tokens, 2), atol=1e-5)
+    assert sum(server.dialled for server in made_up.values()) == 1

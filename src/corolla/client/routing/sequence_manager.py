@@ -95,6 +95,9 @@ class RemoteSequenceManager:
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
         self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf)  # smoothed RTTs, never forgotten
+        # until then (time.monotonic()), servers this client never measured count as unreachable when routing: one of
+        # them failed (decision 0137)
+        self._unmeasured_suspect_until = 0.0
         self._ready = threading.Event()
         self._update_requested = threading.Event()
         self._attempted = threading.Event()  # set after the first update attempt, failed or not
@@ -271,6 +274,8 @@ class RemoteSequenceManager:
         if mode not in ("min_latency", "max_throughput"):
             raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
         now = time.monotonic()
+        if now < self._unmeasured_suspect_until:  # made-up records may be among them: measured servers first
+            rtts = {**{span.peer_id: math.inf for span in spans}, **rtts}
         route = self.policy.choose_route(
             spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
             client_load=self.routed.load(now), waited_s=waited_s, rng=self.rng,
@@ -293,10 +298,17 @@ class RemoteSequenceManager:
         self.routed.note((span.peer_id for span in route), time.monotonic() if now_s is None else now_s)
 
     def on_request_failure(self, peer_id: str | None) -> None:
-        """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered."""
+        """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered. A server
+        this client never measured that fails makes every unmeasured server count as unreachable in routes for
+        `update_period_s`, and refreshes at once (whose pings measure up to `PLACEMENT_PINGS` of them): anyone can
+        announce made-up servers (unsigned records, any peer id, any claimed speed), and without this a route tried
+        them one by one before an honest server it had measured (all 1,000 of 1,000 at 300 ms, decision 0137)."""
         if peer_id is None:
             self.request_update()
             return
+        if peer_id not in self.client_rtts_s:
+            self._unmeasured_suspect_until = time.monotonic() + self.config.update_period_s
+            self.request_update()
         duration_s = self.bans.ban(peer_id)
         if duration_s:
             logger.info("routing.ban(peer=...%s, duration_s=%.0f)", peer_id[-6:], duration_s)
