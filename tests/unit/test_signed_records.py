@@ -15,10 +15,12 @@ from hivemind.utils.serializer import MSGPackSerializer
 from corolla.protocol.records import MAX_EXPIRATION_AHEAD_S, ModelInfo, RemoteModuleInfo, ServerInfo, ServerState
 from corolla.swarm.identity import RecordSigner, peer_id_from_public_key
 from corolla.swarm.signed_records import (
+    RECENT_SIGNERS,
     VERIFY_CACHE,
     SignedRecordError,
     SignedRecordValidator,
     apply_signed_records,
+    candidate_pairs,
     check_found_entry,
     key_id_bytes,
     sign_server_record,
@@ -225,3 +227,17 @@ def test_vote_model_info(honest, attacker):
         records.append(verify_signed_entry(key_id_bytes(key), subkey, value, exp))
     assert vote_model_info(records, PREFIX) == MODEL
     assert vote_model_info(records, "other") is None
+
+
+def test_a_signer_verified_before_is_looked_up_first_past_a_flood():
+    """The attack: 2,000 made-up subkeys under a block key ahead of a corolla server's pushed its signed record out of
+    the reader's `max_lookups` (its unsigned record, which anyone may overwrite, then stood alone). A pair whose
+    signed record verified lately is looked up first."""
+    RECENT_SIGNERS.clear()
+    raw = {"m.0": {**{f"QmJunk{i}": None for i in range(2000)}, "QmHonest": None}}
+    pairs, skipped = candidate_pairs(["m.0"], raw, 1024)
+    assert ("m", "QmHonest") not in pairs and skipped == 977  # a reader that never verified it
+    RECENT_SIGNERS.note([("m", "QmHonest")])
+    pairs, skipped = candidate_pairs(["m.0"], raw, 1024)
+    assert pairs[0] == ("m", "QmHonest") and len(pairs) == 1024 and skipped == 977
+    RECENT_SIGNERS.clear()

@@ -27,6 +27,7 @@ from corolla.protocol.uids import make_uid, parse_uid, validate_dht_prefix
 from corolla.swarm.dht import DEFAULT_DHT_TIMEOUT_S, call_with_timeout, run_in_dht
 from corolla.swarm.identity import get_signer
 from corolla.swarm.signed_records import (
+    RECENT_SIGNERS,
     SignedRecordError,
     SignedRecords,
     apply_signed_records,
@@ -176,6 +177,7 @@ async def _lookup_signed(
             continue
         if record is not None:
             records[pair] = record
+    RECENT_SIGNERS.note(records)
     return records
 
 

@@ -269,9 +269,41 @@ def default_record_validators() -> list[RecordValidatorBase]:
 SignedRecords = dict[tuple[str, str], SignedServerRecord]
 
 
+class _RecentSigners:
+    """`(prefix, peer)` pairs whose signed record verified lately (LRU, `RECENT_SIGNERS_ENTRIES`): their lookups go
+    first, so that made-up subkeys flooding a block key past `max_lookups` do not push a known corolla server's
+    signed record out of a read (its unsigned record, which anyone can overwrite, would then stand alone)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._pairs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, pairs: Iterable[tuple[str, str]]) -> None:
+        with self._lock:
+            for pair in pairs:
+                self._pairs[pair] = None
+                self._pairs.move_to_end(pair)
+            while len(self._pairs) > self.max_entries:
+                self._pairs.popitem(last=False)
+
+    def __contains__(self, pair: object) -> bool:
+        with self._lock:
+            return pair in self._pairs
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pairs.clear()
+
+
+RECENT_SIGNERS_ENTRIES = 4096
+RECENT_SIGNERS = _RecentSigners(RECENT_SIGNERS_ENTRIES)
+
+
 def candidate_pairs(uids: Iterable[str], raw: Mapping[str, Any], max_lookups: int) -> tuple[list[tuple[str, str]], int]:
     """`(prefix, peer)` pairs worth a signed lookup: every str subkey under the requested block keys, each once,
-    at most `max_lookups` (the rest are counted, not looked up: their unsigned records are used as they are)."""
+    at most `max_lookups`, those in `RECENT_SIGNERS` first (the rest are counted, not looked up: their unsigned records
+    are used as they are)."""
     pairs: dict[tuple[str, str], None] = {}
     for uid in uids:
         entries = raw.get(uid)
@@ -284,7 +316,7 @@ def candidate_pairs(uids: Iterable[str], raw: Mapping[str, Any], max_lookups: in
         for subkey in entries:
             if isinstance(subkey, str) and 0 < len(subkey) <= 128 and "." not in subkey and " " not in subkey:
                 pairs[(prefix, subkey)] = None
-    chosen = list(pairs)
+    chosen = sorted(pairs, key=lambda pair: pair not in RECENT_SIGNERS)  # (stable: otherwise in the order found)
     return chosen[:max_lookups], max(0, len(chosen) - max_lookups)
 
 
