@@ -5,11 +5,15 @@ it is done); loopback addresses count toward the total only; other paths pass un
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import threading
+import time
 
 import pytest
 
 from corolla.api.admission import Admission, is_loopback
+from corolla.api.serving import serve_in_thread
 
 PATH = "/v1/completions"
 
@@ -87,3 +91,53 @@ def test_other_paths_are_not_counted():
 )  # fmt: skip
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
+
+
+class ThreadHeldApp:
+    """An ASGI app (lifespan included) whose requests stay inside until `release` is set, served by uvicorn."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": message["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        self.entered += 1
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _post(port: int, forwarded_for: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", PATH, body=b"{}", headers={"X-Forwarded-For": forwarded_for})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_a_loopback_proxys_clients_are_counted_by_their_forwarded_address():
+    """A reverse proxy on the gateway's machine connects from 127.0.0.1 (not counted per client) and names each
+    client in X-Forwarded-For, which uvicorn trusts from loopback and writes into the request's address before the
+    middleware: its clients are bounded one by one (README, contracts)."""
+    app = ThreadHeldApp()
+    admission = Admission(app, paths=(PATH,), max_in_flight=8, max_per_client=1, retry_after_s=1)
+    with serve_in_thread(admission) as running:
+        statuses: list[int] = []
+        first = threading.Thread(target=lambda: statuses.append(_post(running.port, "203.0.113.7")))
+        first.start()
+        deadline = time.monotonic() + 30
+        while app.entered < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.entered == 1
+        assert _post(running.port, "203.0.113.7") == 429  # the same forwarded client's second
+        app.release.set()
+        first.join(30)
+        assert statuses == [200]
+        assert _post(running.port, "203.0.113.7") == 200  # its slot freed at its first request's end

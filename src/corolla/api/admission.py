@@ -4,9 +4,12 @@ with `Retry-After` before its body is read. Without it, a client opening 10,000 
 parsed and waiting in the thread pool's unbounded queue (its body, prompt ids and an asyncio task apiece) while 64 of
 them held every generation thread.
 
-The per-client bound counts by the connection's address and leaves loopback addresses alone: the gateway listens on
-127.0.0.1 unless told otherwise, where every client (the operator's own programs, a reverse proxy in front) shares
-one address; those are bounded by the total only (a proxy facing the network should bound its own clients)."""
+The per-client bound counts by the client address uvicorn gives the request and leaves loopback addresses alone: the
+gateway listens on 127.0.0.1 unless told otherwise, where the operator's own programs share one address; those are
+bounded by the total only. A reverse proxy on the same machine that sends `X-Forwarded-For` has each of its clients
+counted by its own address (uvicorn trusts that header from 127.0.0.1 and ::1 and rewrites the address before this
+middleware); one on another machine is one address (64 requests for all its clients) unless uvicorn is told to trust
+it (`FORWARDED_ALLOW_IPS=<its address>`) or `--max_requests_per_client` is raised."""
 
 from __future__ import annotations
 
