@@ -2,12 +2,15 @@
 16-bit pattern, values at the float's max, inf/NaN anywhere), `is_plain_empty` against what `deserialize_tensor`
 decodes (forged, truncated, oversized records take the general path and fail with its errors), the msgpack shortcut
 for Petals' step args_structure against the general decoder under every limit, a step's metadata record against
-the general `from_dict`, and a STEP frame's packed head against its field-by-field bytes."""
+the general `from_dict` (and `small_map` against `loads`), a step's reply built as bytes (`record_frame`) against the
+serialized message, and a STEP frame's packed head against its field-by-field bytes."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
+import hivemind.compression.base
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
@@ -19,7 +22,10 @@ from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serializ
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server.front import block_functions as bf
+from corolla.server.front.inference_stream import SessionState
+from corolla.utils.tensor_bytes import TensorBytes
 
+CT = runtime_pb2.CompressionType
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -147,6 +153,56 @@ def test_step_structure_shortcut_decodes_and_refuses_like_the_general_path(
     assert bounded_msgpack.loads(encode_metadata(metadata))["args_structure"] == bf.PETALS_STEP_STRUCTURE
 
 
+def _small_or_loads(data: bytes, limits: bounded_msgpack.MsgpackLimits) -> tuple[object, object]:
+    """(`small_map`'s value or None, `loads`'s value or its error message)."""
+    small = bounded_msgpack.small_map(data, limits)
+    try:
+        return small, bounded_msgpack.loads(data, limits)
+    except ValueError as e:
+        return small, f"ValueError: {e}"
+
+
+def test_small_map_is_what_loads_returns_or_leaves_the_bytes_to_it() -> None:
+    """A request's metadata decodes in one C unpack (`small_map`) to `loads`'s value; anything else (other exts,
+    keys that are no str, a long message, a nesting too deep, garbage) is left to `loads`: its values and refusals
+    stay its own."""
+    limits = bounded_msgpack.METADATA_LIMITS
+    step = {"session_id": "s" * 36, "step_id": "t" * 36, "start_from_position": 7, "points": 0.0,
+            "active_adapter": "", "args_structure": bf.PETALS_STEP_STRUCTURE, "corolla.x": b"\x00", "n": None}  # fmt: skip
+    for value in (
+        step,
+        {**step, "next_servers": [["QmPeer", "sid", 0, 4]], "extra": {"a": [1, {"b": bf.PETALS_STEP_STRUCTURE}]}},
+        {"deep": [[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]},  # 16 containers, the map's included: the deepest the limit takes
+    ):
+        small, general = _small_or_loads(encode_metadata(value), limits)
+        assert small == general == value and isinstance(small, dict)
+    left = [
+        {"deep": [[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]},  # one deeper: `loads` refuses it
+        {**step, "args_structure": ((b"__T0",), {})},  # another tuple ext
+        {**step, "pad": "x" * limits.small_bytes},  # longer than `small_bytes`
+        [1, 2],
+        "not a map",
+    ]
+    for value in left:
+        small, general = _small_or_loads(MSGPackSerializer.dumps(value), limits)
+        assert small is None and general in (value, "ValueError: msgpack value is nested deeper than max_depth=16")
+    wire = encode_metadata(step)
+    for data in (b"\x81\x01\x02", b"\x81\xc4\x01k\x01", wire[:-1], wire + b"\x00", b"\xc1", bytearray(wire)):
+        assert (
+            _small_or_loads(data, limits)[0] is None
+        )  # an int or bytes key, truncated, extra bytes, garbage, not bytes
+    tight = bounded_msgpack.MsgpackLimits(max_bytes=4096, max_depth=2)  # the step structure does not fit: `loads`
+    assert tight.small_bytes == 0 and _small_or_loads(wire, tight)[0] is None
+    generator = torch.Generator().manual_seed(0)
+    nested = encode_metadata({**step, "next_servers": [["QmPeer", "sid", 0, 4]]})
+    for _ in range(3000):  # a byte changed anywhere: small_map gives loads's value or None, never a value loads refuses
+        data = bytearray(wire if _ % 2 else nested)
+        at = int(torch.randint(len(data), (1,), generator=generator))
+        data[at] = int(torch.randint(256, (1,), generator=generator))
+        small, general = _small_or_loads(bytes(data), limits)
+        assert small is None or small == general, bytes(data)
+
+
 # ---- a decode step's metadata ---------------------------------------------------------------------------------
 
 
@@ -177,7 +233,7 @@ _STEP_VALUES = {
     "step_id": ["s-1", None, 1.5],
     "start_from_position": [0, 17, None, -1, True, 2.0, "3"],
     "args_structure": [bf.PETALS_STEP_STRUCTURE, None, [1, 2], "x"],
-    "points": [0.5, "bad"],  # corolla's client repeats these two every step
+    "points": [0.5, "bad", 1, float("inf"), True],  # corolla's client repeats these two every step
     "active_adapter": ["lora", None, 5],
 }
 
@@ -216,6 +272,42 @@ def test_step_metadata_shortcut_builds_a_frozen_record_of_its_own() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.step_id = "c"  # type: ignore[misc]
     assert repr(first) == repr(InferenceRequestMetadata(session_id="a", step_id="b", start_from_position=3))
+
+
+# ---- a step's reply built as bytes ----------------------------------------------------------------------------
+
+
+RAW_DTYPES = [*FLOATS, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", RAW_DTYPES)
+def test_record_frame_gives_the_serialized_response(dtype: torch.dtype) -> None:
+    """head + values + tail is `ExpertResponse(tensors=[serialize_tensor_bytes(...)])` byte for byte, and the record
+    parsed from its offset is the message's record (what a re-sent step is answered with)."""
+    generator = torch.Generator().manual_seed(1)
+    for shape in ((1, 1, 64), (3, 5, 7), (200,), (1,), (2, 1, 20000)):
+        values = torch.randint(
+            0, 256, (math.prod(shape) * torch.empty((), dtype=dtype).element_size(),), generator=generator
+        )
+        output = TensorBytes(memoryview(bytearray(values.to(torch.uint8).numpy().tobytes())), dtype, shape)
+        response = runtime_pb2.ExpertResponse()
+        codecs.serialize_tensor_bytes(output, CT.NONE, response.tensors)
+        frame = codecs.record_frame(shape, dtype)
+        assert frame is not None
+        head, tail, offset = frame
+        wire = b"".join((head, output.data, tail))
+        assert wire == response.SerializeToString(), (dtype, shape)
+        session = SessionState("s", [0], 1, 8, None, "", None)
+        session.record_output(InferenceRequestMetadata(step_id="a"), memoryview(wire)[offset:])
+        assert session.resend_output("a") == response.tensors[0]
+
+
+def test_record_frame_leaves_every_other_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert codecs.record_frame((1, 1, 4), torch.float16, CT.FLOAT16) is None  # compressed: hivemind's codec
+    assert codecs.record_frame((0, 4), torch.bfloat16) is None  # no values
+    assert codecs.record_frame((1, 1, 4), torch.bfloat16) is not None
+    monkeypatch.setattr(hivemind.compression.base, "USE_LEGACY_BFLOAT16", True)  # bf16 goes as fp32 then
+    assert codecs.record_frame((1, 1, 4), torch.bfloat16) is None
 
 
 # ---- the STEP frame's head --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ record instead of losing the whole key); encoding stays hivemind's, so bytes on 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -31,6 +31,11 @@ class MsgpackLimitError(ValueError):
     """The bytes exceed a decoding limit (or are not msgpack); the message names the limit."""
 
 
+def _step_structure_fits(limits: MsgpackLimits) -> bool:
+    """True where the general path would decode the step structure's payload (its arrays and bins within limits)."""
+    return limits.max_container_len >= 3 and limits.max_bin_bytes >= 4
+
+
 @dataclass(frozen=True)
 class MsgpackLimits:
     """Bounds on one decoded message. Each is checked before the corresponding object is allocated, except
@@ -42,11 +47,16 @@ class MsgpackLimits:
     max_str_bytes: int = 64 * 1024  # one str (utf-8 bytes)
     max_bin_bytes: int = 1 << 20  # one bin
     max_items: int = 1 << 16  # elements of all containers together (amplification bound: an empty list is 1 byte)
+    # the longest message `small_map` decodes: none that short can pass a length, item or str/bin limit (each element,
+    # pair and str/bin byte takes a byte of it); 0 where the step structure (3 deep) would not fit (its own checks)
+    small_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_depth", "max_container_len", "max_str_bytes", "max_bin_bytes", "max_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MsgpackLimits.{name} must be >= 1, got {getattr(self, name)}")
+        small = min(self.max_bytes, self.max_container_len, self.max_str_bytes, self.max_bin_bytes, self.max_items)
+        object.__setattr__(self, "small_bytes", small if self.max_depth >= 3 and _step_structure_fits(self) else 0)
 
 
 # Request metadata and rpc_info replies: a handful of keys (Petals sends < 1 KiB).
@@ -146,11 +156,6 @@ STEP_STRUCTURE_PAYLOAD = b"\x92\xc7\x13@\x93\xc4\x04__T0\xc4\x04__T1\xc4\x04__T2
 _STEP_STRUCTURE_ARGS = (b"__T0", b"__T1", b"__T2")
 
 
-def _step_structure_fits(limits: MsgpackLimits) -> bool:
-    """True where the general path would decode the step structure's payload (its arrays and bins within limits)."""
-    return limits.max_container_len >= 3 and limits.max_bin_bytes >= 4
-
-
 def _decode_ext(code: int, payload: bytes, budget: _Budget, reentries_left: int) -> Any:
     if code == TUPLE_EXT_TYPE:
         if payload == STEP_STRUCTURE_PAYLOAD and reentries_left >= 2 and _step_structure_fits(budget.limits):
@@ -167,6 +172,44 @@ def _decode_ext(code: int, payload: bytes, budget: _Budget, reentries_left: int)
         return _batch_tensor_descriptor(_decode(payload, budget, reentries_left))
     logger.debug(f"msgpack.unknown_ext(code={code}, bytes={len(payload)}): left as bytes")
     return payload  # as hivemind does for codes it does not know
+
+
+class _NotSmall(Exception):
+    """`small_map` met an ext that only `loads` decodes (any but the step structure's)."""
+
+
+def _small_ext(code: int, payload: bytes) -> Any:
+    if code == TUPLE_EXT_TYPE and payload == STEP_STRUCTURE_PAYLOAD:
+        return (_STEP_STRUCTURE_ARGS, {})
+    raise _NotSmall
+
+
+def small_map(data: bytes, limits: MsgpackLimits = METADATA_LIMITS) -> dict[str, Any] | None:
+    """What `loads(data, limits)` returns for a str-keyed map of at most `limits.small_bytes` whose only ext is
+    Petals' step structure (hivemind's tuple ext): every request's metadata, decoded in one C unpack with no Python
+    hook (a message that short passes no length, item or str/bin limit; its depth is walked where it nests). None
+    for anything else, nothing refused (the caller then calls `loads`, which decodes or refuses it: the refusals and
+    their messages stay its own)."""
+    if data.__class__ is not bytes or len(data) > limits.small_bytes:
+        return None
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_small_ext)
+    except Exception:  # (malformed, an ext `loads` decodes itself, ...): `loads` says what
+        return None
+    if value.__class__ is not dict:
+        return None
+    nested = False
+    for key, item in value.items():  # (a tuple is the step structure, 2 deep: arrays decode as lists)
+        if key.__class__ is not str:
+            return None
+        if item.__class__ is list or item.__class__ is dict:
+            nested = True
+    if nested:
+        try:
+            _check_depth(value, limits.max_depth, limits)
+        except MsgpackLimitError:
+            return None
+    return value
 
 
 def _is_number(value: Any) -> bool:

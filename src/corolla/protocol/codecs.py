@@ -141,6 +141,52 @@ def serialize_tensor_bytes(
     return serialize_tensor(output.tensor(), compression, into)
 
 
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of `value` >= 0."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+MAX_RECORD_FRAMES = 64  # (shape, dtype) pairs whose `record_frame` is kept (a server's steps have a few)
+_record_frames: dict[tuple[tuple[int, ...], torch.dtype], tuple[bytes, bytes, int]] = {}
+
+
+def record_frame(
+    shape: tuple[int, ...], dtype: torch.dtype, compression: int = CompressionType.NONE
+) -> tuple[bytes, bytes, int] | None:
+    """(head, tail, offset): `ExpertResponse(tensors=[record])`'s serialized bytes are `head + values + tail` for
+    the NONE record of `dtype` values of `shape` (`serialize_tensor_bytes`'s, values in their wire form), and its
+    record's bytes begin at `offset`; the same bytes as `SerializeToString()` (upb writes fields in number order and
+    leaves proto3's defaults out: no requires_grad, compression NONE, no chunks). None where that record is not the
+    raw one (another compression, a dtype not built raw, legacy bf16) or has no values."""
+    if compression != _NONE or (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16):
+        return None
+    key = (shape, dtype)
+    frame = _record_frames.get(key)
+    if frame is not None:
+        return frame
+    if dtype not in _RAW_VIEWS:
+        return None
+    nbytes = math.prod(shape) * _ITEMSIZES[dtype]
+    if nbytes <= 0:
+        return None
+    sizes = b"".join(_varint(dim) for dim in shape)
+    name = _DTYPE_NAMES[dtype].encode()
+    tail = (b"\x12" + _varint(len(sizes)) + sizes if sizes else b"") + b"\x22" + _varint(len(name)) + name
+    record_head = b"\x0a" + _varint(nbytes)  # field 1 (buffer), field 2 (size, packed), field 4 (dtype)
+    record_bytes = len(record_head) + nbytes + len(tail)
+    head = b"\x12" + _varint(record_bytes) + record_head  # ExpertResponse field 2 (tensors), one record
+    frame = (head, tail, len(head) - len(record_head))
+    if len(_record_frames) >= MAX_RECORD_FRAMES:
+        _record_frames.clear()
+    _record_frames[key] = frame
+    return frame
+
+
 def _serialize_raw(tensor: torch.Tensor, into: Any = None) -> runtime_pb2.Tensor:
     """The bytes hivemind's NONE codec writes (raw bf16 unless legacy mode), built directly: one copy, no registry
     lookups (the per-step output path)."""

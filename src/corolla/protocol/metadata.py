@@ -31,6 +31,9 @@ def decode_metadata(data: bytes) -> dict[str, Any]:
     but a str-keyed map, or over a limit (bytes, depth, lengths, items) -> ValueError naming the limit."""
     if not data:
         return {}
+    value = bounded_msgpack.small_map(data, METADATA_LIMITS)  # a step's metadata: one C unpack, `loads`'s value
+    if value is not None:
+        return value
     if len(data) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is {len(data)} bytes, more than the limit of {MAX_METADATA_BYTES}")
     try:
@@ -146,6 +149,7 @@ _INFERENCE_KEYS = frozenset(
 # a decode step as Petals' client sends it, and corolla's (which repeats the session's `points` and `active_adapter`)
 _STEP_KEYS = frozenset({"session_id", "step_id", "points", "active_adapter", "start_from_position", "args_structure"})
 _NOT_STEP_KEYS = _INFERENCE_KEYS - _STEP_KEYS  # known keys a decode step does not carry
+_STR_OR_NONE = (str, type(None))
 _FORWARD_KEYS = frozenset({"points", "active_adapter", "args_structure", "output_compression"})
 
 
@@ -177,15 +181,30 @@ class InferenceRequestMetadata:
             # absent and keeps its default (exactly what the general path below returns for them). Built without the
             # frozen init's one object.__setattr__ per field (~2.5 us a step): its fields set at once, the defaults'
             # copy
+            get = source.get
+            session_id, step_id, points = get("session_id"), get("step_id"), get("points")
+            adapter, position = get("active_adapter"), get("start_from_position")
+            # the usual values (msgpack's exact types) taken as they are; any other goes through the checks, in the
+            # general path's order (the same value, or the same first error)
+            if not (
+                session_id.__class__ in _STR_OR_NONE
+                and step_id.__class__ in _STR_OR_NONE
+                and (points is None or (points.__class__ is float and math.isfinite(points)))
+                and adapter.__class__ in _STR_OR_NONE
+                and (position is None or (position.__class__ is int and position >= 0))
+            ):
+                session_id, step_id = _get_str(source, "session_id", None), _get_str(source, "step_id", None)
+                points, adapter = _get_finite(source, "points"), _get_str(source, "active_adapter", "")
+                position = _get_nonneg_int(source, "start_from_position")
             step = object.__new__(cls)
             step.__dict__.update(
                 _STEP_DEFAULTS,
-                session_id=_get_str(source, "session_id", None),
-                step_id=_get_str(source, "step_id", None),
-                points=_get_finite(source, "points"),
-                active_adapter=_get_str(source, "active_adapter", "") or "",
-                args_structure=source.get("args_structure"),
-                start_from_position=_get_nonneg_int(source, "start_from_position"),
+                session_id=session_id,
+                step_id=step_id,
+                points=0.0 if points is None else points,
+                active_adapter=adapter or "",
+                args_structure=get("args_structure"),
+                start_from_position=position,
                 extra={} if _STEP_KEYS.issuperset(source) else {k: v for k, v in source.items() if k not in _STEP_KEYS},
             )
             return step

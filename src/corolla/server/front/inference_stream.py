@@ -25,7 +25,13 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol import handoff as hw
 from corolla.protocol import rpc
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
-from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, serialize_tensor_bytes
+from corolla.protocol.codecs import (
+    combine_parts,
+    deserialize_tensor,
+    record_frame,
+    serialize_tensor,
+    serialize_tensor_bytes,
+)
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.shadow import parse_shadow
@@ -70,14 +76,15 @@ class SessionState:
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
     ticket: SessionTicket | None = None  # idle time and eviction (None: not admitted through `admission`)
     last_step_id: str | None = None
-    last_output: runtime_pb2.Tensor | None = None
+    last_output: runtime_pb2.Tensor | memoryview | None = None  # (a record, or its serialized bytes)
     resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
     # sees the metadata of every request of the session's own client before it runs, also one skipped because its
     # pushed copy ran first (the client's prefix keys travel only on its own requests); ValueError ends the session
     on_client_request: Callable[[InferenceRequestMetadata], None] | None = None
 
-    def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
-        """Keeps the last step's reply, to answer a client that re-sends that step."""
+    def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor | memoryview) -> None:
+        """Keeps the last step's reply (its record, or the record's serialized bytes), to answer a client that re-sends
+        that step."""
         self.last_step_id, self.last_output = metadata.step_id, output
 
     def resend_output(self, step_id: str | None) -> runtime_pb2.Tensor:
@@ -85,7 +92,8 @@ class SessionState:
         self.resend_pending = False
         if step_id is not None and step_id == self.last_step_id and self.last_output is not None:
             logger.info(f"rpc_inference.resent_step(session_id={self.session_id!r:.40}, step_id={step_id!r:.40})")
-            return self.last_output
+            output = self.last_output
+            return output if isinstance(output, runtime_pb2.Tensor) else runtime_pb2.Tensor.FromString(output)
         raise DuplicateStep(
             f"step_id {step_id!r:.60} was already processed by this session and is not its last step; "
             f"a step can't be re-run in place: send it with a new step_id and start_from_position"
@@ -518,6 +526,15 @@ def _opening_tokens(first: runtime_pb2.ExpertRequest) -> int:
     return int(size[1]) if len(size) == 3 else 0
 
 
+def _advance(session: SessionState, inputs: StepInputs) -> None:
+    """The session moved past a step answered: its length, and its ticket's use."""
+    meta = inputs.hidden_meta
+    batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
+    session.prefix_length = inputs.prefix_length + length
+    if session.ticket is not None:
+        session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
+
+
 class StepPort(Protocol):
     """A transport's end of one `rpc_inference` stream once its session runs steps (`InferenceStreams.serve_steps`):
     where replies go, and how the client's next request is handed to the session's `StepOrder` (`client`)."""
@@ -533,7 +550,9 @@ class StepPort(Protocol):
         """The session has room for the client's next request: hand it to the order's `client`, now or later."""
         ...
 
-    def reply(self, response: runtime_pb2.ExpertResponse) -> None: ...
+    def reply(self, response: runtime_pb2.ExpertResponse | bytes) -> None:
+        """Writes a response (a message, or its serialized bytes) to the client."""
+        ...
 
     async def drain(self) -> None:
         """Waits while the replies written are not taken (a KV export's many messages)."""
@@ -642,6 +661,13 @@ class SessionSteps:
         output: torch.Tensor | TensorBytes, hit: int | None,
     ) -> None:  # fmt: skip
         session = self.session
+        if hit is None and not metadata.pushed and not metadata.next_servers:  # the response goes out as it is
+            plain = self.streams.plain_step_reply(session, inputs, output)
+            if plain is not None:
+                payload, record = plain
+                session.record_output(metadata, record)
+                self.port.reply(payload)
+                return
         response, can_push = self.streams.step_reply(session, inputs, output)
         record = response.tensors[0]
         session.record_output(metadata, record)
@@ -831,15 +857,28 @@ class InferenceStreams:
     ) -> tuple[runtime_pb2.ExpertResponse, bool]:
         """The step's response (its output's record built in it: `_serialize_output`'s `into`), the session moved
         past the step, and whether its output may be pushed on."""
-        meta = inputs.hidden_meta
-        batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
         drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
         response = hw.step_response(None if drain_deadline is None else drain_deadline - time.monotonic())
         self._serialize_output(output, into=response.tensors)
-        session.prefix_length = inputs.prefix_length + length
-        if session.ticket is not None:
-            session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
+        _advance(session, inputs)
         return response, inputs.prompts is None
+
+    def plain_step_reply(
+        self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes
+    ) -> tuple[bytes, memoryview] | None:
+        """`step_reply`'s response serialized, and its record's bytes in it, built without a message
+        (`codecs.record_frame`: the output's bytes copied once): a launched step's bytes in the span's dtype, from a
+        server that does not drain; None for any other output (`step_reply` builds those), nothing done."""
+        drains = self.core.drain.deadline is not None
+        if drains or not isinstance(output, TensorBytes) or output.dtype != self.limits.dtype:
+            return None
+        frame = record_frame(output.shape, output.dtype, self.compression)
+        if frame is None:
+            return None
+        head, tail, offset = frame
+        payload = b"".join((head, output.data, tail))
+        _advance(session, inputs)
+        return payload, memoryview(payload)[offset:]
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
         """Keys on a request of the session's own client (never a pushed one): its pages are published once

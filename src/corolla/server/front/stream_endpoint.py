@@ -851,8 +851,9 @@ class SocketPort:
         else:
             order.fail(error)
 
-    def reply(self, response: runtime_pb2.ExpertResponse) -> None:
-        self.conn.writelines(self.codec.encode(ls.MESSAGE, response.SerializeToString()))
+    def reply(self, response: runtime_pb2.ExpertResponse | bytes) -> None:
+        payload = response if isinstance(response, bytes) else response.SerializeToString()
+        self.conn.writelines(self.codec.encode(ls.MESSAGE, payload))
         if self.timeline is not None:
             self.timeline.stamp(step_timeline.OUT)
 
