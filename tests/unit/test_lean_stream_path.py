@@ -50,10 +50,9 @@ async def _peer_conn() -> tuple[FrameConnection, socket.socket]:
 async def test_a_silent_peer_is_cut_off_between_the_parts_of_a_request() -> None:
     conn, theirs = await _peer_conn()  # nothing ever arrives
     loop = asyncio.get_running_loop()
-    started = time.monotonic()
+    # the idle bound fired, not the test's (BOUND_S: TimeoutError); no wall-clock assert (a loaded VM)
     with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s"):  # a part of a request: from the wait
         await asyncio.wait_for(conn.read_frame(sys.maxsize, idle_s=0.2, since=loop.time()), BOUND_S)
-    assert time.monotonic() - started < 1.5
     conn.close()
     theirs.close()
 
