@@ -177,9 +177,10 @@ def steps_handler(
     `PeerStreamPort`, so that its steps run by callbacks as the socket's do (no task and no await per step), under the
     same bounds as the other streams (each message charged before its body is buffered, `stream_idle_timeout_s` inside
     a message). A refused input is answered once the session is over (counted, its bytes given back, the error sent);
-    the session's own error is sent as an `RPCError`; the rest of a caller's input is read before the stream closes, as
-    `finish_input`; a caller that closed or died gets nothing. A peer holding `max_opening_streams_per_peer` streams
-    whose sessions are not open yet has a new one refused at once (`OpeningStreams`), answered as a refused input."""
+    the session's own error is sent as an `RPCError`; the rest of a caller's input is read for up to `FINISH_INPUT_S`
+    before the stream closes (`_answer`, as a forward stream's); a caller that closed or died gets nothing. A peer
+    holding `max_opening_streams_per_peer` streams whose sessions are not open yet has a new one refused at once
+    (`OpeningStreams`), answered as a refused input."""
     idle_s = budget.limits.stream_idle_timeout_s or None
     opening = OpeningStreams(budget.limits)
 
