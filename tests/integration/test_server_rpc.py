@@ -5,7 +5,9 @@ forward, backward and multi-step inference equal the local blocks; `cache_tokens
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -335,6 +337,24 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
         downstream.close()
     finally:
         second.shutdown()
+
+
+def test_a_serving_span_is_out_of_full_collections_and_collectable_once_released(model_path, tmp_path):
+    """Once online, what the server made to start (libraries, the span, the swarm) is out of the collector's full
+    passes (a full collection over it paused every session's step); when the span is released (here: a restart after
+    a crash) it is the collector's again, so the old span's objects in reference cycles are freed, not kept frozen."""
+    server = start_inprocess_server(model_path, tmp_path, block_indices=(0, 2), mean_balance_check_period_s=60.0)
+    try:
+        assert gc.get_freeze_count() > 10_000
+        first_service = weakref.ref(server.service)
+        released = weakref.ref(server.service.runtime)
+        server.service.runtime.stop()  # simulate a crash of the device thread: the span is released and loaded again
+        assert wait_until(lambda: server.service is not None and server.service is not first_service(), 20)
+        assert wait_until(lambda: gc.get_freeze_count() > 10_000, 20)  # the new span online, frozen again
+        gc.collect()
+        assert released() is None
+    finally:
+        server.shutdown()
 
 
 def test_crashed_serving_part_is_restarted(model_path, tmp_path, capsys):

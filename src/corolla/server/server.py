@@ -44,6 +44,7 @@ from corolla.swarm.reachability import attach_reachability_protocol, check_direc
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
+from corolla.utils.long_lived import freeze_long_lived, thaw_long_lived
 
 logger = get_logger(__name__)
 
@@ -411,6 +412,8 @@ class Server:
                 f"server.online(blocks={block_indices.start}:{block_indices.stop}, "
                 f"throughput={announcer.server_info.throughput:.1f}, join={' '.join(self.join_maddrs)})"
             )
+            frozen = freeze_long_lived()  # out of the collector's full passes while this span serves
+            logger.info(f"server.heap_frozen(objects={frozen})")
             self._ready.set()
             return await self._watch(service)
         finally:
@@ -422,6 +425,7 @@ class Server:
                 await service.stop()
             self.service = None
             del service, executor
+            thaw_long_lived()  # the released span's cycles are the collector's again
             gc.collect()
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
+from corolla.utils.long_lived import freeze_long_lived
 
 logger = get_logger(__name__)
 
@@ -151,6 +152,7 @@ async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, 
             return
         # where p2pd sends our streams, and their names (a dead process's must be unregistered)
         streams = tuple(name for name, is_stream in front.handler.handle_names().items() if is_stream)
+        freeze_long_lived()  # what the process made to start lives as long as it (utils.long_lived)
         link.note("ready", os.getpid(), str(p2p._client_listen_maddr), streams)
         logger.info(f"front_service.handler_ready(index={index}, pid={os.getpid()})")
         await link.closed.wait()
