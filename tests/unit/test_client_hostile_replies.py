@@ -371,7 +371,7 @@ def test_an_inference_reply_over_the_bytes_of_its_outputs_is_refused_at_its_head
     ours.setblocking(False)
     stream = P2PInferenceStream(ours, PEER)
     session._stream = session._direct = stream
-    session._started = True
+    session.started = True
     hidden = torch.randn(1, 1, 4096)  # 16 KiB of fp32 outputs expected
     kwargs = dict(position=0, prompts=torch.empty(0), hypo_ids=torch.empty(0, dtype=torch.int64), step_id="s")
     server = threading.Thread(target=_bloated_server, args=(theirs,))
@@ -404,7 +404,7 @@ def test_a_closing_sessions_last_messages_are_no_bigger_than_a_reply_without_out
     ours.setblocking(False)
     stream = P2PInferenceStream(ours, PEER)
     session._stream = session._direct = stream
-    session._started = True
+    session.started = True
     server = threading.Thread(target=_bloated_farewell, args=(theirs,))
     server.start()
     try:

@@ -276,14 +276,16 @@ def test_step_requests_keep_hivemind_metadata_bytes() -> None:
     session = SpanSession(manager, span, max_length=64)
     hidden, prompts, hypo_ids = torch.randn(1, 1, 8), torch.empty(0), torch.empty(0, dtype=torch.int64)
     for started in (False, True):
-        session._started = started
-        request, inputs, send_from = session._request(
+        session.started = started
+        request, inputs, send_from = session.build_request(
             hidden, 0, 0, prompts, hypo_ids, "step-1", runtime_pb2.CompressionType.NONE, {"corolla.x": [1, (2, 3)]}
         )
         metadata = decode_metadata(request.metadata)
         assert metadata["args_structure"] == pack_args_kwargs(hidden, prompts, hypo_ids)[1]
         assert encode_metadata(metadata) == request.metadata  # the bytes hivemind's serializer writes for the dict
         assert ("max_length" in metadata) == (not started) and inputs is hidden and send_from == 0
-    request, _, _ = session._request(hidden, 0, 0, prompts, prompts, "step-2", runtime_pb2.CompressionType.NONE, {})
+    request, _, _ = session.build_request(
+        hidden, 0, 0, prompts, prompts, "step-2", runtime_pb2.CompressionType.NONE, {}
+    )
     structure = decode_metadata(request.metadata)["args_structure"]
     assert structure == ((b"__T0", b"__T1", b"__T1"), {}) and len(request.tensors) == 2  # one object, one marker

@@ -187,7 +187,7 @@ async def _export(
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)
     await old.send(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
-    first = await old._next_response(limit_bytes=REPLY_OVERHEAD_BYTES)  # metadata only
+    first = await old.next_response(limit_bytes=REPLY_OVERHEAD_BYTES)  # metadata only
     try:
         raw = decode_metadata(first.metadata).get(wire.KV_HEADER_KEY) if first.metadata else None
     except ValueError as e:
@@ -209,7 +209,7 @@ async def _export(
     max_parts = math.ceil(header.total_bytes / wire.MAX_MESSAGE_BYTES) + 2 * (header.end_block - header.start_block)
     messages, received, parts = [], 0, 0
     for _ in range(header.num_messages):
-        response = await old._next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
+        response = await old.next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
         received += wire.message_bytes(response.tensors)
         parts += len(response.tensors)
         if received > header.total_bytes:
@@ -231,13 +231,13 @@ async def _import(
     new.history = old.history
     new.position = header.position
     empty = old.history[:, :0]  # [B, 0, H]
-    request, inputs, send_from = new._request(
+    request, inputs, send_from = new.build_request(
         empty, header.position, header.position, torch.empty(0), torch.empty(0, dtype=torch.int64),
         str(uuid.uuid4()), NONE, {wire.IMPORT_KEY: header.to_dict()},
     )  # fmt: skip
-    new._started = True
+    new.started = True
     await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
-    response = await new._next_response(limit_bytes=reply_limit_bytes(inputs.shape))
-    new._accept(response, inputs, send_from, empty.dtype)
+    response = await new.next_response(limit_bytes=reply_limit_bytes(inputs.shape))
+    new.accept_reply(response, inputs, send_from, empty.dtype)

@@ -135,7 +135,7 @@ class SpanSession:
         self._direct: FramedSocketStream | None = None
         # where p2pd reached the server (direct TCP only): knocked on while the link is down (`transport.link_probe`)
         self.link_address: tuple[str, int] | None = None
-        self._started = False
+        self.started = False  # the server opened the session (its first request sent: no max_length after it)
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
         # the upstream peer its server was told (it accepts pushes only from it)
@@ -166,7 +166,7 @@ class SpanSession:
     @property
     def accepts_pushes(self) -> bool:
         """Open on its server (a push into a session the server does not have yet is dropped)."""
-        return self._started and not self._closed
+        return self.started and not self._closed
 
     @property
     def transport(self) -> str | None:
@@ -235,7 +235,7 @@ class SpanSession:
         )
         return torch.cat([history[:, send_from:hidden_from], hidden], dim=1)
 
-    def _request(
+    def build_request(
         self,
         hidden: torch.Tensor,
         hidden_from: int,
@@ -272,7 +272,7 @@ class SpanSession:
             metadata[PREFIX_KEY] = keys.to_wire()
         if self.upstream_peer is not None and self.upstream_peer != self.declared_upstream:
             metadata[UPSTREAM_PEER_KEY] = self.declared_upstream = self.upstream_peer  # who may rpc_push to it
-        if not self._started:
+        if not self.started:
             metadata["max_length"] = self.max_length
             if self.manager.config.alloc_timeout_s:
                 metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
@@ -281,7 +281,7 @@ class SpanSession:
         )
         return request, inputs, send_from
 
-    def _accept(
+    def accept_reply(
         self, response: runtime_pb2.ExpertResponse, inputs: torch.Tensor, send_from: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, int]:
         """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
@@ -316,17 +316,17 @@ class SpanSession:
         whole history; a rollback (`position < self.position`) overwrites the server's cache from `position`.
         """
         compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
-        request, inputs, send_from = self._request(
+        request, inputs, send_from = self.build_request(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
-        self._started = True
+        self.started = True
         num_tokens = inputs.shape[1]
         started_s = time.monotonic()
         await self.send(request)
-        response = await self._next_response(
+        response = await self.next_response(
             self.clock.deadline_s(num_tokens), limit_bytes=reply_limit_bytes(inputs.shape)
         )
-        result = self._accept(response, inputs, send_from, hidden.dtype)
+        result = self.accept_reply(response, inputs, send_from, hidden.dtype)
         if not self.last_step_suspect:  # a stalled step's time says nothing of the server's speed
             self.clock.record(num_tokens, time.monotonic() - started_s)
         return result
@@ -335,16 +335,16 @@ class SpanSession:
         """The session's first request: zero tokens with the keys of positions `[0, keys_until)`; returns how many
         leading positions the server holds (its `corolla.prefix_hit`, 0 from a server without a cache). `like`
         [B, *, H] gives the batch, hidden size and dtype. A malformed answer is BadServerOutput."""
-        assert self.prefix is not None and not self._started, "a probe opens a keyed session"
+        assert self.prefix is not None and not self.started, "a probe opens a keyed session"
         compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
         empty = like[:, :0]  # [B, 0, H]
-        request, _, _ = self._request(
+        request, _, _ = self.build_request(
             empty, 0, 0, _NO_TENSOR, _NO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
         )
-        self._started = True
+        self.started = True
         await self.send(request)
-        response = await self._next_response(None, limit_bytes=reply_limit_bytes(empty.shape))
-        self._accept(response, empty, 0, like.dtype)
+        response = await self.next_response(None, limit_bytes=reply_limit_bytes(empty.shape))
+        self.accept_reply(response, empty, 0, like.dtype)
         try:
             metadata = decode_metadata(response.metadata) if response.metadata else {}
             limit = keys_until // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
@@ -364,7 +364,7 @@ class SpanSession:
             self._direct is not None
             and not self._direct.closed
             and not self._closed
-            and self._started
+            and self.started
             and self.manager.cached_input_compression(self.span.peer_id) is not None
         )
 
@@ -388,7 +388,7 @@ class SpanSession:
         config = self.manager.config
         compression = self.manager.cached_input_compression(self.span.peer_id)
         assert compression is not None
-        request, inputs, send_from = self._request(
+        request, inputs, send_from = self.build_request(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
@@ -401,7 +401,7 @@ class SpanSession:
                 check_period_s=config.liveness_check_period_s,
                 max_response_bytes=reply_limit_bytes(inputs.shape),
             )
-            return self._accept(response, inputs, send_from, hidden.dtype)
+            return self.accept_reply(response, inputs, send_from, hidden.dtype)
         except BaseException:
             stream.close()
             raise
@@ -410,7 +410,7 @@ class SpanSession:
         """From a thread other than the client loop's: does the server answer a ping?"""
         return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
 
-    async def _next_response(
+    async def next_response(
         self, stall_deadline_s: float | None = None, *, limit_bytes: int
     ) -> runtime_pb2.ExpertResponse:
         """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`), of
@@ -509,7 +509,7 @@ class SpanSession:
             return
         try:
             if drain:
-                if self._started:
+                if self.started:
                     await stream.send(runtime_pb2.ExpertRequest())  # empty request = end of session
                 await stream.send_end()  # end of our input stream
                 await asyncio.wait_for(self._drain(stream), self.manager.config.connect_timeout_s)
