@@ -172,9 +172,9 @@ async def _steps(session: SessionState, delays_s: list[float], *, step_s: float,
 
 
 async def test_a_session_ends_at_the_step_timeout() -> None:
-    started = time.monotonic()
+    # BOUND_S (3 s) against the 30 s session timeout: only the 0.3 s step timeout can end it in time
     seen = await asyncio.wait_for(_steps(_session(), [0.05, 0.1], step_s=0.3, session_s=30), BOUND_S)
-    assert seen == ["s0", "s1", "s2"] and time.monotonic() - started < 2.0
+    assert seen == ["s0", "s1", "s2"]
 
 
 async def test_a_session_waiting_past_its_deadline_ends_with_timeout_error() -> None:
