@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES
 from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
 
 BUSY_POLL_S = 0.02  # as ClientConfig(busy_poll_ms=20)
@@ -39,7 +40,8 @@ class PetalsStream:
             socket_stream = await LocalInferenceStream.open(self.local_peer_id, timeout_s=30)
             if socket_stream is None:
                 raise RuntimeError("the server's local socket is not usable")
-            stream = responses_of(socket_stream, requests())
+            # a stock Petals client bounds a reply by the transport's frame limit only
+            stream = responses_of(socket_stream, requests(), MAX_RESPONSE_FRAME_BYTES)
         else:
             stream = await asyncio.wait_for(self.stub.rpc_inference(requests()), 30)
         self.responses = stream.__aiter__()
