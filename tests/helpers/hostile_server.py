@@ -115,6 +115,8 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
             raise ValueError("hostile server refuses to compute")
         inputs, output = original_begin(self, *args, **kwargs)
         if lie == "hang":
+            if isinstance(output, asyncio.Future):
+                output.cancel()  # its reply (`then`) is never run
             return inputs, asyncio.get_running_loop().create_future()  # never resolved
         lies[id(inputs)] = lie
         return inputs, output

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -87,7 +87,15 @@ class FakeExecutor:
         finally:
             self.bytes_left += size
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+    def step(
+        self, cache: SessionCache, inputs: StepInputs, then: Callable[[asyncio.Future], None] | None = None
+    ) -> asyncio.Future:
+        future = asyncio.ensure_future(self._step(cache, inputs))
+        if then is not None:
+            future.add_done_callback(then)
+        return future
+
+    async def _step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         self.steps.append(inputs)
         return inputs.hidden_states * 2
 
@@ -189,9 +197,9 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
 class SlowExecutor(FakeExecutor):
     """A step that takes 2 ms on the core's side."""
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+    async def _step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         await asyncio.sleep(0.002)
-        return await super().step(cache, inputs)
+        return await super()._step(cache, inputs)
 
 
 def test_a_streams_steps_are_stamped_from_the_request_to_the_reply(

@@ -1,9 +1,12 @@
 """Runtime callback tasks as a device channel queues them: a frame's steps queued at once (one lock, one wake) run in
 one merged batch with one flush per channel (a bound method given per task counts once), a kind's merge limit keeps
-one batch to what one device call serves, and a stopped runtime refuses a frame's steps as a whole."""
+one batch to what one device call serves, and a stopped runtime refuses a frame's steps as a whole; and a front's
+steps' `Task.then`, run inside the loop's delivery of their batch."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 
 import pytest
@@ -104,3 +107,46 @@ def test_a_stopped_runtime_refuses_a_frames_steps_as_a_whole() -> None:
         )  # fmt: skip
     assert runtime.num_pending == 0 and channel.results == {}
     assert runtime.thread is not None and not runtime.thread.is_alive()
+
+
+def test_a_steps_then_runs_in_the_delivery_that_resolves_it_and_nowhere_else() -> None:
+    """`Task.then` runs with its resolved future inside the loop callback that delivers the batch, each task's right
+    after its own future is set (a done callback would run once every future of the batch is set), a failing one
+    without stopping the others; never for a future cancelled before, nor for a task that ran inline (its future
+    comes back resolved)."""
+
+    async def main() -> None:
+        seen: list[tuple[int, object, bool]] = []  # (payload, result, whether the batch's last future was set yet)
+        tasks: list[Task] = []
+
+        def then(i: int, future: asyncio.Future) -> None:
+            last = tasks[-1].future
+            seen.append((i, future.result(), last is not None and last.done()))
+            if i == 1:
+                raise RuntimeError("a failing reply")
+
+        with Runtime(max_batch_size_tokens=64) as runtime:
+            runtime.register_batch_executor("decode", lambda ts: [t.payload * 10 for t in ts], inline_when_idle=True)
+            gate = threading.Event()
+            blocker = runtime.task(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1)
+            runtime.queue(blocker)  # holds the thread: the steps below merge into one batch
+            for i in range(4):
+                tasks.append(runtime.task(lambda: None, priority=1, size_tokens=1, kind="decode", merge_key="span",
+                                          payload=i, then=functools.partial(then, i)))  # fmt: skip
+                runtime.queue(tasks[-1])
+            assert tasks[2].future is not None
+            tasks[2].future.cancel()  # its caller gave up: its reply never runs
+            gate.set()
+            while not all(t.future is not None and t.future.done() for t in tasks):
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.01)
+            assert seen == [(0, 0, False), (1, 10, False), (3, 30, True)]
+            seen.clear()
+            lone = runtime.task(lambda: None, priority=1, size_tokens=1, kind="decode", merge_key="span", payload=5,
+                                then=functools.partial(then, 5))  # fmt: skip
+            runtime.queue(lone, inline=True)  # an idle runtime runs it here: resolved at once, its `then` not run
+            assert lone.future is not None and lone.future.result() == 50
+            await asyncio.sleep(0.01)
+            assert seen == []
+
+    asyncio.run(main())

@@ -215,14 +215,17 @@ class EngineExecutor:
 
     # ---- compute
 
-    def step(self, cache: SessionCache, inputs: StepInputs) -> asyncio.Future[torch.Tensor | TensorBytes]:
-        """A mergeable runtime task, its future (a plain future, not a coroutine: the front adds its reply as the
-        future's callback, no task per step): queued steps of this span go to one batch executor call, which merges
-        their single-token steps into one batched forward. A lone session's step may run inline on an idle runtime
-        (the future comes back resolved). A launched forward's step returns its output's bytes (`TensorBytes`: no
-        tensor built per step), others a tensor."""
+    def step(
+        self, cache: SessionCache, inputs: StepInputs, then: Callable[[asyncio.Future], None] | None = None
+    ) -> asyncio.Future[torch.Tensor | TensorBytes]:
+        """A mergeable runtime task, its future (a plain future, not a coroutine: no task per step): queued steps of
+        this span go to one batch executor call, which merges their single-token steps into one batched forward.
+        `then(future)` (the front's reply) runs in the loop's callback that resolves it (`Task.then`: no callback of
+        its own per step). A lone session's step may run inline on an idle runtime (the future comes back resolved,
+        `then` not run). A launched forward's step returns its output's bytes (`TensorBytes`: no tensor built per
+        step), others a tensor."""
         shadow = cache.spec.shadow
-        task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow)
+        task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow, then=then)
         self._runtime.queue(task, inline=inputs.lone_session and not shadow)
         assert task.future is not None
         return task.future
@@ -234,10 +237,11 @@ class EngineExecutor:
         shadow: bool = False,
         on_done: Callable[[Any, BaseException | None], None] | None = None,
         flush: Callable[[], None] | None = None,
+        then: Callable[[asyncio.Future], None] | None = None,
     ) -> Task:
         """The runtime task of a prepared step, or of a device channel frame's decode steps (`StepGroup`, real
-        sessions' only): a mergeable task of this span's engine (`Runtime.task`: its future in the running loop, or
-        `on_done` in any thread).
+        sessions' only): a mergeable task of this span's engine (`Runtime.task`: its future in the running loop, and
+        `then` once it is delivered there, or `on_done` in any thread).
 
         A shadow session's step (`shadow`, `protocol.shadow`) has a lead time `SHADOW_LEAD_AFTER_S` from its
         queueing (`Task.lead_after`): it ranks as a real step queued then (behind the real steps queued before, so a
@@ -262,6 +266,7 @@ class EngineExecutor:
         return self._runtime.task(
             work.run, priority=PRIORITY_INFERENCE, size_tokens=size, kind=KIND_ENGINE_INFERENCE, merge_key=merge_key,
             payload=work, on_done=on_done, flush=flush, steps=steps, sessions=sessions, lead_after_s=lead_after_s,
+            then=then,
         )  # fmt: skip
 
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:

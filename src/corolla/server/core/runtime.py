@@ -107,6 +107,11 @@ class Task:
     # the `time.monotonic()` it ranks at among the tasks of its priority (0: its lead time, else its queueing): a
     # training work ranks at its request's arrival, so that a request's works go before any later request's
     ranks_at: float = 0.0
+    # with a future: `then(future)` runs in its loop right after the device thread's delivery resolved it there,
+    # inside that same loop callback (a front's reply to its step: no loop callback of its own per step, as a done
+    # callback would take); not run for a future cancelled before, nor where the task ran inline (`Runtime.queue`:
+    # its future comes back resolved)
+    then: Callable[[asyncio.Future], None] | None = None
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
@@ -476,12 +481,12 @@ def call_back(tasks: list[Task], outputs: Sequence[Any]) -> None:
 
 def deliver(task: Task, output: Any) -> None:
     """Resolves the task's future with `output` (an exception instance: its error) inside its own event loop
-    (thread-safe), or runs its callback here."""
+    (thread-safe; then its `then`), or runs its callback here."""
     if task.future is None or task.loop is None:
         call_back([task], [output])
         return
     try:
-        task.loop.call_soon_threadsafe(resolve_output, task.future, output)
+        task.loop.call_soon_threadsafe(settle, task, output)
     except RuntimeError:  # the loop is closed: nobody is waiting any more
         logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
 
@@ -505,10 +510,29 @@ def resolve_output(future: asyncio.Future, output: Any) -> None:
         future.set_result(output)
 
 
+def settle(task: Task, output: Any) -> None:
+    """`resolve_output` of a task with a future, in its loop, then its `then` (a failing one is logged: the other
+    tasks of its batch are settled all the same)."""
+    future = task.future
+    assert future is not None
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if isinstance(output, BaseException):
+        future.set_exception(output)
+    else:
+        future.set_result(output)
+    then = task.then
+    if then is not None:
+        try:
+            then(future)
+        except Exception as e:
+            logger.warning(f"runtime.then_failed(kind={task.kind}, error={e!r})")
+
+
 def resolve_all(tasks: list[Task], outputs: Sequence[Any]) -> None:
-    """Resolves the futures of `tasks` (of one event loop, in it) with their outputs."""
+    """Settles `tasks` (with futures of one event loop, in it) with their outputs (`settle`)."""
     for task, output in zip(tasks, outputs, strict=True):
-        resolve_output(task.future, output)  # type: ignore[arg-type]  # (tasks with a future only)
+        settle(task, output)
 
 
 # Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
@@ -723,6 +747,7 @@ class Runtime:
         sessions: tuple[Hashable, ...] = (),
         lead_after_s: float = 0.0,
         ranks_at: float = 0.0,
+        then: Callable[[asyncio.Future], None] | None = None,
     ) -> Task:
         """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
         (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
@@ -730,7 +755,8 @@ class Runtime:
         once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
         sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`); `lead_after_s`:
         it may lead a batch only that many seconds from now (`Task.lead_after`: a shadow step's); `ranks_at`: the
-        time it ranks at among its priority (`Task.ranks_at`: a training work's request's arrival). Raises
+        time it ranks at among its priority (`Task.ranks_at`: a training work's request's arrival); `then`: run with
+        its future once delivered (`Task.then`; a task with a future only). Raises
         ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
@@ -748,7 +774,7 @@ class Runtime:
         return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
             merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps, sessions=sessions,
-            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0, ranks_at=ranks_at,
+            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0, ranks_at=ranks_at, then=then,
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from typing import Protocol
 
@@ -129,9 +129,12 @@ class CoreClient(Protocol):
         (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
 
-    def step(self, cache: SessionCache, inputs: StepInputs) -> Awaitable[torch.Tensor | TensorBytes]:
-        """One inference step of an open session: [B, T, H] -> [B, T, H] (or its bytes, `TensorBytes`); a future
-        where the core runs in this process (the front adds its reply as a callback), else a coroutine."""
+    def step(
+        self, cache: SessionCache, inputs: StepInputs, then: Callable[[asyncio.Future], None] | None = None
+    ) -> asyncio.Future[torch.Tensor | TensorBytes]:
+        """One inference step of an open session: [B, T, H] -> [B, T, H] (or its bytes, `TensorBytes`), its future;
+        `then(future)` (the front's reply) runs in the loop once it is done, unless it comes back done (a lone step
+        run inline); a future the caller cancelled may skip it."""
         ...
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:

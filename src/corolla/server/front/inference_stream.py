@@ -613,13 +613,13 @@ class SessionSteps:
             self.port.reply(runtime_pb2.ExpertResponse(tensors=[session.resend_output(metadata.step_id)]))
             return True
         try:
-            inputs, output = self.streams.begin_step(session, metadata, request, self.deadline)
+            then = functools.partial(self._stepped, request, metadata, hit)
+            inputs, output = self.streams.begin_step(session, metadata, request, self.deadline, then)
             if isinstance(output, asyncio.Future):
-                if not output.done():  # the reply leaves from the step's completion
+                if not output.done():  # the reply leaves from the step's completion (`then`)
                     self._in_flight = output
                     if (timeline := self.port.timeline) is not None:
                         timeline.stamp(step_timeline.SENT)
-                    output.add_done_callback(functools.partial(self._stepped, request, metadata, inputs, hit))
                     return False
                 output = output.result()  # (a lone session's step ran inline: answered at once)
             self._answer(request, metadata, inputs, output, hit)
@@ -628,8 +628,8 @@ class SessionSteps:
         return True
 
     def _stepped(
-        self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, inputs: StepInputs,
-        hit: int | None, output: asyncio.Future,
+        self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, hit: int | None,
+        inputs: StepInputs, output: asyncio.Future,
     ) -> None:  # fmt: skip
         self._in_flight = None
         if (timeline := self.port.timeline) is not None:
@@ -828,9 +828,11 @@ class InferenceStreams:
         metadata: InferenceRequestMetadata,
         request: runtime_pb2.ExpertRequest,
         deadline: float,
+        then: Callable[[StepInputs, asyncio.Future], None],
     ) -> tuple[StepInputs, torch.Tensor | TensorBytes | asyncio.Future]:
         """The step decoded (the one decoder: ValueError where it is refused) and sent to the core: its inputs and
-        the future of its output (a zero-token step's or a probe session's: its own input, nothing computed)."""
+        the future of its output (a zero-token step's or a probe session's: its own input, nothing computed), which
+        runs `then(inputs, future)` in the loop once done (not where it comes back done: `CoreClient.step`)."""
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
         inputs = bf.decode_step(
             request.tensors,
@@ -850,7 +852,7 @@ class InferenceStreams:
             return inputs, inputs.tensor()  # zero tokens: nothing to compute, [B, 0, H] back
         if deadline - time.monotonic() <= 0:
             raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-        return inputs, asyncio.ensure_future(self.core.step(session.cache, inputs))
+        return inputs, self.core.step(session.cache, inputs, functools.partial(then, inputs))
 
     def step_reply(
         self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes

@@ -266,7 +266,16 @@ class RemoteCore:
             raise TypeError(f"{type(cache).__name__} is not a cache of this process's link to the core")
         return cache
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> TensorBytes:
+    def step(
+        self, cache: SessionCache, inputs: StepInputs, then: Callable[[asyncio.Future], None] | None = None
+    ) -> asyncio.Future[torch.Tensor | TensorBytes]:
+        """`CoreClient.step` over the link (its reply's bytes): `then` is the future's done callback."""
+        future = asyncio.ensure_future(self._step(cache, inputs))
+        if then is not None:
+            future.add_done_callback(then)
+        return future
+
+    async def _step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
         if inputs.hidden_states is None and inputs.hidden_bytes is not None and inputs.hidden_meta is not None:
