@@ -22,13 +22,18 @@ per step (and the runtime's per merged forward), forwards per step, the wall tim
 `--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
 printed. `--split`: one more run whose loop CPU is split by what the loop ran (each handle's callback timed with the
 thread's CPU clock: a task woken by its step's output, another wake-up of a task, a socket's read (with callback-driven
-steps: the step's intake), a step's completion callback, the rest)
+steps: the step's intake), the runtime's delivery of a batch's outputs (`resolve_all`: the steps' replies written in
+it), the rest)
 and timed in a few functions on a step's way (`SPLIT_FUNCTIONS`); the timers add ~1 us a call, so that run is
 reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated.
 The gather rule's state over the decode phase (decision 0125): each run reports the share of its forwards whose launch
 was held, the rows a forward, the learned return and the last forward at its end, and a trace of them every TRACE_S;
 `--seed_return_ms` sets the learned return at the decode phase's start (low: held; high: at once) and
-`--forward_row_ms` makes a forward longer by its rows, as a card's (H200, 32 layers: ~3.3 + 0.08 ms a row)."""
+`--forward_row_ms` makes a forward longer by its rows, as a card's (H200, 32 layers: ~3.3 + 0.08 ms a row).
+The garbage collector's pauses over the decode phase (`gc.callbacks`, any thread): their count, the full (generation
+2) ones, the longest and their sum per step. What the process made before its sessions come is frozen out of the
+full passes as a server does once online (`utils.long_lived.freeze_long_lived`, decision 0141; thawed after the run);
+`--no_freeze` leaves it in them (a server before 169c41a6)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import collections
 import contextlib
 import cProfile
 import functools
+import gc
 import importlib
 import io
 import json
@@ -76,6 +82,7 @@ from corolla.server.front.block_functions import PETALS_STEP_STRUCTURE, ServingL
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.metrics import ServerMetrics
+from corolla.utils.long_lived import freeze_long_lived, thaw_long_lived
 from corolla.utils.tensor_bytes import TensorBytes
 
 # (module, owner attribute or "", function): timed by `--split` where the tree has them
@@ -280,7 +287,7 @@ def _handle_kind(handle: asyncio.Handle) -> str:
     """What a loop callback is, for `Split`: a task's wake-up by a step's output, another task wake-up, a socket read,
     else the callback's own name."""
     callback = handle._callback  # type: ignore[attr-defined]
-    if isinstance(callback, functools.partial):  # (a step's completion callback: `SessionSteps._stepped`)
+    if isinstance(callback, functools.partial):  # (a done callback's, e.g. a remote core's `SessionSteps._stepped`)
         callback = callback.func
     name = getattr(callback, "__qualname__", type(callback).__name__)
     if "wakeup" not in name:
@@ -445,6 +452,30 @@ async def _trace_rule(runtime: Runtime, trace: list[dict]) -> None:
                       "forward_ms": round(_ms(runtime.gather.forward_s), 2)})  # fmt: skip
 
 
+class GcPauses:
+    """The collector's pauses while `on` (`gc.callbacks`: each collection's generation and wall seconds)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.pauses: list[tuple[int, float]] = []
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.on:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started))
+
+    def remove(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def report(self, steps: int) -> dict:
+        seconds = [s for _, s in self.pauses]
+        return {"gc_pauses": len(seconds), "gc_full": sum(g == 2 for g, _ in self.pauses),
+                "gc_max_ms": 1e3 * max(seconds, default=0.0), "gc_us_per_step": 1e6 * sum(seconds) / steps}  # fmt: skip
+
+
 def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None) -> dict:
     """One fresh server and client process; the decode phase's figures (the module docstring)."""
     engine = simulated_engine(
@@ -483,6 +514,8 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
             gather = runtime.gather
             trace: list[dict] = []  # the gather rule's state every TRACE_S of the decode phase
             held_at_go = 0
+            if not args.no_freeze:
+                freeze_long_lived()  # as a server once online (its sessions come after)
 
             def on_control() -> None:
                 nonlocal held_at_go
@@ -492,6 +525,7 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                         gather.return_s = args.seed_return_ms / 1e3
                     held_at_go = runtime.num_held_launches
                     trace_task.append(loop.create_task(_trace_rule(runtime, trace)))
+                pauses.on = mark == b"S"
                 if mark == b"S" and profile is not None:
                     profile.enable()
                 if mark == b"E" and profile is not None:
@@ -503,8 +537,13 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                     ended.set_result(None)
 
             trace_task: list[asyncio.Task] = []
-            loop.add_reader(transport.control_fd, on_control)
-            await ended
+            pauses = GcPauses()
+            try:
+                loop.add_reader(transport.control_fd, on_control)
+                await ended
+            finally:
+                pauses.remove()
+                thaw_long_lived()
             loop.remove_reader(transport.control_fd)
             for task in trace_task:
                 task.cancel()
@@ -523,7 +562,7 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                 "runtime_us_per_forward": 1e6 * (r1 - r0) / max(1, forwards), "forwards_per_step": forwards / args.steps,
                 "wall_ms_per_step": 1e3 * (w1 - w0) / args.steps, "rows_per_forward": (t1 - t0) / max(1, forwards),
                 "held_share": held / max(1, forwards), "return_ms": _ms(gather.return_s),
-                "rule_forward_ms": _ms(gather.forward_s), "trace": trace,
+                "rule_forward_ms": _ms(gather.forward_s), **pauses.report(steps), "trace": trace,
             }  # fmt: skip
 
         return asyncio.run(main())
@@ -553,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         "phase's start (below the forward: launches held; above: at once), to see whether the state it settles in "
         "depends on where it started",
     )  # fmt: skip
+    p.add_argument(
+        "--no_freeze", action="store_true", help="leave what the process made to start in the collector's full "
+        "passes (a server before 169c41a6: decision 0141)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -576,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"transport": args.transport, "sessions": args.sessions, "forward_ms": args.forward_ms, "steps": args.steps,
               **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0] if k != "trace"},
               "runs": {k: [round(r[k], 2) for r in runs] for k in ("loop_us_per_step", "runtime_us_per_step",
-                       "wall_ms_per_step", "rows_per_forward", "held_share", "return_ms")},
+                       "wall_ms_per_step", "rows_per_forward", "held_share", "return_ms", "gc_full",
+                       "gc_max_ms")},
               "seed_return_ms": args.seed_return_ms, "traces": [r["trace"] for r in runs],
               "split": split}  # fmt: skip
     print(json.dumps(result), flush=True)
