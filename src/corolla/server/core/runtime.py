@@ -491,40 +491,32 @@ def deliver(task: Task, output: Any) -> None:
         logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
 
 
-def resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # cancelled by its caller meanwhile
-        return
+def resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> bool:
+    """Sets the future's result or `error`; False (nothing set) where its caller cancelled it meanwhile."""
+    if future.done():
+        return False
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
+    return True
 
 
-def resolve_output(future: asyncio.Future, output: Any) -> None:
+def resolve_output(future: asyncio.Future, output: Any) -> bool:
     """`resolve` with a task's output (an exception instance: its error)."""
-    if future.done():  # cancelled by its caller meanwhile
-        return
     if isinstance(output, BaseException):
-        future.set_exception(output)
-    else:
-        future.set_result(output)
+        return resolve(future, None, output)
+    return resolve(future, output, None)
 
 
 def settle(task: Task, output: Any) -> None:
-    """`resolve_output` of a task with a future, in its loop, then its `then` (a failing one is logged: the other
-    tasks of its batch are settled all the same)."""
-    future = task.future
-    assert future is not None
-    if future.done():  # cancelled by its caller meanwhile
-        return
-    if isinstance(output, BaseException):
-        future.set_exception(output)
-    else:
-        future.set_result(output)
+    """`resolve_output` of a task with a future, in its loop, then its `then` unless the future was cancelled (a
+    failing one is logged: the other tasks of its batch are settled all the same)."""
+    assert task.future is not None
     then = task.then
-    if then is not None:
+    if resolve_output(task.future, output) and then is not None:
         try:
-            then(future)
+            then(task.future)
         except Exception as e:
             logger.warning(f"runtime.then_failed(kind={task.kind}, error={e!r})")
 
