@@ -34,6 +34,20 @@ TRICKLE_MESSAGES = 40
 TRICKLE_GAP_S = 0.5  # inside request_timeout_s: each message on its own is on time
 
 
+class ExportWatch:
+    """Passes a stream's steps on until the client asks for the session's cache (then `exporting`)."""
+
+    def __init__(self) -> None:
+        self.exporting = False
+
+    async def steps(self, requests):
+        async for request in requests:
+            if request.metadata and wire.EXPORT_KEY in decode_metadata(request.metadata):
+                self.exporting = True
+                return
+            yield request
+
+
 class DrainingTrickler(FakeServer):
     """Marks every answer draining with a deadline far in the future; asked for the session's cache, it announces
     `TRICKLE_MESSAGES` messages and sends one byte every `TRICKLE_GAP_S` (each response on time, the whole never)."""
@@ -43,20 +57,12 @@ class DrainingTrickler(FakeServer):
         self.trickled = 0
 
     async def _serve(self, requests):
-        exporting = False
-
-        async def steps():
-            nonlocal exporting
-            async for request in requests:
-                if request.metadata and wire.EXPORT_KEY in decode_metadata(request.metadata):
-                    exporting = True
-                    return
-                yield request
+        watch = ExportWatch()
 
         far = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(1e9).to_dict()})
-        async for response in super()._serve(steps()):
+        async for response in super()._serve(watch.steps(requests)):
             yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=far)
-        if not exporting:
+        if not watch.exporting:
             return
         metadata, tokens = self.requests[-1]
         header = wire.KvHeader(
@@ -209,22 +215,14 @@ class PoisoningDrainer(FakeServer):
     client can tell from the real one without recomputing it)."""
 
     async def _serve(self, requests):
-        exporting = False
-
-        async def steps():
-            nonlocal exporting
-            async for request in requests:
-                if request.metadata and wire.EXPORT_KEY in decode_metadata(request.metadata):
-                    exporting = True
-                    return
-                yield request
+        watch = ExportWatch()
 
         answers = 0
         draining = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(5.0).to_dict()})
-        async for response in super()._serve(steps()):
+        async for response in super()._serve(watch.steps(requests)):
             answers += 1
             yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=draining if answers >= 3 else b"")
-        if not exporting:
+        if not watch.exporting:
             return
         metadata, tokens = self.requests[-1]
         position = metadata["start_from_position"] + tokens
