@@ -28,24 +28,11 @@ from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.stream_frames import FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, block_fn, reference
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+from helpers.fake_handoff import ExportWatch, Importer, PoisoningDrainer
 
 TRICKLE_MESSAGES = 40
 TRICKLE_GAP_S = 0.5  # inside request_timeout_s: each message on its own is on time
-
-
-class ExportWatch:
-    """Passes a stream's steps on until the client asks for the session's cache (then `exporting`)."""
-
-    def __init__(self) -> None:
-        self.exporting = False
-
-    async def steps(self, requests):
-        async for request in requests:
-            if request.metadata and wire.EXPORT_KEY in decode_metadata(request.metadata):
-                self.exporting = True
-                return
-            yield request
 
 
 class DrainingTrickler(FakeServer):
@@ -167,72 +154,6 @@ def test_outputs_past_the_clients_dtype_fail_their_server_not_the_next_one():
     assert servers["liar"].answers > 1 and manager.bans.is_banned("liar")
     assert not manager.bans.is_banned("B")  # before: B's outputs of the inf inputs were NaN, and B was banned
     torch.testing.assert_close(outputs, expected)
-
-
-class Importer(FakeServer):
-    """Takes a hand-off: a stream whose first request carries `wire.IMPORT_KEY` is followed by the header's part
-    messages, in this fake's cache layout (each block's past inputs [B, position, H], one tensor a block); it answers
-    the zero-token request, then serves the session's steps from those caches."""
-
-    def __init__(self, start: int, end: int, inference_rps: float = 100.0):
-        super().__init__(start, end, inference_rps)
-        self.imports = 0
-
-    async def _serve(self, requests):
-        iterator = requests.__aiter__()
-        first = await anext(iterator)
-        metadata = decode_metadata(first.metadata)
-        if wire.IMPORT_KEY not in metadata:
-            async for response in super()._serve(_prepend(first, iterator)):
-                yield response
-            return
-        header = wire.KvHeader.from_dict(metadata[wire.IMPORT_KEY])
-        parts = [t for _ in range(header.num_messages) for t in (await anext(iterator)).tensors]
-        caches = [deserialize_tensor(t) for t in parts]
-        self.imports += 1
-        yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(caches[0][:, :0])])
-        async for request in iterator:
-            if not request.tensors:
-                break
-            step = decode_metadata(request.metadata)
-            hidden = deserialize_tensor(request.tensors[0])
-            position = step["start_from_position"]
-            for i, block in enumerate(range(self.start, self.end)):
-                out = block_fn(block, hidden, caches[i][:, :position])
-                caches[i] = torch.cat([caches[i][:, :position], hidden], dim=1)
-                hidden = out
-            yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden)])
-
-
-async def _prepend(first, rest):
-    yield first
-    async for item in rest:
-        yield item
-
-
-class PoisoningDrainer(FakeServer):
-    """Serves honestly, marks its answers draining from the 3rd step on, and exports a cache of noise (what no
-    client can tell from the real one without recomputing it)."""
-
-    async def _serve(self, requests):
-        watch = ExportWatch()
-
-        answers = 0
-        draining = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(5.0).to_dict()})
-        async for response in super()._serve(watch.steps(requests)):
-            answers += 1
-            yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=draining if answers >= 3 else b"")
-        if not watch.exporting:
-            return
-        metadata, tokens = self.requests[-1]
-        position = metadata["start_from_position"] + tokens
-        noise = [serialize_tensor(torch.randn(1, position, HIDDEN)) for _ in range(self.start, self.end)]
-        header = wire.KvHeader(
-            position=position, batch_size=1, start_block=self.start, end_block=self.end, num_messages=1,
-            total_bytes=wire.message_bytes(noise),
-        )  # fmt: skip
-        yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))
-        yield runtime_pb2.ExpertResponse(tensors=noise)
 
 
 def _generate_8(manager, tokens):

@@ -106,7 +106,7 @@ class RemoteSequenceManager:
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
         self._links_down: dict[str, int] = {}  # servers some session knocks on (`link_down`) -> how many sessions
-        self._updated_at = -math.inf  # time.monotonic() of the last completed update
+        self._read_started_at = -math.inf  # time.monotonic() at the start of the last read of the records
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
@@ -167,19 +167,22 @@ class RemoteSequenceManager:
     def update(self) -> None:
         """Refreshes the view now (blocking): records -> filters -> spans -> pings."""
         with self._update_lock:
-            infos = self.fetch_module_infos()
-            infos = self._filter_servers(infos)
-            spans_by_peer = compute_spans(infos, min_state=ServerState.ONLINE)
-            spans = sorted(spans_by_peer.values(), key=lambda span: span.length, reverse=True)
-            to_ping = self._choose_peers_to_ping(infos)
-            rtts = self.measure_rtts_s(to_ping) if to_ping else {}
-            with self._lock:
-                self._spans = spans
-                for peer_id, rtt in rtts.items():
-                    self._rtts.update(peer_id, rtt)
-            self._updated_at = time.monotonic()
-            self._ready.set()
-            logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
+            self._read()
+
+    def _read(self) -> None:
+        self._read_started_at = time.monotonic()
+        infos = self.fetch_module_infos()
+        infos = self._filter_servers(infos)
+        spans_by_peer = compute_spans(infos, min_state=ServerState.ONLINE)
+        spans = sorted(spans_by_peer.values(), key=lambda span: span.length, reverse=True)
+        to_ping = self._choose_peers_to_ping(infos)
+        rtts = self.measure_rtts_s(to_ping) if to_ping else {}
+        with self._lock:
+            self._spans = spans
+            for peer_id, rtt in rtts.items():
+                self._rtts.update(peer_id, rtt)
+        self._ready.set()
+        logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
 
     def _filter_servers(self, infos: list[RemoteModuleInfo]) -> list[RemoteModuleInfo]:
         allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
@@ -353,10 +356,19 @@ class RemoteSequenceManager:
                 self._avoid_until[peer_id] = time.monotonic() + AVOID_S
                 self._spans = [span for span in self._spans if span.peer_id != peer_id]
         logger.info("routing.cache_refusal(peer=...%s, avoid_s=%.0f)", peer_id[-6:], AVOID_S)
-        if time.monotonic() - self._updated_at < MIN_REREAD_S:
-            return
+        self.reread()
+
+    def reread(self, newer_than: float | None = None) -> None:
+        """Re-reads the records now (blocking) unless a read started at or after `newer_than` (a `time.monotonic()`;
+        default: `MIN_REREAD_S` ago): for a caller that needs the swarm as it is (a replacement for a server that
+        refused or drains), not as it was up to `update_period_s` ago. Callers that need it at once (all sessions of a
+        draining server) wait for one read, not one each. A failed read asks the background thread to try again and
+        keeps the old view."""
+        cutoff = time.monotonic() - MIN_REREAD_S if newer_than is None else newer_than
         try:
-            self.update()
+            with self._update_lock:
+                if self._read_started_at < cutoff:
+                    self._read()
         except Exception as e:  # the background thread tries again
             logger.warning("routing.reread_failed(error=%r)", e)
             self.request_update()

@@ -1,6 +1,7 @@
 """Graceful drain, client side: when a server marks its responses as draining (`protocol.handoff.DrainNotice`),
 the session asks it for the span's KV cache on the same stream and relays the parts, unread, to a replacement
-server holding the same blocks, which validates and imports them; the session then continues there with no replay
+server holding the same blocks (the records are read again where the client's view has none), which validates and
+imports them; the session then continues there with no replay
 of its history. If no replacement takes it or anything fails, the draining stream is closed and the next step
 replays the history on a replacement, as after any failure. Works with `span_session.SpanSession` internals
 (its request queue, response stream and history), which is why it lives beside it in `client/`."""
@@ -143,7 +144,11 @@ def _candidates(log: HandoffLog, old: SpanSession) -> list[RemoteSpanInfo]:
 
 async def _move(log: HandoffLog, old: SpanSession) -> tuple[SpanSession, int]:
     """Exports the span's cache from `old` and imports it on a replacement; returns (new span session, bytes)."""
+    started = time.monotonic()
     candidates = _candidates(log, old)
+    if not candidates:  # a replica may have joined since the last read (`update_period_s` may be a minute)
+        await asyncio.to_thread(log.manager.reread, started)
+        candidates = _candidates(log, old)
     if not candidates:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
     if old.history is None or old.history.shape[1] != old.position:

@@ -1,0 +1,56 @@
+"""A client's graceful drain against in-process fake servers (no network): the hand-off finds its replacement in
+the swarm as it is when the drain starts, not as the client last read it, and sessions that drain together wait
+for one read of the records."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from corolla.client.session.inference_session import InferenceSession
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+from helpers.fake_handoff import HonestDrainer, Importer
+
+
+def test_a_drain_hands_off_to_a_replica_that_joined_after_the_last_read():
+    """The client read the records before the replica joined (`update_period_s` may be a minute): the hand-off
+    re-reads them and moves the cache there. Before, it gave up ("no other server holds blocks 0:2") and the next
+    step replayed the whole history."""
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 8, HIDDEN)
+    servers = {"drainer": HonestDrainer(0, 2, tokens, inference_rps=1e6), "C": FakeServer(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    servers["B"] = Importer(0, 2)  # online after the client's read
+    with InferenceSession(manager, max_length=8) as session:
+        steps = [session.step(tokens[:, :4])] + [session.step(tokens[:, t : t + 1]) for t in range(4, 8)]
+        records = session.handoffs.records
+    assert len(records) == 1 and records[0].to_peer == "B", records
+    assert servers["B"].imports == 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+
+
+def test_sessions_that_need_the_swarm_at_once_wait_for_one_read():
+    servers = {"A": FakeServer(0, 2)}
+    manager = FakeManager(servers, 2)
+    reads: list[float] = []
+    fetch = manager.fetch_module_infos
+
+    def slow_fetch():
+        reads.append(time.monotonic())
+        time.sleep(0.2)
+        return fetch()
+
+    manager.fetch_module_infos = slow_fetch
+    started = time.monotonic()
+    threads = [threading.Thread(target=manager.reread, args=(started,)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(reads) == 1  # the first read started after every caller's `newer_than`
+    manager.reread()  # read within MIN_REREAD_S: nothing to do
+    assert len(reads) == 1
+    manager.reread(time.monotonic())  # asked for a read newer than the last one
+    assert len(reads) == 2
