@@ -63,6 +63,7 @@ class FakeServer:
         self.start, self.end, self.inference_rps = start, end, inference_rps
         self.dead = False
         self.hung = False  # accepts requests but never answers (its stream reports no error)
+        self.delay_s = 0.0  # each answer comes this late (it still answers pings: a slow or overloaded server)
         self.first_requests: list[dict] = []  # metadata of each session's first request
         self.requests: list[tuple[dict, int]] = []  # (metadata, tokens)
         self.open_streams = 0
@@ -113,6 +114,8 @@ class FakeServer:
                     out = block_fn(b, x, past)
                     caches[i] = torch.cat([past, x], dim=1)
                     hidden = out
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden)])
         finally:
             self.open_streams -= 1

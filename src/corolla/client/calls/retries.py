@@ -4,7 +4,8 @@ banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds 
 failure of the only server of some block is not banned (a ban would hide the one server that can answer once its link
 is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read again at once (a replica that joined
 since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
-while, re-reads the records and re-routes at once (`swarm.cache_refusals`)."""
+while, re-reads the records and re-routes at once (`swarm.cache_refusals`). Nor is one that answered pings but ran too slow to keep a session: the
+span session has set it aside (`client.session.stalls.ServerTooSlow`), and the call re-routes at once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.stalls import ServerTooSlow
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.swarm.route_planning import covers, find_missing_blocks
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
@@ -80,7 +82,8 @@ class RetryBudget:
         self.cache_refusals = self.cache_refusals + 1 if refused else 0
         if refused and peer_id is not None:  # avoided for a while, not banned: it failed nothing
             self.manager.on_cache_refusal(peer_id)
-        banned = refused or blame(self.manager, error, peer_id, blocks)
+        too_slow = isinstance(error, ServerTooSlow)  # avoided by the span session already: it failed nothing
+        banned = refused or too_slow or blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
         if config.retries_exhausted(self.attempt) or out_of_time:
@@ -99,6 +102,8 @@ class RetryBudget:
         delay_s = config.retry_delay_s(self.attempt - 1)
         if refused:
             delay_s = reroute_delay_s(self.cache_refusals, delay_s)
+        if too_slow:  # another server holds its blocks (it was checked): no reason to wait
+            delay_s = 0.0
         self.kept_sole_server = not banned and peer_id is not None
         if self.kept_sole_server:
             delay_s = min(delay_s, SOLE_SERVER_RETRY_S)

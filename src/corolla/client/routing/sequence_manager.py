@@ -322,7 +322,7 @@ class RemoteSequenceManager:
             self.request_update()
 
     def avoided_peers(self) -> set[str]:
-        """Servers skipped for now because they refused a session for want of KV cache."""
+        """Servers skipped for now (`avoid`): they refused a session for want of KV cache, or were too slow to keep one."""
         now = time.monotonic()
         with self._lock:
             for peer in [peer for peer, until in self._avoid_until.items() if until <= now]:
@@ -344,17 +344,31 @@ class RemoteSequenceManager:
                 if (left := self._links_down.pop(peer_id) - 1) > 0:
                     self._links_down[peer_id] = left
 
-    def on_cache_refusal(self, peer_id: str) -> None:
-        """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (not a failure: its ban record stays as it
-        was) and re-read the records now (blocking, unless read within `MIN_REREAD_S`), so that the re-route that
-        follows sees the servers' fresh free-cache figures. Like a ban, it is ignored where it would leave a block
-        without a server, or, with a policy that routes by region, the client's region without a block
-        (`cache_refusals.may_avoid`; not recorded at all then: every re-read would drop it from the view again)."""
+    def may_avoid(self, peer_id: str) -> bool:
+        """Whether `avoid(peer_id, ...)` would take: the other servers of the view cover every block, and, with a policy
+        that routes by region, the client's region too if it did with it (`cache_refusals.may_avoid`)."""
         rtts = self.client_rtts_s
         with self._lock:
-            if may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s):
-                self._avoid_until[peer_id] = time.monotonic() + AVOID_S
-                self._spans = [span for span in self._spans if span.peer_id != peer_id]
+            return may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s)
+
+    def avoid(self, peer_id: str, duration_s: float) -> bool:
+        """Skips `peer_id` in routes for `duration_s` (not a failure: its ban record stays as it was), and drops it
+        from the view now; returns whether it did. Like a ban, it is ignored where `may_avoid` says no (not recorded
+        at all then: every re-read would drop it from the view again). Used for a server out of KV cache
+        (`on_cache_refusal`) and one too slow to keep a session (`client.session.stalls`, decision 0144)."""
+        rtts = self.client_rtts_s
+        with self._lock:
+            if not may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s):
+                return False
+            self._avoid_until[peer_id] = max(self._avoid_until.get(peer_id, 0.0), time.monotonic() + duration_s)
+            self._spans = [span for span in self._spans if span.peer_id != peer_id]
+        return True
+
+    def on_cache_refusal(self, peer_id: str) -> None:
+        """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (`avoid`) and re-read the records now
+        (blocking, unless read within `MIN_REREAD_S`), so that the re-route that follows sees the servers' fresh
+        free-cache figures."""
+        self.avoid(peer_id, AVOID_S)
         logger.info("routing.cache_refusal(peer=...%s, avoid_s=%.0f)", peer_id[-6:], AVOID_S)
         self.reread()
 

@@ -291,6 +291,9 @@ class InferenceSession:
                     pending_replacement = None
                     continue
                 span = span_session.span
+                if span_session.too_slow:  # `step_here` moved off it (client.session.stalls): replaced, not blamed
+                    pending_replacement = span_session
+                    continue
                 if push_went_stale(span_session, step_id, position):  # its stream may hold another answer: reopen
                     logger.info("inference_session.stale_push(blocks=%d:%d): reopening the span", span.start, span.end)
                     span_session.expected_push = None

@@ -3,13 +3,16 @@ server's unix socket when it runs on this machine, else through p2p). It keeps t
 what the server's KV cache was built from, so that `inference_session.InferenceSession` can replay them on a
 replacement server; it builds each step's request, checks the response, and watches a silent server: past the
 step deadline derived from the span's measured step times (`stalls.StepClock`) it pings it, then fails over (raises
-`HopStalled`) when another server holds the blocks, or keeps waiting when it is the only one.
+`HopStalled`) when another server holds the blocks, or keeps waiting when it is the only one; a server that answers
+pings but whose steps keep coming late moves the session once the span's late budget is spent (`ServerTooSlow`: the
+server is avoided for a while, not banned; decision 0144).
 
 The process-wide count of steps in flight (`steps_in_flight`) decides whether waiting for a response may busy-poll."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -29,7 +32,14 @@ from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.stalls import StallAction, StallEvent, StepClock
+from corolla.client.session.stalls import (
+    SLOW_AVOID_S,
+    ServerTooSlow,
+    StallAction,
+    StallEvent,
+    StepClock,
+    announced_step_s,
+)
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
@@ -145,9 +155,11 @@ class SpanSession:
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
         self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
-        self.clock = StepClock()  # this span's recent step times: the deadline of a step's silence
+        # this span's recent step times: the deadline of a step's silence, and its late budget
+        self.clock = StepClock(announced_step_s(span.length, span.server_info.inference_rps))
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
         self.last_step_suspect = False  # the last response came after the step deadline
+        self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -322,13 +334,12 @@ class SpanSession:
         self.started = True
         num_tokens = inputs.shape[1]
         started_s = time.monotonic()
+        stall_deadline_s = self.clock.deadline_s(num_tokens)
         await self.send(request)
-        response = await self.next_response(
-            self.clock.deadline_s(num_tokens), limit_bytes=reply_limit_bytes(inputs.shape)
-        )
+        response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
         result = self.accept_reply(response, inputs, send_from, hidden.dtype)
-        if not self.last_step_suspect:  # a stalled step's time says nothing of the server's speed
-            self.clock.record(num_tokens, time.monotonic() - started_s)
+        # a late step's time says nothing of the server's speed: it is charged to the late budget instead
+        self._time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
         return result
 
     async def probe(self, keys_until: int, like: torch.Tensor) -> int:
@@ -392,6 +403,13 @@ class SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
+        num_tokens = inputs.shape[1]
+        started_s = time.monotonic()
+        stall_deadline_s = self.clock.deadline_s(num_tokens)
+        on_late, late_after_s = None, math.inf
+        if stall_deadline_s is not None:  # past its deadline and the span's late budget, the step may be left
+            on_late = functools.partial(self._on_late, started_s, stall_deadline_s)
+            late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
         try:
             response = stream.exchange(
                 request,
@@ -400,11 +418,52 @@ class SpanSession:
                 check_alive=check_alive,
                 check_period_s=config.liveness_check_period_s,
                 max_response_bytes=reply_limit_bytes(inputs.shape),
+                on_late=on_late,
+                late_after_s=late_after_s,
             )
-            return self.accept_reply(response, inputs, send_from, hidden.dtype)
+            result = self.accept_reply(response, inputs, send_from, hidden.dtype)
         except BaseException:
             stream.close()
             raise
+        self._time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
+        return result
+
+    def _on_late(self, started_s: float, stall_deadline_s: float) -> None:
+        """A step ran past its deadline and the span's late budget: moves off the server (raises) if it may."""
+        if self._may_move():
+            self._move_off(time.monotonic() - started_s, stall_deadline_s)
+
+    def _may_move(self) -> bool:
+        """Whether a slow server may be left: other unbanned servers cover its blocks, and the client may avoid it
+        (`RemoteSequenceManager.may_avoid`: not where its region would lose a block)."""
+        peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
+        return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
+
+    def _time_step(self, num_tokens: int, stall_deadline_s: float | None, started_s: float, answered_s: float) -> None:
+        """After an answered step: its time feeds the clock, or, past its deadline, is charged to the late budget."""
+        elapsed_s = answered_s - started_s
+        if stall_deadline_s is not None and elapsed_s > stall_deadline_s:
+            self.clock.charge_late(elapsed_s - stall_deadline_s, answered_s)
+        else:
+            self.clock.record(num_tokens, elapsed_s)
+
+    def _move_off(self, waited_s: float, stall_deadline_s: float) -> None:
+        """The span's late budget ran out while another server holds its blocks: records the move, avoids the server
+        for `SLOW_AVOID_S` (not a ban: it answered, slowly) and raises ServerTooSlow (the session replays the span's
+        history elsewhere)."""
+        blocks, peer_id = (self.span.start, self.span.end), self.span.peer_id
+        self.too_slow = True
+        self.stall_events.append(StallEvent(peer_id, blocks, waited_s, stall_deadline_s, "moved"))
+        logger.warning(
+            "span_session.too_slow(peer=...%s, blocks=%d:%d, waited_s=%.2f, step_deadline_s=%.2f): moving the session,"
+            " the server avoided for %.0f s", peer_id[-6:], blocks[0], blocks[1], waited_s, stall_deadline_s,
+            SLOW_AVOID_S,
+        )  # fmt: skip
+        self.manager.avoid(peer_id, SLOW_AVOID_S)  # replacement chains are planned without it
+        raise ServerTooSlow(
+            peer_id, f"server ...{peer_id[-6:]} answers pings but its steps ran past their deadlines (last one "
+            f"{waited_s:.1f} s, deadline {stall_deadline_s:.2f} s) while another server holds its blocks",
+        )  # fmt: skip
 
     def _answers_pings(self) -> bool:
         """From a thread other than the client loop's: does the server answer a ping?"""
@@ -418,7 +477,9 @@ class SpanSession:
         While waiting, pings the server every `liveness_check_period_s`, and once when the step deadline passes. A
         silent server that does not answer the ping fails the step (`HopStalled`, ConnectionError) when another
         server holds its blocks; when it is the only one, the client keeps waiting (its link may come back) up to
-        `max_wait_s`. ConnectionError when the server ended the stream."""
+        `max_wait_s`. One that answers is waited for until the span's late budget is spent (`StepClock.late_left_s`),
+        then left (`ServerTooSlow`) where another server holds its blocks. ConnectionError when the server ended the
+        stream."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
@@ -428,6 +489,7 @@ class SpanSession:
         suspect_at = started_s + stall_deadline_s if stall_deadline_s is not None else math.inf
         ping_period_s = config.liveness_check_period_s or math.inf
         next_ping = started_s + ping_period_s
+        move_at = math.inf  # when the span's late budget runs out during this step (the server answered pings)
         self.last_step_suspect = False
         pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(
             self._stream.receive(limit_bytes)
@@ -438,7 +500,7 @@ class SpanSession:
             poller.keep_hot(poll_s)
         try:
             while True:
-                wait_s = min(deadline, suspect_at, next_ping) - loop.time()
+                wait_s = min(deadline, suspect_at, next_ping, move_at) - loop.time()
                 done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
                 if done:
                     response = pending.result()
@@ -448,6 +510,11 @@ class SpanSession:
                 now = loop.time()
                 if now >= deadline:
                     raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
+                if now >= move_at:
+                    move_at = math.inf  # unless moved: the only server of its blocks now, kept and waited for
+                    if stall_deadline_s is not None:
+                        self._on_late(started_s, stall_deadline_s)
+                    continue
                 checking_stall = now >= suspect_at
                 if checking_stall:
                     self.last_step_suspect, suspect_at = True, math.inf
@@ -460,6 +527,9 @@ class SpanSession:
                     continue
                 if checking_stall or not alive:
                     self._on_silence(now - started_s, alive=alive, stall_deadline_s=stall_deadline_s)
+                if checking_stall and alive and stall_deadline_s is not None:
+                    late_from = started_s + stall_deadline_s
+                    move_at = late_from + max(0.0, self.clock.late_left_s(late_from))
                 if not alive and config.max_wait_s is not None:  # the only server: wait for its link, not forever
                     deadline = min(deadline, started_s + config.max_wait_s)
         finally:

@@ -1,11 +1,15 @@
-"""Stall detection for one hop of a chain: `StepClock` keeps a span's recent decode step times and derives the
-deadline after which a step's silence is suspect (a multiple of the slowest recent step, never under
-`STALL_MIN_S`), instead of waiting for the fixed `request_timeout_s`; `StallEvent` records what the client then did
-(the server answered a ping: slow, keep waiting; it did not: fail over, or wait when it is the only server)."""
+"""Stall and slowness detection for one hop of a chain: `StepClock` keeps a span's recent decode step times and derives
+the deadline after which a step's silence is suspect (a multiple of the slowest recent step, or of the step time the
+server announces before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced
+time), instead of waiting for the fixed `request_timeout_s`; it also keeps the span's late budget: seconds its steps
+ran past their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has
+spent `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`ServerTooSlow`) and the slow
+server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
 
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,15 +17,30 @@ STALL_FACTOR = 4.0  # a step this many times slower than the span's slowest rece
 STALL_MIN_S = 1.0  # never suspect sooner: a busy CPU, a GC pause or a batch on the server can take this long
 DECODE_MAX_TOKENS = 8  # steps sending more tokens (prefills, replays) are not timed: their cost grows with length
 STEP_TIMES_KEPT = 16  # recent step times a deadline is derived from
+LATE_BUDGET_S = 8.0  # a span's steps may run this long past their deadlines (net of the leak) before it is moved
+LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a server late 10% of the time is kept
+SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes this long (one refresh period)
 
-StallAction = Literal["slow", "failed_over", "waited"]
+StallAction = Literal["slow", "moved", "failed_over", "waited"]
+
+
+class ServerTooSlow(ConnectionError):
+    """A server answered pings but its span's steps ran `LATE_BUDGET_S` past their deadlines while another server
+    holds its blocks: the session moves off it (replaying its history there), and it is avoided for a while, not
+    banned (it failed nothing)."""
+
+    def __init__(self, peer_id: str, message: str):
+        self.peer_id = peer_id
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
 class StallEvent:
     """One suspected stall: the server, its blocks, how long the step had waited when the suspicion was checked, and
-    the step deadline it had, and what the client did (`slow`: it answered a ping, so we kept waiting; `failed_over`: it did not and another
-    server holds its blocks; `waited`: it did not and it is the only one, so we kept waiting for the link)."""
+    the step deadline it had, and what the client did (`slow`: it answered a ping, so we kept waiting; `moved`: it
+    answered pings but its span's late budget ran out while another server holds its blocks; `failed_over`: it did
+    not answer and another server holds its blocks; `waited`: it did not and it is the only one, so we kept waiting
+    for the link)."""
 
     peer_id: str
     blocks: tuple[int, int]
@@ -30,19 +49,47 @@ class StallEvent:
     action: StallAction
 
 
+def announced_step_s(num_blocks: int, inference_rps: float | None) -> float | None:
+    """The decode step time a server's record implies for `num_blocks` of its blocks (`inference_rps` is per block:
+    a token through n blocks takes n / rps); None when it announces no figure."""
+    if inference_rps is None or not inference_rps > 0:
+        return None
+    return num_blocks / inference_rps
+
+
 class StepClock:
     """Per span session: `record(num_tokens, elapsed_s)` after each answered step that was never suspect;
     `deadline_s(num_tokens)` is how long the next step may stay silent before the client checks on the server
-    (None: no estimate yet, or a long step: only the liveness pings and `request_timeout_s` apply)."""
+    (None: no estimate yet, or a long step: only the liveness pings and `request_timeout_s` apply).
+    `announced_step_s`: the decode step time the server's record implies (its blocks / its `inference_rps`; None when
+    it announces none): the deadline of the first steps, and with `STALL_FACTOR` the most any deadline may grow to
+    (steps that keep within 4x the last ones could otherwise raise it without bound).
+    `charge_late(late_s, now_s)` after a step answered past its deadline; `late_left_s(now_s)` is what is left of
+    `LATE_BUDGET_S` (times are `time.monotonic()`'s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announced_step_s: float | None = None) -> None:
         self._times_s: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
+        self._ceiling_s: float | None = None
+        if announced_step_s is not None and math.isfinite(announced_step_s) and announced_step_s >= 0:
+            self._ceiling_s = max(STALL_MIN_S, STALL_FACTOR * announced_step_s)
+        self._late_s, self._late_at_s = 0.0, 0.0
 
     def record(self, num_tokens: int, elapsed_s: float) -> None:
         if 0 < num_tokens <= DECODE_MAX_TOKENS and elapsed_s >= 0:
             self._times_s.append(elapsed_s)
 
     def deadline_s(self, num_tokens: int) -> float | None:
-        if not self._times_s or num_tokens > DECODE_MAX_TOKENS:
+        if num_tokens > DECODE_MAX_TOKENS:
             return None
-        return max(STALL_MIN_S, STALL_FACTOR * max(self._times_s))
+        if not self._times_s:
+            return self._ceiling_s
+        measured_s = max(STALL_MIN_S, STALL_FACTOR * max(self._times_s))
+        return measured_s if self._ceiling_s is None else min(measured_s, self._ceiling_s)
+
+    def late_left_s(self, now_s: float) -> float:
+        leaked_s = LATE_LEAK * max(0.0, now_s - self._late_at_s)
+        return LATE_BUDGET_S - max(0.0, self._late_s - leaked_s)
+
+    def charge_late(self, late_s: float, now_s: float) -> None:
+        self._late_s = LATE_BUDGET_S - self.late_left_s(now_s) + max(0.0, late_s)
+        self._late_at_s = now_s

@@ -92,10 +92,13 @@ class FramedSocketStream(ABC):
         check_alive: Callable[[], bool] | None = None,
         check_period_s: float = math.inf,
         max_response_bytes: int = MAX_RESPONSE_FRAME_BYTES,
+        on_late: Callable[[], None] | None = None,
+        late_after_s: float = math.inf,
     ) -> runtime_pb2.ExpertResponse:
         """Sends `request` and waits for its response in the calling thread: polling for up to `poll_s`, then
         sleeping in `poll(2)`; every `check_period_s` of waiting, `check_alive()` must say the server still answers
-        (else ConnectionError). ConnectionError when the stream ends or breaks or the response's frame announces
+        (else ConnectionError); once, after `late_after_s` of waiting, `on_late()` may end the wait (it raises) or
+        let it go on (it returns). ConnectionError when the stream ends or breaks or the response's frame announces
         more than `max_response_bytes`, TimeoutError past `timeout_s`."""
         max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
@@ -113,6 +116,7 @@ class FramedSocketStream(ABC):
                 poller.unregister(self.sock)
         poll_until = time.monotonic() + poll_s
         next_check = start + check_period_s if check_alive is not None else math.inf
+        late_at = start + late_after_s if on_late is not None else math.inf
         poller.register(self.sock, select.POLLIN)
         slept = False
         while (parsed := self._parse_frame(max_response_bytes)) is None:
@@ -122,6 +126,11 @@ class FramedSocketStream(ABC):
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
+                if now >= late_at:
+                    assert on_late is not None
+                    late_at = math.inf
+                    on_late()
+                    continue
                 if now >= next_check:
                     assert check_alive is not None
                     if not check_alive():
@@ -129,7 +138,7 @@ class FramedSocketStream(ABC):
                     next_check = time.monotonic() + check_period_s
                     continue
                 if now >= poll_until:
-                    poller.poll(_slice_ms(min(deadline, next_check)))
+                    poller.poll(_slice_ms(min(deadline, next_check, late_at)))
                     slept = True
                 continue
             if not chunk:

@@ -1,0 +1,203 @@
+"""A server that answers pings but answers every step late (overloaded, throttled, or a slow-loris holding its
+sessions just under `request_timeout_s`) against in-process fake servers (no network): the session moves to another
+server of the span once the span's late budget is spent, replays its history there (outputs exact, no token lost or
+duplicated), and the slow server is avoided, not banned; an honest server with one slow step keeps its session; the
+only server of a span is kept (decision 0144). The budgets are scaled down (deadline floor 0.2 s, budget 1-2 s)
+against a `request_timeout_s` of 20 s, so that the old client (which waited out each slow step) fails in about a
+minute, not hours."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.session import span_session, stalls
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s
+from corolla.client.transport.local_transport import LocalInferenceStream
+from corolla.protocol import local_stream as ls
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+
+REQUEST_TIMEOUT_S = 20.0
+LORIS_DELAY_S = REQUEST_TIMEOUT_S - 2.0  # every step answered just under the timeout
+
+
+@pytest.fixture
+def small_budgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stalls, "STALL_MIN_S", 0.2)
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 1.0)
+
+
+def _manager(servers: dict[str, FakeServer]) -> FakeManager:
+    return FakeManager(servers, 4, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=1.0)
+
+
+def _served_tokens(server: FakeServer) -> int:
+    return sum(tokens for _, tokens in server.requests)
+
+
+@pytest.mark.parametrize("slow_from", [0, 3], ids=["slow_from_its_first_step", "slow_after_three_steps"])
+def test_a_slow_loris_loses_its_session_to_another_server(small_budgets, slow_from: int):
+    """A (announcing the best figures, so routed first) answers pings and every step after `slow_from` just under
+    `request_timeout_s`; B holds the same blocks. The session moves to B at the first slow step (deadline + budget),
+    replays its history there once, and the outputs are the reference's; A is avoided, not banned. Steps are one token
+    each (a decode step: timed from the first, by the step time A announces)."""
+    torch.manual_seed(0)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    tokens = torch.randn(1, 8, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=8) as session:
+        for t in range(8):
+            if t == slow_from:
+                servers["A"].delay_s = LORIS_DELAY_S
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == ["B"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    moved = [e for e in events if e.action == "moved"]
+    assert len(moved) == 1 and moved[0].peer_id == "A" and moved[0].blocks == (0, 4), events
+    assert moved[0].detected_after_s < LORIS_DELAY_S  # it did not wait for the slow answer
+    replay_metadata, replay_tokens = servers["B"].requests[0]
+    assert replay_metadata["start_from_position"] == 0 and replay_tokens == slow_from + 1  # history + the new token
+    assert _served_tokens(servers["B"]) == 8 and servers["B"].final_lengths == [8]  # each position once
+    assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+def test_an_honest_server_with_one_slow_step_keeps_its_session(small_budgets, monkeypatch: pytest.MonkeyPatch):
+    """One step 0.6 s late (a GC pause, another client's prefill) spends part of the budget (2 s here): the session
+    stays, nothing is replayed, the server is neither avoided nor banned."""
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)
+    torch.manual_seed(1)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    tokens = torch.randn(1, 8, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=8) as session:
+        for t in range(8):
+            servers["A"].delay_s = 0.8 if t == 4 else 0.0
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == ["A"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert events and {e.action for e in events} == {"slow"}, events
+    assert servers["B"].requests == [] and _served_tokens(servers["A"]) == 8
+    assert "A" not in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+def test_the_only_server_of_a_span_is_kept_however_slow(small_budgets):
+    """A is the only server of its blocks: each slow step is waited for (past the budget), nothing moves."""
+    torch.manual_seed(2)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0)}
+    manager = _manager(servers)
+    tokens = torch.randn(1, 5, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=5) as session:
+        outputs.append(session.step(tokens[:, :2]))
+        servers["A"].delay_s = 1.5  # past the deadline (0.2 s) and the budget (1 s)
+        for t in range(2, 5):
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert events and {e.action for e in events} == {"slow"}, events
+    assert _served_tokens(servers["A"]) == 5 and servers["A"].final_lengths == [5]
+    assert "A" not in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+class SocketServed:
+    """A fake server behind one end of a socket pair, served by its own loop in a thread; the client's end is a
+    `LocalInferenceStream`, so the session's steps run in the caller's thread (`SpanSession.step_here`)."""
+
+    def __init__(self, server: FakeServer, peer_id: str):
+        client, self._sock = socket.socketpair()
+        client.setblocking(False)
+        self.stream = LocalInferenceStream(client, peer_id)
+        self._server, self._loop = server, asyncio.new_event_loop()
+        self._task: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._run(),), daemon=True)
+        self._thread.start()
+
+    async def _run(self) -> None:
+        self._task = asyncio.current_task()
+        reader, writer = await asyncio.open_connection(sock=self._sock)
+
+        async def requests():
+            while True:
+                kind, payload = await ls.read_frame(reader, 1 << 24)
+                if kind != ls.MESSAGE:
+                    return
+                yield runtime_pb2.ExpertRequest.FromString(payload)
+
+        with contextlib.suppress(Exception, asyncio.CancelledError):  # the client closed its end
+            async for response in await self._server.rpc_inference(requests()):
+                writer.writelines(ls.frame(ls.MESSAGE, response.SerializeToString()))
+                await writer.drain()
+        writer.close()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(5)
+        self._loop.close()
+
+
+def test_a_slow_server_on_a_socket_stream_is_left_from_the_callers_thread(small_budgets, monkeypatch):
+    """The same over the server's socket, where steps run in the caller's thread: the wait ends at the deadline plus
+    the budget, the span is replaced without a ban, and the outputs are exact."""
+    torch.manual_seed(3)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    served = SocketServed(servers["A"], "A")
+
+    async def open_socket_stream(manager, peer_id, rpc):
+        return served.stream if peer_id == "A" else None
+
+    monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
+    monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
+    tokens = torch.randn(1, 8, HIDDEN)
+    outputs = []
+    try:
+        with InferenceSession(manager, max_length=8) as session:
+            for t in range(8):
+                if t == 4:
+                    servers["A"].delay_s = LORIS_DELAY_S
+                outputs.append(session.step(tokens[:, t : t + 1]))
+            assert [span.peer_id for span, _ in session.route] == ["B"]
+            steps_here, events = session.num_steps_here, list(session.stall_events)
+    finally:
+        served.stop()
+    assert steps_here >= 3  # steps 1-3 ran in this thread (the first opens the session through the loop)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert [e.action for e in events if e.action == "moved"] == ["moved"], events
+    replay_metadata, replay_tokens = servers["B"].requests[0]
+    assert replay_metadata["start_from_position"] == 0 and replay_tokens == 5
+    assert _served_tokens(servers["B"]) == 8 and servers["B"].final_lengths == [8]
+    assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+def test_step_clock_deadline_and_late_budget():
+    """The clock's rules (no waiting): the first decode step's deadline comes from the announced step time, measured
+    steps may not raise it past 4x that; late seconds are charged, leak at LATE_LEAK of wall time, and run out."""
+    assert announced_step_s(4, 100.0) == pytest.approx(0.04) and announced_step_s(4, None) is None
+    assert StepClock().deadline_s(1) is None  # nothing announced, nothing measured: only pings and the timeout
+    clock = StepClock(announced_step_s(20, 4.0))  # 5 s a step announced
+    assert clock.deadline_s(1) == pytest.approx(20.0) and clock.deadline_s(64) is None  # prefills are not timed
+    clock.record(1, 0.1)
+    assert clock.deadline_s(1) == pytest.approx(stalls.STALL_MIN_S)
+    for elapsed_s in (0.4, 1.6, 6.4, 19.0):  # each within 4x the last: a ramp
+        clock.record(1, elapsed_s)
+    assert clock.deadline_s(1) == pytest.approx(20.0)  # capped at 4x the announced 5 s, not 76 s
+    budget = stalls.LATE_BUDGET_S
+    assert clock.late_left_s(100.0) == budget
+    clock.charge_late(budget / 2, 100.0)
+    assert clock.late_left_s(100.0) == pytest.approx(budget / 2)
+    assert clock.late_left_s(110.0) == pytest.approx(budget / 2 + 10 * LATE_LEAK)  # leaks back
+    clock.charge_late(budget, 110.0)
+    assert clock.late_left_s(110.0) < 0  # spent: the next late step moves the session
+    assert clock.late_left_s(110.0 + 2 * budget / LATE_LEAK) == budget  # never more than the whole budget
