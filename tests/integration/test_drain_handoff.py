@@ -138,24 +138,35 @@ def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, 
     )
 
 
-def test_refused_handoff_falls_back_to_replay(swarm, prompt, undisturbed):
-    """One of the two servers takes no hand-off (`--no_kv_handoff`): whichever drains, the export or the import is
-    refused, the client closes the draining stream and replays the history on the other server; same text."""
-    for server in _alive_servers(swarm)[1:]:
-        server.stop(10)
-    swarm.start_server(DEMO, *SERVER_FLAGS, "--no_kv_handoff", wait=False).wait_ready(120)
+@pytest.mark.parametrize("refused", ["import", "export"])
+def test_refused_handoff_falls_back_to_replay(swarm, prompt, undisturbed, refused):
+    """A server started with `--no_kv_handoff` neither exports nor imports a session's cache. The other server of the
+    blocks joins mid-generation, after the client read the records (the hand-off reads them again to find it), and
+    the session's server drains: the joining server refuses the import, or the draining one the export. Either way
+    the client closes the draining stream and replays the history on the joined server; same text."""
+    no_handoff = (*SERVER_FLAGS, "--no_kv_handoff")
+    serving_flags, joining_flags = (SERVER_FLAGS, no_handoff) if refused == "import" else (no_handoff, SERVER_FLAGS)
+    alive = _alive_servers(swarm)
+    serving = [p for p in alive if ("--no_kv_handoff" in p.args) == (refused == "export")][:1]
+    for server in alive:
+        if server not in serving:
+            server.stop(10)
+    if not serving:
+        swarm.start_server(DEMO, *serving_flags, wait=False).wait_ready(120)
 
-    def sigterm(session):
+    def join_then_sigterm(session):
+        joined = swarm.start_server(DEMO, *joining_flags, wait=False).wait_ready(120)
         peer = session._spans[0].span.peer_id
+        assert peer != joined.peer_id  # the client's view of the swarm predates it
         next(p for p in _alive_servers(swarm) if p.peer_id == peer).signal(signal.SIGTERM)
 
-    streamer = ActAt(3, sigterm)
+    streamer = ActAt(3, join_then_sigterm)
     output = _generate(swarm, prompt, streamer, local_transport=False)
     assert output.tolist() == undisturbed
     (record,) = streamer.session.handoffs.records
     assert record.to_peer is None and record.error is not None
-    refusals = ("does not accept KV imports", "KV hand-off is disabled")
-    assert any(r in line for p in swarm.processes for line in p.lines for r in refusals)
+    refusal = "does not accept KV imports" if refused == "import" else "KV hand-off is disabled"
+    assert refusal in record.error, record.error  # the replacement was found and asked: no "no other server"
 
 
 @pytest.mark.skipif(not os.environ.get("COROLLA_DRAIN_BENCH"), reason="opt-in measurement: COROLLA_DRAIN_BENCH=1")

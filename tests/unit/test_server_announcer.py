@@ -65,8 +65,7 @@ async def test_lifecycle_and_refresh(records):
     assert extra["start_block"] == 2 and extra["end_block"] == 5 and extra["cache_tokens_left"] == 100
     assert expiration == pytest.approx(stored_at + 5.0, abs=0.5)
     cache_left[0] = 40
-    await announcer.announce(ServerState.ONLINE)
-    await asyncio.sleep(0.05)
+    await announcer.announce(ServerState.ONLINE)  # returns once ONLINE is stored: the ready line comes after it
     assert records.stored[-1][1][0] == ServerState.ONLINE and records.stored[-1][1][2]["cache_tokens_left"] == 40
     count = len(records.stored)
     await asyncio.sleep(0.5)

@@ -73,6 +73,8 @@ class Announcer:
         # was not sampled) is forgotten
         self._pings = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=PING_FORGET_ROUNDS * update_period_s)
         self._trigger = asyncio.Event()
+        self._declared = asyncio.Event()  # set (then replaced) after each attempt to store the record
+        self._last_declared: ServerState | None = None  # the state of that attempt
         self._task: asyncio.Task | None = None
         self.early_announce: EarlyAnnounce | None = DEFAULT_EARLY_ANNOUNCE  # None: only the heartbeat (Petals')
         self.early_check_period_s = EARLY_CHECK_PERIOD_S
@@ -92,11 +94,16 @@ class Announcer:
         """The smoothed RTTs (s) it measured to the servers after its first block (peer id -> s, inf = unreachable)."""
         return self._pings.to_dict()
 
-    async def announce(self, state: ServerState, timeout_s: float = 2 * DHT_CALL_TIMEOUT_S) -> None:
-        """Switches state and re-announces now; OFFLINE waits (bounded) until the record is stored and the loop ends."""
+    async def announce(self, state: ServerState, timeout_s: float = 2 * DHT_CALL_TIMEOUT_S + PING_TIMEOUT_S) -> None:
+        """Switches state and re-announces now, and returns (within `timeout_s`) once a record of that state was
+        stored: a server that says it is ONLINE can be found by a client that reads the records after that (its
+        ready line comes after this). OFFLINE also waits until the loop ends. A store that fails or times out is
+        logged; the heartbeat tries again."""
         self.server_info.state = state
         self._trigger.set()
-        if state == ServerState.OFFLINE and self._task is not None:
+        if self._task is None:
+            return
+        if state == ServerState.OFFLINE:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except asyncio.TimeoutError:
@@ -104,6 +111,19 @@ class Announcer:
                 self._task.cancel()
             except Exception as e:
                 logger.warning(f"announcer.offline_failed({e!r})")
+            return
+        try:
+            await asyncio.wait_for(self._declaration_of(state), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning(f"announcer.announce_timeout(state={state.name}, timeout_s={timeout_s})")
+
+    async def _declaration_of(self, state: ServerState) -> None:
+        """Returns after the next attempt to store a record of `state` (one that started with another state, in
+        flight when the state changed, does not count)."""
+        while True:
+            await self._declared.wait()
+            if self._last_declared == state:
+                return
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -124,6 +144,9 @@ class Announcer:
                 logger.warning(f"announcer.failed(state={state.name}): {e!r}")
                 if self.on_failure is not None:
                     self.on_failure()
+            self._last_declared = state
+            declared, self._declared = self._declared, asyncio.Event()
+            declared.set()
             if state == ServerState.OFFLINE:
                 return
             delay = self.update_period_s - (time.monotonic() - started)
