@@ -116,3 +116,13 @@ class HonestDrainer(Drainer):
             cache.append(hidden)
             hidden = block_fn(block, hidden, hidden[:, :0])
         return cache
+
+
+class AlwaysDraining(FakeServer):
+    """Serves honestly but marks every answer draining, and never exports (a server that lies about draining to keep
+    its clients busy: as the only server of its blocks, it takes every replay back)."""
+
+    async def _serve(self, requests):
+        draining = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(1e9).to_dict()})
+        async for response in super()._serve(ExportWatch().steps(requests)):
+            yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=draining)

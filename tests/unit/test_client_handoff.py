@@ -11,7 +11,7 @@ import torch
 
 from corolla.client.session.inference_session import InferenceSession
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
-from helpers.fake_handoff import HonestDrainer, Importer
+from helpers.fake_handoff import AlwaysDraining, HonestDrainer, Importer
 
 
 def test_a_drain_hands_off_to_a_replica_that_joined_after_the_last_read():
@@ -54,3 +54,27 @@ def test_sessions_that_need_the_swarm_at_once_wait_for_one_read():
     assert len(reads) == 1
     manager.reread(time.monotonic())  # asked for a read newer than the last one
     assert len(reads) == 2
+
+
+def test_a_server_that_drains_on_every_reply_does_not_make_every_token_read_the_records():
+    """A hostile server, the only one of its blocks, marks every reply draining: each hand-off finds no replacement
+    and the next step replays on it again. Its drain makes the client re-read the records once, not once a token
+    (before: 8 reads for 8 tokens, each a DHT lookup the token waited for, for every client of that server)."""
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 8, HIDDEN)
+    servers = {"liar": AlwaysDraining(0, 2), "C": FakeServer(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    reads = []
+    fetch = manager.fetch_module_infos
+
+    def counted_fetch():
+        reads.append(time.monotonic())
+        return fetch()
+
+    manager.fetch_module_infos = counted_fetch
+    with InferenceSession(manager, max_length=8) as session:
+        steps = [session.step(tokens[:, t : t + 1]) for t in range(8)]
+        records = session.handoffs.records
+    assert len(records) == 8 and all(r.to_peer is None for r in records), records  # each hand-off failed: replays
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert len(reads) <= 1, len(reads)

@@ -107,6 +107,7 @@ class RemoteSequenceManager:
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
         self._links_down: dict[str, int] = {}  # servers some session knocks on (`link_down`) -> how many sessions
         self._read_started_at = -math.inf  # time.monotonic() at the start of the last read of the records
+        self._drain_reads: dict[str, float] = {}  # draining server -> when its drain first asked for a read
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
@@ -386,6 +387,20 @@ class RemoteSequenceManager:
         except Exception as e:  # the background thread tries again
             logger.warning("routing.reread_failed(error=%r)", e)
             self.request_update()
+
+    def reread_for_drain(self, peer_id: str, newer_than: float) -> None:
+        """`reread(newer_than)` for a replacement of draining `peer_id`, but one read per peer per `update_period_s`
+        (later calls wait for that read and take its view; the background refresh keeps it fresh after): a server that
+        marks every reply draining, the only one of its blocks, takes each replay back and drains again, and every
+        token of its every session would wait for a read of the records (a DHT lookup of every block) before."""
+        now = time.monotonic()
+        with self._lock:
+            first = self._drain_reads.get(peer_id)
+            if first is None or now - first >= self.config.update_period_s:
+                for peer in [p for p, at in self._drain_reads.items() if now - at >= self.config.update_period_s]:
+                    del self._drain_reads[peer]
+                self._drain_reads[peer_id] = first = now
+        self.reread(min(newer_than, first))
 
     def describe_missing(self, missing: Sequence[int], timeout_s: float = 5.0) -> str:
         """What the swarm does serve, for a missing-blocks message: the DHT prefix asked for, the prefixes in the

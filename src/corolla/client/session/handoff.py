@@ -147,7 +147,7 @@ async def _move(log: HandoffLog, old: SpanSession) -> tuple[SpanSession, int]:
     started = time.monotonic()
     candidates = _candidates(log, old)
     if not candidates:  # a replica may have joined since the last read (`update_period_s` may be a minute)
-        await asyncio.to_thread(log.manager.reread, started)
+        await asyncio.to_thread(log.manager.reread_for_drain, old.span.peer_id, started)
         candidates = _candidates(log, old)
     if not candidates:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
