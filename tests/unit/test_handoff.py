@@ -318,3 +318,55 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
                 assert all(torch.equal(x, y) for x, y in zip(before, target.cache_tensors(), strict=True))
 
     _run(main())
+
+
+def _junk_metadata(messages):
+    """Every part message with 1 MiB of request metadata (a part's tensors keep their whole message alive)."""
+    return [runtime_pb2.ExpertRequest(uid=UID, tensors=parts, metadata=b"\x00" * (1 << 20)) for parts in messages]
+
+
+def _junk_shape(messages):
+    """Every part message with one more part: no buffer byte, but a `size` of 100,000 dimensions (~0.3 MB)."""
+    junk = runtime_pb2.Tensor(size=[1 << 20] * 100_000)
+    return [runtime_pb2.ExpertRequest(uid=UID, tensors=[*parts, junk]) for parts in messages]
+
+
+def _empty_parts(messages):
+    """The last message with 100,000 more parts of no bytes (~2 bytes each on the wire, a Python object each here)."""
+    requests = [runtime_pb2.ExpertRequest(uid=UID, tensors=parts) for parts in messages]
+    requests[-1].tensors.extend([runtime_pb2.Tensor()] * 100_000)
+    return requests
+
+
+@pytest.mark.parametrize("attack", [_junk_metadata, _junk_shape, _empty_parts])
+def test_an_import_holds_nothing_but_its_parts(backend, attack):
+    """The part messages an import reads are held until the last one is in (the stream budget is given back message
+    by message), so a message may hold nothing but parts (each a few header bytes beside its buffer) and the parts
+    are as many as the header's bytes need: refused at the first message that holds more. Before, only the buffers'
+    bytes were counted: a hostile client made a replacement hold every message whole (up to the stream's message
+    bound, 257 MiB on a 70B span) for as many messages as its header announced, and the imports went through."""
+    torch.manual_seed(1)
+    hidden = torch.randn(1, PREFIX, 256)
+
+    async def main():
+        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
+            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
+                source, target = _Session(old, a), _Session(new, b)
+                await source.step(hidden)
+                old.handoff.drain.start(5.0)
+                header, messages = await _export(old, source)
+                hostile = attack(messages)
+                taken = []
+
+                async def requests():
+                    for request in hostile:
+                        taken.append(request)
+                        yield request
+
+                with pytest.raises(ValueError, match="KV import"):
+                    await new.handoff.import_kv(target, header, UID, requests())
+                assert len(taken) == (len(hostile) if attack is _empty_parts else 1)  # refused at the first such
+                assert target.prefix_length == 0 and new.handoff.num_imported == 0
+
+    _run(main())

@@ -30,6 +30,9 @@ KV_HEADER_KEY = "corolla.kv"  # response metadata of the export's first message:
 IMPORT_KEY = "corolla.import_kv"  # first request metadata of a new stream: a KvHeader, parts follow
 
 MAX_MESSAGE_BYTES = STREAM_CHUNK_BYTES  # buffer bytes per part message, both directions
+# a part's serialized bytes besides its buffer: field tags and lengths, shape, dtype, compression, chunks (< 100 for
+# a 4-d record); a relayed part message holds its uid and parts, nothing else (`part_message_fits`)
+PART_OVERHEAD_BYTES = 256
 MAX_ERROR_CHARS = 500
 
 
@@ -88,9 +91,14 @@ class KvHeader:
             raise ValueError(f"invalid KV header {self}: no data")
         # every message holds at most MAX_MESSAGE_BYTES, and all but the last of a tensor's parts are full, so a
         # cache of k tensors never needs more than ceil(bytes / max) + k messages
-        num_tensors = 2 * (self.end_block - self.start_block)
-        if self.num_messages > math.ceil(self.total_bytes / MAX_MESSAGE_BYTES) + num_tensors:
+        if self.num_messages > self.max_parts:
             raise ValueError(f"KV header announces {self.num_messages} messages for {self.total_bytes} bytes")
+
+    @property
+    def max_parts(self) -> int:
+        """The most parts the export holds: all but each tensor's last are full (`pack_messages`), so no more than
+        ceil(bytes / max) + k for k tensors (an empty part is a few bytes on the wire and an object where it is read)."""
+        return math.ceil(self.total_bytes / MAX_MESSAGE_BYTES) + 2 * (self.end_block - self.start_block)
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -134,3 +142,11 @@ def pack_messages(
 
 def message_bytes(parts: Iterable[runtime_pb2.Tensor]) -> int:
     return sum(len(part.buffer) for part in parts)
+
+
+def part_message_fits(message: runtime_pb2.ExpertRequest, buffer_bytes: int) -> bool:
+    """Whether a relayed part message (`buffer_bytes`: its parts' buffers) holds nothing but its uid and parts, each
+    within `PART_OVERHEAD_BYTES` beside its buffer: its parts keep the whole message alive until the import has them
+    all, so nothing else may ride along (metadata, a part's long shape)."""
+    allowed = buffer_bytes + len(message.uid.encode()) + 16 + PART_OVERHEAD_BYTES * len(message.tensors)
+    return not message.metadata and message.ByteSize() <= allowed

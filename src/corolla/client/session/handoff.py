@@ -209,9 +209,7 @@ async def _export(
     max_bytes = manager.config.kv_handoff_max_bytes
     if header.total_bytes > max_bytes:
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
-    # parts of at most MAX_MESSAGE_BYTES, all but each tensor's last full (`wire.pack_messages`): an empty part is a
-    # few bytes on the wire and a Python object here, so their count is bounded too
-    max_parts = math.ceil(header.total_bytes / wire.MAX_MESSAGE_BYTES) + 2 * (header.end_block - header.start_block)
+    max_parts = header.max_parts  # an empty part is a few bytes on the wire and a Python object here
     messages, received, parts = [], 0, 0
     for _ in range(header.num_messages):
         response = await old.next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)

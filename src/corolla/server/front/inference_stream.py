@@ -502,6 +502,7 @@ class SessionHandoff:
         deadline = time.monotonic() + timeout_s
         parts: list[runtime_pb2.Tensor] = []
         received = 0
+        max_parts = header.max_parts
         for _ in range(header.num_messages):
             try:
                 message = await asyncio.wait_for(requests.__anext__(), max(deadline - time.monotonic(), 0.001))
@@ -511,9 +512,15 @@ class SessionHandoff:
                 raise ValueError(f"KV import not complete within request_timeout={timeout_s} s") from None
             if message.uid != uid:
                 raise ValueError("KV import messages must carry the session's uid")
-            received += hw.message_bytes(message.tensors)
+            buffer_bytes = hw.message_bytes(message.tensors)
+            received += buffer_bytes
             if received > expected:
                 raise ValueError(f"KV import sent more than the {expected} bytes it announced")
+            # (held until the last message is in, past the stream budget: nothing but parts, no more than it needs)
+            if len(parts) + len(message.tensors) > max_parts:
+                raise ValueError(f"KV import sent more than the {max_parts} parts its header allows")
+            if not hw.part_message_fits(message, buffer_bytes):
+                raise ValueError("KV import part messages hold nothing but the session's uid and tensor parts")
             parts.extend(message.tensors)
         if received != expected:
             raise ValueError(f"KV import sent {received} bytes, announced {expected}")
