@@ -23,6 +23,7 @@ from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
 from corolla.server.core.refusals import Draining
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
@@ -185,7 +186,7 @@ def test_export_then_import_continues_bit_for_bit(backend, fused):
                 assert header.position == PREFIX + 1
                 with pytest.raises(RuntimeError, match="already exported"):
                     await _export(old, source)
-                await new.handoff.import_kv(target, header, UID, _requests(messages))
+                await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
                 assert target.prefix_length == PREFIX + 1
                 expected = await source.step(hidden[:, PREFIX + 1 :])
                 got = await target.step(hidden[:, PREFIX + 1 :])
@@ -209,7 +210,7 @@ def test_a_fused_servers_export_continues_on_an_eager_server(backend):
                 await source.step(hidden[:, :PREFIX])
                 old.handoff.drain.start(5.0)
                 header, messages = await _export(old, source)
-                await new.handoff.import_kv(target, header, UID, _requests(messages))
+                await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
                 torch.testing.assert_close(
                     await target.step(hidden[:, PREFIX:]), await source.step(hidden[:, PREFIX:]), atol=1e-4, rtol=0
                 )
@@ -313,7 +314,7 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
                 before = target.cache_tensors()
                 with pytest.raises(ValueError):
                     hostile = wire.KvHeader.from_dict(fields)
-                    await new.handoff.import_kv(target, hostile, uid, _requests(messages))
+                    await new.handoff.import_kv(target, hostile, uid, _requests(messages), peer="client")
                 assert target.prefix_length == 0 and new.handoff.num_imported == 0
                 assert all(torch.equal(x, y) for x, y in zip(before, target.cache_tensors(), strict=True))
 
@@ -365,8 +366,60 @@ def test_an_import_holds_nothing_but_its_parts(backend, attack):
                         yield request
 
                 with pytest.raises(ValueError, match="KV import"):
-                    await new.handoff.import_kv(target, header, UID, requests())
+                    await new.handoff.import_kv(target, header, UID, requests(), peer="client")
                 assert len(taken) == (len(hostile) if attack is _empty_parts else 1)  # refused at the first such
                 assert target.prefix_length == 0 and new.handoff.num_imported == 0
+
+    _run(main())
+
+
+def test_imports_in_flight_are_bounded_per_peer_and_in_all(backend):
+    """An import's parts are held in host memory until written: a peer (or a crowd of cheap identities) opening many
+    imports at once is refused past `max_import_bytes_per_peer` / `max_import_bytes_total` at its header, before any
+    part is read; what an import held is given back when it ends (written or refused). Before, nothing counted them:
+    each import was bounded only by its session's cache (a peer's KV share, which identities multiply)."""
+    torch.manual_seed(2)
+    hidden = torch.randn(1, PREFIX, 256)
+
+    async def main():
+        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
+            async with _allocate(old, backend) as a, _allocate(new, backend) as b, _allocate(new, backend) as c:
+                source, first, second = _Session(old, a), _Session(new, b), _Session(new, c)
+                await source.step(hidden)
+                old.handoff.drain.start(5.0)
+                header, messages = await _export(old, source)
+                nbytes = header.total_bytes
+                new.handoff.request_timeout_s = 60.0  # the stalled import below waits for its parts all along
+                held = asyncio.Event()
+
+                async def stalled():  # a client that sent its header and holds its parts back
+                    held.set()
+                    await asyncio.sleep(3600)
+                    yield
+
+                for per_peer, total, second_peer, refusal in [
+                    (nbytes, 0, "client", PeerLimitExceeded),
+                    (0, 3 * nbytes // 2, "another identity", ServerLimitExceeded),
+                ]:
+                    new.handoff.configure(PeerLimits(max_import_bytes_per_peer=per_peer, max_import_bytes_total=total))
+                    held.clear()
+                    waiting = asyncio.ensure_future(new.handoff.import_kv(first, header, UID, stalled(), peer="client"))
+                    await held.wait()
+                    taken: list = []
+
+                    async def parts(taken=taken):
+                        for parts_of_message in messages:
+                            taken.append(parts_of_message)
+                            yield runtime_pb2.ExpertRequest(uid=UID, tensors=parts_of_message)
+
+                    with pytest.raises(refusal):
+                        await new.handoff.import_kv(second, header, UID, parts(), peer=second_peer)
+                    assert taken == [] and second.prefix_length == 0
+                    waiting.cancel()
+                    await asyncio.gather(waiting, return_exceptions=True)
+                    assert new.handoff.imports.total_bytes == 0 and new.handoff.imports.per_peer == {}
+                await new.handoff.import_kv(second, header, UID, _requests(messages), peer="client")  # room again
+                assert second.prefix_length == PREFIX
 
     _run(main())

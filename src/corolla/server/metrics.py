@@ -34,6 +34,8 @@ LIMIT_REASONS = (
     "peer_opening_streams",
     "stream_bytes_full",
     "stream_message_too_big",
+    "peer_import_bytes",
+    "import_bytes_full",
     "stream_stalled",
     "stream_too_slow",
     "reply_stalled",

@@ -103,6 +103,15 @@ class PeerLimits:
     max_opening_streams_per_peer: int = _flag(
         64, "p2p inference streams of one peer whose session is not open yet; more are refused (0 = unlimited)"
     )
+    # a KV hand-off import's parts are read into host memory whole before the cache is written (a session's whole cache:
+    # up to its peer's KV share, which cheap identities multiply, on a card's cache larger than the host's memory); an
+    # honest client moves at most its `kv_handoff_max_bytes` (1 GiB) a session
+    max_import_bytes_per_peer: int = _flag(
+        1 << 30, "bytes of KV hand-off imports one peer may have in flight (held in host memory); more are refused"
+    )
+    max_import_bytes_total: int = _flag(
+        4 << 30, "bytes of KV hand-off imports of all peers in flight (held in host memory); more are refused"
+    )
     max_forwards_per_peer: int = _flag(
         2, "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)"
     )
@@ -115,7 +124,8 @@ class PeerLimits:
     def __post_init__(self) -> None:
         for name in ("max_sessions_per_peer", "max_sessions_total", "max_stream_message_bytes",
                      "max_stream_bytes_per_peer", "max_stream_bytes_total", "max_opening_streams_per_peer",
-                     "max_forwards_per_peer", "forward_chunk_tokens"):  # fmt: skip
+                     "max_import_bytes_per_peer", "max_import_bytes_total", "max_forwards_per_peer",
+                     "forward_chunk_tokens"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
         if not 0 < self.max_kv_fraction_per_peer <= 1:

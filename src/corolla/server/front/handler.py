@@ -105,13 +105,13 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.core = core  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        # drain (the core's state): refuses new sessions, moves KV
+        self.handoff = SessionHandoff(core, timeouts.request_timeout_s)
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.timeouts = timeouts
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = SessionRegistry()  # this front's streams
-        # drain (the core's state): refuses new sessions, moves KV
-        self.handoff = SessionHandoff(core, timeouts.request_timeout_s)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
@@ -124,6 +124,7 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self.peer_limits = peer_limits
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
+        self.handoff.configure(peer_limits)  # KV imports' bytes in flight
 
     # ---- registration ---------------------------------------------------------------------------------------------
 

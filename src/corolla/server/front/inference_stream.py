@@ -39,13 +39,14 @@ from corolla.protocol.uids import make_chain
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.core.limits import DuplicateStep, SessionEvicted, SessionTimeouts, peer_key
+from corolla.server.core.limits import DuplicateStep, PeerLimits, SessionEvicted, SessionTimeouts, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, screen_step
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
 from corolla.server.front import step_timeline
 from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.import_budget import ImportBudget
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
 from corolla.server.metrics import ServerMetrics
@@ -394,9 +395,14 @@ class SessionHandoff:
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
         self.drain: DrainState = core.drain  # the core's: started by `drain_sessions`
+        self.imports = ImportBudget(PeerLimits())  # the bytes of imports in flight (`configure`: the server's limits)
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
+
+    def configure(self, peer_limits: PeerLimits) -> None:
+        """The server's fair-use limits (before serving): its imports' bytes in flight."""
+        self.imports = ImportBudget(peer_limits)
 
     def import_header(self, metadata: InferenceRequestMetadata) -> hw.KvHeader | None:
         """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""
@@ -460,10 +466,14 @@ class SessionHandoff:
         header: hw.KvHeader,
         uid: str,
         requests: AsyncIterator[runtime_pb2.ExpertRequest],
+        *,
+        peer: str,
     ) -> None:
         """Reads `header.num_messages` part messages from the stream, validates them against this session's own
         cache layout (exact bytes, shapes, dtypes, finite values) and writes them; the session then starts at
-        `header.position`. ValueError (nothing written) on any mismatch or past `request_timeout_s`."""
+        `header.position`. ValueError (nothing written) on any mismatch or past `request_timeout_s`; a
+        `LimitExceeded` before any part is read where `peer`'s imports in flight, or all, would pass their bytes
+        (`imports`)."""
         started = time.perf_counter()
         blocks = session.block_indices
         if (header.batch_size, header.start_block, header.end_block) != (session.batch_size, blocks[0], blocks[-1] + 1):
@@ -481,11 +491,13 @@ class SessionHandoff:
         expected = kv.canonical_nbytes(descriptors, header.position)
         if header.total_bytes != expected:
             raise ValueError(f"KV import announces {header.total_bytes} bytes; {header.position} tokens are {expected}")
-        parts = await self._read_parts(header, uid, requests, expected)
-        tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
-        del parts
-        kv.validate_import(tensors, descriptors, header.position)
-        await self.core.write_kv(session.cache, tensors, header.position)
+        with self.imports.hold(peer, expected):  # (held in this process's memory until written)
+            parts = await self._read_parts(header, uid, requests, expected)
+            tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
+            del parts
+            kv.validate_import(tensors, descriptors, header.position)
+            await self.core.write_kv(session.cache, tensors, header.position)
+            del tensors
         session.prefix_length = header.position
         if session.ticket is not None:  # the imported positions are real work (done on the old server)
             session.ticket.touch(header.position * session.batch_size)
@@ -788,7 +800,7 @@ class InferenceStreams:
                     ticket=ticket,
                 )
                 if kv_import is not None:
-                    await self.handoff.import_kv(session, kv_import, first.uid, requests)
+                    await self.handoff.import_kv(session, kv_import, first.uid, requests, peer=peer_key(context))
                 namespace = self.prefix_trust.namespace(peer_key(context), adapter)  # pushed steps: the owner's
                 session.on_client_request = functools.partial(self._record_prefix_keys, session, namespace)
                 steps = SessionSteps(self, session, namespace, deadline, port, probing=kv_import is None)
