@@ -113,6 +113,25 @@ def test_inference_metadata_rejects_wrong_types_naming_the_key(key, value):
         metadata.InferenceRequestMetadata.from_dict({key: value})
 
 
+@pytest.mark.parametrize("extra", [{}, {"max_length": 8}])  # a decode step (its shortcut), an opening request
+@pytest.mark.parametrize("key", ["session_id", "step_id", "next_servers.peer", "next_servers.session"])
+def test_ids_longer_than_max_id_chars_are_refused(key, extra):
+    """A server keeps up to 4096 step ids and 64 next hops of each session: ids of 16 KiB (the longest str metadata
+    may hold) made every session hold 64 MiB of step ids from zero-token steps (4 GiB a peer at 64 sessions).
+    Petals' and corolla's clients send uuid4s and base58 peer ids."""
+    longest, over = "x" * metadata.MAX_ID_CHARS, "x" * (metadata.MAX_ID_CHARS + 1)
+
+    def step(value: str) -> dict:
+        if key.startswith("next_servers"):
+            hop = [value, "s", 0, 4] if key.endswith("peer") else ["QmPeer", value, 0, 4]
+            return {**extra, "session_id": "s", "step_id": "t", "next_servers": [hop]}
+        return {**extra, "session_id": "s", "step_id": "t", key: value}
+
+    metadata.InferenceRequestMetadata.from_dict(step(longest))
+    with pytest.raises(ValueError, match=f"{key.split('.')[0]}.*{metadata.MAX_ID_CHARS}"):
+        metadata.InferenceRequestMetadata.from_bytes(metadata.encode_metadata(step(over)))
+
+
 def test_forward_metadata_output_compression():
     meta = metadata.ForwardRequestMetadata.from_dict({"output_compression": (2,), "points": 1.0})
     assert meta.output_compression == (runtime_pb2.CompressionType.FLOAT16,)

@@ -19,6 +19,9 @@ TUPLE_EXT_TYPE = bounded_msgpack.TUPLE_EXT_TYPE
 MAX_METADATA_BYTES = METADATA_LIMITS.max_bytes  # metadata is a handful of keys; anything bigger is a bad request
 
 _COMPRESSION_VALUES = frozenset(runtime_pb2.CompressionType.values())
+# a session's, a step's or a next hop's peer id: Petals' and corolla's clients send uuid4s (36 chars) and base58 peer
+# ids (~52); a server keeps up to 4096 step ids and 64 next hops of every session (a str may take 16 KiB otherwise)
+MAX_ID_CHARS = 128
 
 
 def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
@@ -60,6 +63,14 @@ def _get_str(source: Mapping[str, Any], key: str, default: str | None) -> str | 
     value = source.get(key, default)
     if value is not None and not isinstance(value, str):
         raise ValueError(f"metadata[{key!r}] must be a str, got {type(value).__name__}")
+    return value
+
+
+def _get_id(source: Mapping[str, Any], key: str) -> str | None:
+    """metadata[key] as an id (None where absent): ValueError unless a str of at most `MAX_ID_CHARS`."""
+    value = _get_str(source, key, None)
+    if value is not None and len(value) > MAX_ID_CHARS:
+        raise ValueError(f"metadata[{key!r}] is {len(value)} chars, more than MAX_ID_CHARS={MAX_ID_CHARS}")
     return value
 
 
@@ -118,13 +129,15 @@ def _get_next_servers(source: Mapping[str, Any]) -> tuple[NextServer, ...]:
             or len(item) != 4
             or not isinstance(item[0], str)
             or not isinstance(item[1], str)
+            or len(item[0]) > MAX_ID_CHARS
+            or len(item[1]) > MAX_ID_CHARS
             or not _is_int(item[2])
             or not _is_int(item[3])
             or not 0 <= item[2] < item[3]
         ):
             raise ValueError(
                 f"metadata['next_servers'] items must be [peer_id: str, session_id: str, start: int, end: int] "
-                f"with 0 <= start < end, got {item!r:.200}"
+                f"with 0 <= start < end, ids of at most {MAX_ID_CHARS} chars, got {item!r:.200}"
             )
         hops.append(NextServer(*item))
     return tuple(hops)
@@ -187,13 +200,13 @@ class InferenceRequestMetadata:
             # the usual values (msgpack's exact types) taken as they are; any other goes through the checks, in the
             # general path's order (the same value, or the same first error)
             if not (
-                session_id.__class__ in _STR_OR_NONE
-                and step_id.__class__ in _STR_OR_NONE
+                (session_id is None or (session_id.__class__ is str and len(session_id) <= MAX_ID_CHARS))
+                and (step_id is None or (step_id.__class__ is str and len(step_id) <= MAX_ID_CHARS))
                 and (points is None or (points.__class__ is float and math.isfinite(points)))
                 and adapter.__class__ in _STR_OR_NONE
                 and (position is None or (position.__class__ is int and position >= 0))
             ):
-                session_id, step_id = _get_str(source, "session_id", None), _get_str(source, "step_id", None)
+                session_id, step_id = _get_id(source, "session_id"), _get_id(source, "step_id")
                 points, adapter = _get_finite(source, "points"), _get_str(source, "active_adapter", "")
                 position = _get_nonneg_int(source, "start_from_position")
             step = object.__new__(cls)
@@ -209,8 +222,8 @@ class InferenceRequestMetadata:
             )
             return step
         return cls(
-            session_id=_get_str(source, "session_id", None),
-            step_id=_get_str(source, "step_id", None),
+            session_id=_get_id(source, "session_id"),
+            step_id=_get_id(source, "step_id"),
             max_length=_get_nonneg_int(source, "max_length"),
             points=_get_finite(source, "points"),
             alloc_timeout_s=_get_finite(source, "alloc_timeout", 0.0),
