@@ -6,18 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from corolla.protocol.metadata import MAX_ID_CHARS
+
 NEXT_STEP_KEY = "corolla.next_step_id"  # metadata key of a direct step: the step_id of the client's next step
-MAX_STEP_ID_CHARS = 128  # uuid4 strings are 36 characters
 
 
 def parse_next_step_id(metadata_extra: dict[str, Any]) -> str | None:
     """The next step id a client announced in a request's extra metadata (None when absent); ValueError when it is
-    not a non-empty str of at most `MAX_STEP_ID_CHARS` characters."""
+    not a non-empty str of at most `metadata.MAX_ID_CHARS` characters (a step id's bound)."""
     value = metadata_extra.get(NEXT_STEP_KEY)
     if value is None:
         return None
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_STEP_ID_CHARS:
-        raise ValueError(f"{NEXT_STEP_KEY} must be a str of 1 to {MAX_STEP_ID_CHARS} characters, got {value!r:.80}")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise ValueError(f"{NEXT_STEP_KEY} must be a str of 1 to {MAX_ID_CHARS} characters, got {value!r:.80}")
     return value
 
 
