@@ -15,29 +15,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.batcher import execute_steps
+from corolla.engine.batcher import StepResult, execute_steps
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-StepResult = torch.Tensor | BaseException
-
 
 @dataclass(eq=False)
 class _Pending:
-    """A queued step: its result goes to a `concurrent.futures.Future` (`submit`) or to an asyncio future of
-    `loop` (`step`)."""
+    """A queued step: its result goes to a `concurrent.futures.Future` (`submit`) or to an asyncio future, resolved
+    in that future's loop (`step`)."""
 
     request: StepRequest
     future: Future | asyncio.Future
     seq: int
-    loop: asyncio.AbstractEventLoop | None = None
     submitted_at: float = field(default_factory=time.monotonic)
 
     def start(self) -> bool:
         """False if the caller gave up (cancelled) before the step ran."""
-        if self.loop is None:
+        if isinstance(self.future, Future):
             return self.future.set_running_or_notify_cancel()
         return not self.future.done()
 
@@ -117,7 +114,7 @@ class ContinuousBatcher:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         request = StepRequest(session, hidden, int(position), hypo_ids, prompts)
-        item = _Pending(request, future, next(self._seq), loop=loop)
+        item = _Pending(request, future, next(self._seq))
         with self._cond:
             if self._stopping:
                 raise RuntimeError("The batcher is stopped; it accepts no new steps")
@@ -143,12 +140,14 @@ class ContinuousBatcher:
         results = execute_steps(self.engine, [p.request for p in live])
         by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, StepResult]]]] = {}
         for item, result in zip(live, results, strict=True):
-            if item.loop is not None:
-                by_loop.setdefault(id(item.loop), (item.loop, []))[1].append((item.future, result))
+            future = item.future
+            if isinstance(future, asyncio.Future):
+                loop = future.get_loop()
+                by_loop.setdefault(id(loop), (loop, []))[1].append((future, result))
             elif isinstance(result, BaseException):
-                item.future.set_exception(result)
+                future.set_exception(result)
             else:
-                item.future.set_result(result)
+                future.set_result(result)
         for loop, pairs in by_loop.values():
             try:
                 loop.call_soon_threadsafe(_resolve_all, pairs)
@@ -203,11 +202,13 @@ class ContinuousBatcher:
             pending, self._pending = self._pending, []
         error = RuntimeError("The batcher stopped before this step ran")
         for item in pending:
-            if item.loop is not None:
+            future = item.future
+            if isinstance(future, asyncio.Future):
+                failed: list[tuple[asyncio.Future, StepResult]] = [(future, error)]
                 with contextlib.suppress(RuntimeError):
-                    item.loop.call_soon_threadsafe(_resolve_all, [(item.future, error)])
-            elif item.future.set_running_or_notify_cancel():
-                item.future.set_exception(error)
+                    future.get_loop().call_soon_threadsafe(_resolve_all, failed)
+            elif future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def __enter__(self) -> ContinuousBatcher:
         self.start()

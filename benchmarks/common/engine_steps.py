@@ -65,8 +65,9 @@ def single_session(engine: SpanEngine, *, prefix_tokens: int, steps: int) -> dic
             engine.step(session, tokens[5 + i], prefix_tokens + 5 + i)
             times.append((time.perf_counter() - start) * 1000)
         replay_ms = None
-        if engine.graphs is not None:  # replays at the session's last position (rewrites the same slot)
-            replay_ms = event_median_ms(lambda: engine.graphs.run(1), 50)
+        graphs = engine.graphs
+        if graphs is not None:  # replays at the session's last position (rewrites the same slot)
+            replay_ms = event_median_ms(lambda: graphs.run(1), 50)
     return {"step_ms": times, "median_ms": median(times), "p90_ms": percentile(times, 0.9), "replay_ms": replay_ms}
 
 

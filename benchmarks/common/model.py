@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corolla.models.block_base import CorollaBlock
 from corolla.models.registry import get_family
 
 
@@ -60,7 +61,7 @@ NAMED_SHAPES = {
 }
 
 
-def random_blocks(config, num_layers: int, device: torch.device, dtype: torch.dtype) -> list[torch.nn.Module]:
+def random_blocks(config, num_layers: int, device: torch.device, dtype: torch.dtype) -> list[CorollaBlock]:
     """corolla blocks 0..num_layers-1 of `config`, built on `device` in `dtype` with random weights (norms
     ~ N(1, 0.05), matrices ~ N(0, 0.02), from torch's global generator), in eval mode."""
     blocks = []
@@ -88,7 +89,7 @@ def build_hf_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, 
     return model.eval().requires_grad_(False)
 
 
-def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, torch.nn.Module]:
+def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, CorollaBlock]:
     """corolla llama blocks holding the same weights as the transformers model's first `num_layers` layers."""
     config = shape.hf_config()
     family = get_family(config)

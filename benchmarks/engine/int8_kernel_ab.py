@@ -44,7 +44,7 @@ PREFIX_TOKENS = 512
 GRAPH_REPS = 20  # replays of each projection's 32-call graph
 
 
-def loaded_int8_row_mma(path: Path, name: str) -> Callable:
+def loaded_int8_row_mma(path: Path, name: str) -> Callable[..., torch.Tensor]:
     """`int8_row_mma` of the quant_int8_gemv.py at `path`, loaded as a module of its own (its kernels compiled on this
     tree's nvrtc_kernels.CUDA_HELPERS)."""
     spec = importlib.util.spec_from_file_location(f"{name}_quant_int8_gemv", path)
@@ -69,7 +69,8 @@ def step_calls(engine, layers: list[LayerWeights], gen: torch.Generator) -> dict
         if choice is None or choice[0] != "i8mma":
             continue  # not the row GEMV: nothing to compare
         prologue = PROLOGUES["rmsnorm"] if fused is not None else 0
-        kernel = quant_kernel(*choice, prologue, gated=fused is not None and wanted == "gated")
+        kernel_name, config = choice
+        kernel = quant_kernel(kernel_name, config, prologue, gated=fused is not None and wanted == "gated")
         x = torch.randn(1, k, device=dev, dtype=dtype, generator=gen)  # [1, K]
         res = torch.randn(1, n, device=dev, dtype=dtype, generator=gen) if norm is None else None  # [1, N]
         weights = [(getattr(layer, name), getattr(layer, norm) if norm and fused else None) for layer in layers]
@@ -107,7 +108,10 @@ def main() -> None:
     one = open_prefilled(engine, 1, PREFIX_TOKENS, gen)
     calls = step_calls(engine, layers, gen)
     base_file = args.base / "src" / "corolla" / "engine" / "quant" / "quant_int8_gemv.py"
-    variants = {"base": loaded_int8_row_mma(base_file, "base"), "this": quant_int8_gemv.int8_row_mma}
+    variants: dict[str, Callable[..., torch.Tensor]] = {
+        "base": loaded_int8_row_mma(base_file, "base"),
+        "this": quant_int8_gemv.int8_row_mma,
+    }
     for item in args.variants:
         label, _, path = item.partition("=")
         variants[label] = loaded_int8_row_mma(Path(path), label)

@@ -30,6 +30,7 @@ from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
+from corolla.engine.spans.fast_lora import SpanAdapters
 from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import LoraWeights, add_adapter
 from corolla.models.positions import RotaryEmbedding
@@ -250,7 +251,7 @@ def main() -> None:
     log(lines, f"engine built and warmed up in {time.perf_counter() - mark:.1f} s; "
                f"single-row prologue inside the base and shrink GEMMs: {plan}")  # fmt: skip
     adapters = engine.adapters
-    assert adapters is not None
+    assert isinstance(adapters, SpanAdapters)  # a FastLlamaSpan's: stacked
     one_adapter_bytes = adapters.nbytes() // adapters.num_adapters  # every adapter has the same ranks here
     results["stored_bytes"] = {"all": adapters.nbytes(), "one_adapter": one_adapter_bytes}
     log(lines, f"engine: stacks {adapters.nbytes() / 2**20:.0f} MiB (one adapter "

@@ -201,6 +201,10 @@ def engines_agreement(engine: SpanEngine, reference: SpanEngine, prefix: int, ge
     return float((outs[0] - outs[1]).norm() / outs[1].norm())
 
 
+# x [N, H], expert_ids [N, k], expert_weights [N, k], experts: `moe_quant_kernels.grouped_quant_experts`' first four
+ExpertsCall = tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantizedExpertWeights]
+
+
 def triton_experts_us(moes: list[RoutedMoE], rows: tuple[int, ...]) -> dict[int, dict[str, float]]:
     """Per layer call, microseconds of every grouped Triton config (`moe_quant_kernels`, the quantized experts' path
     above `moe_nf4_tile.TILE_MAX_TOKENS`) at token counts the tile GEMV serves: its baseline in the same run (each
@@ -214,10 +218,13 @@ def triton_experts_us(moes: list[RoutedMoE], rows: tuple[int, ...]) -> dict[int,
         x = torch.randn(n, first.hidden_size, device=first.device, dtype=first.dtype)  # [n, H]
         routes = [softmax_topk(F.linear(x, m.router), m.top_k, normalize=m.normalize_top_k) for m in moes]
         result[n] = {}
-        calls = [(x, ids, w, m.experts) for m, (w, ids) in zip(moes, routes, strict=True)]
+        calls: list[ExpertsCall] = []  # each layer's grouped_quant_experts arguments but the config
+        for m, (w, ids) in zip(moes, routes, strict=True):
+            assert isinstance(m.experts, QuantizedExpertWeights)  # (as the first: one engine's layers)
+            calls.append((x, ids, w, m.experts))
         for config in moe_quant_kernels.configs_for(first.kind):
 
-            def run(config: tuple[int, ...] = config, calls: list = calls) -> list[torch.Tensor]:
+            def run(config: tuple[int, ...] = config, calls: list[ExpertsCall] = calls) -> list[torch.Tensor]:
                 return [moe_quant_kernels.grouped_quant_experts(*call, config) for call in calls]
 
             result[n][str(config)] = graph_median_ms(run, 7) * 1000 / len(moes)

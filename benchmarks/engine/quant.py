@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -317,7 +318,7 @@ def _bare_steps(engine: SpanEngine, session, steps: int, prefix: int, gen: torch
         graph_rows.copy_(x)
         run().clone()
 
-    variants = {
+    variants: dict[str, Callable[[], object]] = {
         "tiny": tiny.replay,
         "replay": run,
         "record+replay": lambda: (event.record(), run()),
@@ -333,7 +334,12 @@ def _bare_steps(engine: SpanEngine, session, steps: int, prefix: int, gen: torch
             graph_head.copy_(head, non_blocking=True)
             graph_rows.copy_(x)
             whole_out = engine.model.decode(*span_args)  # [bucket, H]
-        variants["graph_with_copies"] = lambda: (whole.replay(), whole_out[:rows].clone())
+
+        def graph_with_copies() -> torch.Tensor:
+            whole.replay()
+            return whole_out[:rows].clone()
+
+        variants["graph_with_copies"] = graph_with_copies
     except Exception as e:  # a measurement aid: the other variants stand
         print(f"graph_with_copies failed: {type(e).__name__}: {str(e)[:300]}")
     requests: list[list[StepRequest]] = []
@@ -502,8 +508,8 @@ def bench_llama(
         row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
         replay = ""
         if engine.graphs is not None:  # the graph alone (device time): the rest of the step is the host's part
-            row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
-            replay = f", replay {row['replay_ms']:.3f} ms (host part {ms - row['replay_ms']:.3f} ms)"
+            replay_ms = row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
+            replay = f", replay {replay_ms:.3f} ms (host part {ms - replay_ms:.3f} ms)"
         if split and engine.graphs is not None:
             try:
                 hs = row["host_split"] = host_split(engine, one, prefix)
@@ -539,8 +545,8 @@ def bench_llama(
                 log(lines, f"  {kind} profile failed: {type(e).__name__}: {str(e)[:300]}")
         if timeline and dev.type == "cuda":
             try:
-                row["timeline"] = step_timeline(engine, one, prefix, layers_n)
-                log_timeline(lines, kind, row["timeline"])
+                timeline_row = row["timeline"] = step_timeline(engine, one, prefix, layers_n)
+                log_timeline(lines, kind, timeline_row)
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} timeline failed: {type(e).__name__}: {str(e)[:300]}")
         if merged:

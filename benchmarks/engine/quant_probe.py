@@ -10,8 +10,10 @@ against the bf16 x the gated form leaves (the last line: "gated ... faster" or "
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,7 +48,8 @@ def candidates(
 ) -> dict[str, list]:
     """{kernel family: [(label, call(x, w))]} for m rows (`tile_sweep`: the tile GEMV's wider sweep too;
     `reg_caps`: the folded configs that quant_mma caps also at each of these registers a thread)."""
-    new, fold = [], []
+    new: list[tuple[str, Callable]] = []
+    fold: list[tuple[str, Callable]] = []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
@@ -57,7 +60,7 @@ def candidates(
                     fold.append(
                         (f"mmaf{c}r{r}", lambda x, w, c=c, r=r: quant_mma.nf4_mma_matmul(x, w, None, c, True, r))
                     )
-    tile = []
+    tile: list[tuple[str, Callable]] = []
     if m == 1:
         for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
             tile.append((f"tile{c}", lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, None, c)))
@@ -81,17 +84,17 @@ def gated_ab(dev: torch.device, rounds: int = 3) -> dict:
     gate_up, down = distinct_weights(n, k, dev), distinct_weights(n_down, k_down, dev)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     gain = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
-    norm = {"prologue": quant_tile_gemv.RMSNORM, "norm_weight": gain, "eps": 1e-5}
     act = torch.randn(1, k_down, device=dev, dtype=torch.bfloat16)  # [1, I] silu(gate) * up
     act16 = (act.float() * quant_tile_gemv.X_SCALE).half()  # the same, as silu_mul writes it prescaled
     res = torch.randn(1, n_down, device=dev, dtype=torch.bfloat16)
     tile = quant_tile_gemv.nf4_tile_gemv
-    gated = tile(x, gate_up[0], None, config, gated=True, **norm)
-    pair = triton_kernels.silu_mul(tile(x, gate_up[0], None, config, **norm))
+    tile_norm = functools.partial(tile, prologue=quant_tile_gemv.RMSNORM, norm_weight=gain, eps=1e-5)  # RMSNorm fused
+    gated = tile_norm(x, gate_up[0], None, config, gated=True)
+    pair = triton_kernels.silu_mul(tile_norm(x, gate_up[0], None, config))
     calls = {
-        "pair": lambda: [triton_kernels.silu_mul(tile(x, w, None, config, **norm), quant_tile_gemv.X_SCALE)
+        "pair": lambda: [triton_kernels.silu_mul(tile_norm(x, w, None, config), quant_tile_gemv.X_SCALE)
                          for w in gate_up],
-        "gated": lambda: [tile(x, w, None, config, gated=True, **norm) for w in gate_up],
+        "gated": lambda: [tile_norm(x, w, None, config, gated=True) for w in gate_up],
         "down_fp16": lambda: [tile(act16, w, res, config, prescaled=True) for w in down],
         "down_bf16": lambda: [tile(act, w, res, config) for w in down],
     }  # fmt: skip

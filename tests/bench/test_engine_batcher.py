@@ -228,6 +228,25 @@ async def test_async_steps_from_one_loop_share_forwards() -> None:
         s.close()
 
 
+async def test_stop_fails_the_steps_still_queued_of_either_kind() -> None:
+    engine = make_engine()
+    batcher = ContinuousBatcher(engine)  # never started: both steps stay queued until `stop`
+    a, b = engine.open_session(1, 64), engine.open_session(1, 64)
+    queued = batcher.submit(a, torch.randn(1, 2, H), 0)
+    waiting = asyncio.ensure_future(batcher.step(b, torch.randn(1, 2, H), 0))
+    await asyncio.sleep(0)  # the async step is queued and awaits its future
+    assert batcher.num_pending == 2
+    batcher.stop()
+    with pytest.raises(RuntimeError, match="stopped before this step ran"):
+        queued.result(WAIT_S)
+    with pytest.raises(RuntimeError, match="stopped before this step ran"):
+        await asyncio.wait_for(waiting, WAIT_S)  # resolved in its own loop
+    with pytest.raises(RuntimeError, match="accepts no new steps"):
+        batcher.submit(a, torch.randn(1, 2, H), 0)
+    a.close()
+    b.close()
+
+
 def test_launch_steps_declines_what_the_cpu_engine_runs() -> None:
     from corolla.engine.batcher import launch_steps
 
