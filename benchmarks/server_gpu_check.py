@@ -9,6 +9,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,8 +38,10 @@ def make_model(directory: Path, *, hidden: int, layers: int, seed: int = 0) -> P
     return path
 
 
-def per_token_ms(fn, new_tokens: int, reps: int = 3) -> tuple[float, list[int]]:
-    times, out = [], None
+def per_token_ms(fn: Callable[[], torch.Tensor], new_tokens: int, reps: int = 3) -> tuple[float, list[int]]:
+    """Median ms per token of `reps` (>= 1) calls of `fn` (a generate returning [1, T] ids), and the last one's ids."""
+    times: list[float] = []
+    out: torch.Tensor | None = None
     for _ in range(reps):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -47,6 +50,8 @@ def per_token_ms(fn, new_tokens: int, reps: int = 3) -> tuple[float, list[int]]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000 / new_tokens)
+    if out is None:
+        raise ValueError(f"reps must be >= 1, got {reps}")
     return statistics.median(times), out[0].tolist()
 
 

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in sorted(functions):
                 print(f"  {name}")
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
         sys.setprofile(None)
         server.shutdown()
     return 0

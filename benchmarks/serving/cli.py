@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_hf_compiled_prefill:
             try:
                 compiled = torch.compile(model)
-                pf = hf_baseline.prefill_ms(compiled, prompt)
-                results["hf_compiled_prefill_tokens_per_s"] = args.prefill_tokens / (pf / 1000)
+                compiled_prefill_ms = hf_baseline.prefill_ms(compiled, prompt)
+                results["hf_compiled_prefill_tokens_per_s"] = args.prefill_tokens / (compiled_prefill_ms / 1000)
                 log(f"transformers compiled prefill: {results['hf_compiled_prefill_tokens_per_s']:.0f} tokens/s")
             except Exception as e:
                 results["notes"].append(f"transformers compiled prefill failed: {e!r}"[:300])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import multiprocessing.synchronize
 import time
 from dataclasses import dataclass
 
@@ -118,7 +119,9 @@ async def _training(
         await p2p.shutdown()
 
 
-def inference_client(server: ServerAddress, stop: multiprocessing.Event, results: multiprocessing.Queue) -> None:
+def inference_client(
+    server: ServerAddress, stop: multiprocessing.synchronize.Event, results: multiprocessing.Queue
+) -> None:
     """One session: a prefill, then one-token steps until `stop` is set; answers "ready" after the prefill, then the
     (start, end) `time.time()` windows of its steps as lists, each at most `WINDOWS_EVERY_S` after its steps ended (so
     that the bench has a phase's steps at the phase's end), then `WINDOWS_DONE` once stopped."""
@@ -128,7 +131,9 @@ def inference_client(server: ServerAddress, stop: multiprocessing.Event, results
         results.put(f"inference client failed: {e!r}"[:500])
 
 
-async def _inference(server: ServerAddress, stop: multiprocessing.Event, results: multiprocessing.Queue) -> None:
+async def _inference(
+    server: ServerAddress, stop: multiprocessing.synchronize.Event, results: multiprocessing.Queue
+) -> None:
     from hivemind.p2p import P2P
 
     from benchmarks.users.clients import CorollaStream

@@ -200,7 +200,7 @@ def safetensors_header(shard: Shard, dtype: torch.dtype) -> bytes:
 
 def _write_file(path: Path, header: bytes, data: torch.Tensor) -> None:
     """`data`: flat uint8 on the host. Written in 256 MiB pieces (the GIL is released during each write)."""
-    view = memoryview(data.numpy())
+    view = data.numpy().data  # (a memoryview of the array's buffer)
     step = 256 << 20
     with open(path, "wb") as f:
         f.write(header)

@@ -137,7 +137,8 @@ class CpuSplit:
 def isolate_runtime_thread(cpus: CpuSplit, runtime_tid: int, handler_pids: list[int]) -> None:
     """Puts the runtime thread (native id `runtime_tid`) alone on `cpus.runtime` and every other thread of this
     process and of the handler processes on `cpus.server_rest` (the server's p2pd daemon keeps the server's CPUs)."""
-    for pid in ["self", *handler_pids]:
+    pids: list[int | str] = ["self", *handler_pids]
+    for pid in pids:
         with contextlib.suppress(FileNotFoundError):  # a handler process that ended meanwhile
             _set_all_threads(cpus.server_rest, pid)
     os.sched_setaffinity(runtime_tid, cpus.runtime)

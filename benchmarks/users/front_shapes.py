@@ -57,7 +57,9 @@ def make_request() -> bytes:
 def work_in(payload: bytes) -> memoryview:
     req = runtime_pb2.ExpertRequest.FromString(payload)
     InferenceRequestMetadata.from_bytes(req.metadata)
-    dtype, shape, data = plain_record(req.tensors[0])
+    record = plain_record(req.tensors[0])
+    assert record is not None  # (make_request's record: plain by construction)
+    dtype, shape, data = record
     assert bytes_finite(data, dtype)
     return memoryview(bytearray(data))
 
@@ -115,12 +117,12 @@ def client(socks, steps, payload):
         s.setblocking(True)
         s.sendall(frame)
         s.setblocking(False)
-        sel.register(s, selectors.EVENT_READ)
+        sel.register(s, selectors.EVENT_READ, s)  # (data: the socket itself; `fileobj` is typed as any file)
         left[s] = [steps - 1, bytearray()]
     live = len(socks)
     while live:
         for key, _ in sel.select():
-            s = key.fileobj
+            s = key.data
             st = left[s]
             st[1] += s.recv(1 << 20)
             while len(st[1]) >= ls.HEADER_BYTES:

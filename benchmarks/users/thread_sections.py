@@ -36,7 +36,7 @@ class Sections:
 
     def __init__(self, thread_name: str):
         self.thread_name = thread_name
-        self.seconds: collections.Counter[str] = collections.Counter()
+        self.seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter[str] = collections.Counter()
 
     def clear(self) -> None:
@@ -64,7 +64,7 @@ class Sections:
         count = max(count, 1)
         return {
             label: {"us": round(1e6 * s / count, 1), "calls": round(self.calls[label] / count, 2)}
-            for label, s in self.seconds.most_common()
+            for label, s in sorted(self.seconds.items(), key=lambda item: item[1], reverse=True)
         }
 
 
