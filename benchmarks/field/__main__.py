@@ -21,6 +21,7 @@ import torch
 from benchmarks.wan.chain import free_port
 from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.session.inference_session import InferenceSession
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
@@ -33,7 +34,9 @@ class TokenClock:
     """A streamer: when each token came out; at token `at`, calls `action(session)` once."""
 
     def __init__(self, at: int | None, action: Any = None):
-        self.at, self.action, self.times, self.session = at, action, [], None
+        self.at, self.action = at, action
+        self.times: list[float] = []
+        self.session: InferenceSession | None = None  # set by `_generate` before the first token
         self.fault_s: float | None = None
 
     def put(self, value: Any) -> None:
@@ -68,6 +71,7 @@ def _report(name: str, fault_s: float, clean: list[int], got: list[int], clock: 
     extra = sorted(max(0.0, g - base_s) for g in clock.gaps_s() if g > 2 * base_s + 0.05)  # the tokens it hit
     wrong = sum(a != b for a, b in zip(clean, got, strict=False)) + abs(len(clean) - len(got))
     p99 = extra[min(len(extra) - 1, int(0.99 * len(extra)))] if extra else 0.0
+    assert clock.session is not None
     events = [
         {"blocks": list(e.blocks), "detected_after_s": round(e.detected_after_s, 2), "action": e.action,
          "step_deadline_s": None if e.step_deadline_s is None else round(e.step_deadline_s, 2)}

@@ -326,13 +326,15 @@ def main() -> None:
             step_timeout_s=60.0, session_timeout_s=600.0,
         )  # fmt: skip
         server = Server(config).start(timeout_s=120)
+        loop = server._loop
+        assert loop is not None  # (set by the serving loop before `start` returns)
         try:
             for n in (int(x) for x in args.identities.split(",")):
                 scenario = measure(
                     server, n, args.users, args.max_length, honest_length, tokens_per_step=args.tokens_per_step,
                     keepalive_s=args.keepalive_s, settle_s=args.settle_s, reopen_s=args.reopen_s,
                 )  # fmt: skip
-                future = asyncio.run_coroutine_threadsafe(scenario, server._loop)
+                future = asyncio.run_coroutine_threadsafe(scenario, loop)
                 print(json.dumps(future.result(600)), flush=True)
         finally:
             server.shutdown()

@@ -30,12 +30,13 @@ from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 
-VARIANTS: dict[str, dict[str, float]] = {
-    "off": {},
-    "step_0.1": {"verify_fraction": 0.1},
-    "step_1.0": {"verify_fraction": 1.0},
-    f"shadow_{DEFAULT_SHADOW_FRACTION}": {"verify_shadow_fraction": DEFAULT_SHADOW_FRACTION},
-    "shadow_1.0": {"verify_shadow_fraction": 1.0},
+# name: (ClientConfig.verify_fraction, ClientConfig.verify_shadow_fraction)
+VARIANTS: dict[str, tuple[float, float]] = {
+    "off": (0.0, 0.0),
+    "step_0.1": (0.1, 0.0),
+    "step_1.0": (1.0, 0.0),
+    f"shadow_{DEFAULT_SHADOW_FRACTION}": (0.0, DEFAULT_SHADOW_FRACTION),
+    "shadow_1.0": (0.0, 1.0),
 }
 
 
@@ -75,12 +76,14 @@ def main() -> None:
             base = ClientConfig(show_route="never", max_retries=3)
             with contextlib.ExitStack() as stack:
                 models = {}
-                for name, overrides in VARIANTS.items():
+                for name, (verify_fraction, shadow_fraction) in VARIANTS.items():
                     models[name] = model = stack.enter_context(
                         AutoDistributedModelForCausalLM.from_pretrained(
                             model_dir,
                             initial_peers=swarm.initial_peers,
-                            client_config=dataclasses.replace(base, **overrides),
+                            client_config=dataclasses.replace(
+                                base, verify_fraction=verify_fraction, verify_shadow_fraction=shadow_fraction
+                            ),
                         )
                     )
                     deadline = time.monotonic() + 60

@@ -21,21 +21,47 @@ logger = get_logger(__name__)
 
 
 class ChaosSettings(Protocol):
-    """The fields of `ChurnConfig` the chaos loop reads."""
+    """The fields of `ChurnConfig` the chaos loop reads (as properties: a protocol's plain attribute must be
+    settable, and the config is a frozen dataclass)."""
 
-    model_path: Path
-    duration_s: float
-    replicas_per_span: int
-    chaos_min_interval_s: float
-    chaos_max_interval_s: float
-    sigkill_share: float
-    outage_probability: float
-    force_outage: bool
-    restart_min_delay_s: float
-    restart_max_delay_s: float
-    server_ready_timeout_s: float
-    stop_grace_s: float
-    kill_reap_s: float
+    @property
+    def model_path(self) -> Path: ...
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def replicas_per_span(self) -> int: ...
+
+    @property
+    def chaos_min_interval_s(self) -> float: ...
+
+    @property
+    def chaos_max_interval_s(self) -> float: ...
+
+    @property
+    def sigkill_share(self) -> float: ...
+
+    @property
+    def outage_probability(self) -> float: ...
+
+    @property
+    def force_outage(self) -> bool: ...
+
+    @property
+    def restart_min_delay_s(self) -> float: ...
+
+    @property
+    def restart_max_delay_s(self) -> float: ...
+
+    @property
+    def server_ready_timeout_s(self) -> float: ...
+
+    @property
+    def stop_grace_s(self) -> float: ...
+
+    @property
+    def kill_reap_s(self) -> float: ...
 
 
 @dataclass

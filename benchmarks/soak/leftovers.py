@@ -52,7 +52,7 @@ def runs_corolla(cmdline: bytes) -> bool:
 def scan_processes(run_id: str | None = None) -> list[ProcessInfo]:
     """Live (non-zombie) `p2pd` and corolla processes, plus any process marked with `run_id`."""
     marker = f"{RUN_MARKER_ENV}={run_id}".encode() if run_id else None
-    found = []
+    found: list[ProcessInfo] = []
     proc = Path("/proc")
     if not proc.is_dir():
         return found

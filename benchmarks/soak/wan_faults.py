@@ -23,13 +23,23 @@ FAULT_KINDS = ("stall", "drop", "partition")
 
 
 class WanSettings(Protocol):
-    """The fields of `ChurnConfig` the fault loop reads."""
+    """The fields of `ChurnConfig` the fault loop reads (as properties: a protocol's plain attribute must be
+    settable, and the config is a frozen dataclass)."""
 
-    wan_stall_s: float
-    wan_drop_s: float
-    wan_partition_s: float
-    wan_min_interval_s: float
-    wan_max_interval_s: float
+    @property
+    def wan_stall_s(self) -> float: ...
+
+    @property
+    def wan_drop_s(self) -> float: ...
+
+    @property
+    def wan_partition_s(self) -> float: ...
+
+    @property
+    def wan_min_interval_s(self) -> float: ...
+
+    @property
+    def wan_max_interval_s(self) -> float: ...
 
 
 @dataclass

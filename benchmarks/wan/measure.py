@@ -6,10 +6,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.client.models.distributed_model import DistributedModelForCausalLM
 
 logger = get_logger(__name__)
 
@@ -67,7 +71,9 @@ class ModeResult:
         }
 
 
-def run_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, repeats: int, mode: str, **gen_kwargs):
+def run_generate(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor, new_tokens: int, repeats: int, mode: str, **gen_kwargs
+):
     """`repeats` greedy generations of `new_tokens` (EOS ignored), timed per token; returns a `ModeResult`."""
     result = ModeResult(mode)
     rates = []
@@ -75,16 +81,17 @@ def run_generate(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, 
         clock = TokenClock()
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(  # type: ignore[operator]
+            out = model.generate(
                 prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, streamer=clock, **gen_kwargs
             )
         result.ms_per_token_runs.append(decode_ms_per_token(clock.arrivals))
         result.first_token_ms_runs.append((clock.arrivals[0][0] - start) * 1000.0)
         result.tokens = out[0, prompt.shape[1] :].tolist()
         if "speculative" in gen_kwargs:  # generate(speculative=...) leaves its SpeculativeStats on the model
-            rate = model.speculative_stats.acceptance_rate
+            stats = model.speculative_stats
+            rate = stats.acceptance_rate if stats is not None else None
             if rate is not None:
-                rates.append(float(rate))
+                rates.append(rate)
     if rates:
         result.acceptance_rate = statistics.mean(rates)
     return result

@@ -17,6 +17,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from benchmarks.wan.measure import ModeResult, run_generate
 from benchmarks.wan.report import write_report
 from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.client import ClientConfig
 
 logger = get_logger(__name__)
 
@@ -64,16 +68,17 @@ def _link(args: argparse.Namespace, delay_ms: float) -> LinkConfig:
     return LinkConfig(delay_ms=delay_ms, jitter_ms=args.jitter_ms, bandwidth_bytes_per_s=args.bandwidth_bytes_per_s)
 
 
-def _client_configs() -> dict[str, dict[str, bool]]:
-    """ClientConfig overrides per corolla client kind. Forwarding needs FWD's `server_forwarding` option; without
+def client_configs() -> dict[str, ClientConfig]:
+    """The ClientConfig of each corolla client kind. Forwarding needs FWD's `server_forwarding` option; without
     it in this checkout the forwarding-based rows are reported as not available (never measured as relaying)."""
     from corolla.client import ClientConfig
 
     names = {f.name for f in dataclasses.fields(ClientConfig)}
-    configs = {"relaying": {"local_transport": False}}
+    base = ClientConfig(max_retries=3, update_period_s=60.0, local_transport=False)
+    configs = {"relaying": base}
     if "server_forwarding" in names:
-        configs["relaying"]["server_forwarding"] = False
-        configs["forwarding"] = {"local_transport": False, "server_forwarding": True}
+        configs["relaying"] = dataclasses.replace(base, server_forwarding=False)
+        configs["forwarding"] = dataclasses.replace(base, server_forwarding=True)
     return configs
 
 
@@ -87,12 +92,12 @@ def _speculative_kwargs(mode: str) -> dict[str, object] | None:
 
 
 def _corolla_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: torch.Tensor, log) -> list[dict]:
-    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+    from corolla.client import AutoDistributedModelForCausalLM
     from corolla.models.config import load_config
 
     rows: list[dict] = []
     num_blocks = load_config(model_path).num_hidden_layers
-    configs = _client_configs()
+    configs = client_configs()
     with CorollaChain(wan, workdir / f"corolla-n{n}", model_path, n, num_blocks) as chain:
         log(f"n={n}: corolla chain up {chain.ranges}")
         kinds = {
@@ -113,9 +118,8 @@ def _corolla_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: to
         clients = {}
         try:
             for kind in sorted({kinds[m][0] for m in wanted} & set(configs)):
-                config = dataclasses.replace(ClientConfig(max_retries=3, update_period_s=60.0), **configs[kind])
                 clients[kind] = AutoDistributedModelForCausalLM.from_pretrained(
-                    model_path, initial_peers=chain.initial_peers, client_config=config
+                    model_path, initial_peers=chain.initial_peers, client_config=configs[kind]
                 )
             for d in [0.0, *args.delay_list_ms]:
                 chain.set_link(_link(args, d))

@@ -75,6 +75,14 @@ def test_arguments_and_full_grid() -> None:
         wan.parse_args(["--modes", "teleport"])
 
 
+def test_each_corolla_row_runs_the_client_it_names() -> None:
+    configs = wan.client_configs()
+    assert set(configs) == {"relaying", "forwarding"}
+    assert not configs["relaying"].server_forwarding and configs["forwarding"].server_forwarding
+    for config in configs.values():  # through the proxies (p2p), not the servers' local sockets
+        assert not config.local_transport and config.max_retries == 3
+
+
 def test_established_connections_are_read_from_proc() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
