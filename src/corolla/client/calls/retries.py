@@ -5,7 +5,7 @@ failure of the only server of some block is not banned (a ban would hide the one
 is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read again at once (a replica that joined
 since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
 while, re-reads the records and re-routes at once (`swarm.cache_refusals`). Nor is one that answered pings but ran too slow to keep a session: the
-span session has set it aside (`client.session.stalls.ServerTooSlow`), and the call re-routes at once."""
+span session has set it aside (`ServerTooSlow`), and the call re-routes at once."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.stalls import ServerTooSlow
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.swarm.route_planning import covers, find_missing_blocks
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
@@ -23,6 +22,16 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 SOLE_SERVER_RETRY_S = 1.0  # retry period while the only server of a block is unreachable (a link down, not a liar)
+
+
+class ServerTooSlow(ConnectionError):
+    """A server answered pings but its span's steps ran past their deadlines by the span's late budget
+    (`client.session.stalls`) while another server holds its blocks: the session moves off it (replaying its history
+    there), and it is avoided for a while, not banned (it failed nothing): the call re-routes at once."""
+
+    def __init__(self, peer_id: str, message: str):
+        self.peer_id = peer_id
+        super().__init__(message)
 
 
 def has_alternative(manager: RemoteSequenceManager, peer_id: str, blocks: tuple[int, int]) -> bool:

@@ -28,18 +28,11 @@ from hivemind.proto import runtime_pb2
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, check_outputs, reply_limit_bytes
 from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
-from corolla.client.calls.retries import has_alternative
+from corolla.client.calls.retries import ServerTooSlow, has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.stalls import (
-    SLOW_AVOID_S,
-    ServerTooSlow,
-    StallAction,
-    StallEvent,
-    StepClock,
-    announced_step_s,
-)
+from corolla.client.session.stalls import SLOW_AVOID_S, StallAction, StallEvent, StepClock, announced_step_s
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream

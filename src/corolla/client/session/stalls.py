@@ -3,7 +3,7 @@ the deadline after which a step's silence is suspect (a multiple of the slowest 
 server announces before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced
 time), instead of waiting for the fixed `request_timeout_s`; it also keeps the span's late budget: seconds its steps
 ran past their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has
-spent `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`ServerTooSlow`) and the slow
+spent `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the slow
 server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
 
 from __future__ import annotations
@@ -22,16 +22,6 @@ LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a serv
 SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes this long (one refresh period)
 
 StallAction = Literal["slow", "moved", "failed_over", "waited"]
-
-
-class ServerTooSlow(ConnectionError):
-    """A server answered pings but its span's steps ran `LATE_BUDGET_S` past their deadlines while another server
-    holds its blocks: the session moves off it (replaying its history there), and it is avoided for a while, not
-    banned (it failed nothing)."""
-
-    def __init__(self, peer_id: str, message: str):
-        self.peer_id = peer_id
-        super().__init__(message)
 
 
 @dataclass(frozen=True)
