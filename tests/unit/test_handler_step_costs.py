@@ -3,7 +3,8 @@
 decodes (forged, truncated, oversized records take the general path and fail with its errors), the msgpack shortcut
 for Petals' step args_structure against the general decoder under every limit, a step's metadata record against
 the general `from_dict` (and `small_map` against `loads`), a step's reply built as bytes (`record_frame`) against the
-serialized message, and a STEP frame's packed head against its field-by-field bytes."""
+serialized message, a reply joined by its port (`SocketPort.reply_joined`) against the same payload replied on every
+codec, and a STEP frame's packed head against its field-by-field bytes."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol import bounded_msgpack, channel_frames, codecs
+from corolla.protocol import bounded_msgpack, channel_frames, codecs, direct_stream
 from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server.front import block_functions as bf
+from corolla.server.front.direct_endpoint import SealedFrames
 from corolla.server.front.inference_stream import SessionState
+from corolla.server.front.stream_endpoint import PeerFrames, PlainFrames, SocketPort
 from corolla.utils.tensor_bytes import TensorBytes
 
 CT = runtime_pb2.CompressionType
@@ -300,6 +303,46 @@ def test_record_frame_gives_the_serialized_response(dtype: torch.dtype) -> None:
         session = SessionState("s", [0], 1, 8, None, "", None)
         session.record_output(InferenceRequestMetadata(step_id="a"), memoryview(wire)[offset:])
         assert session.resend_output("a") == response.tensors[0]
+
+
+class _Written:
+    """A connection's writes as bytes (what `SocketPort` writes through, `FrameConnection.write`/`writelines`)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def writelines(self, buffers: list[bytes]) -> None:
+        for buffer in buffers:
+            self.data += buffer
+
+
+@pytest.mark.parametrize("codec", ["plain", "peer", "sealed"])
+def test_a_reply_joined_goes_out_as_its_payload_replied(codec: str) -> None:
+    """`SocketPort.reply_joined(parts)` writes the bytes `reply(b"".join(parts))` writes, on every codec (the frame's
+    header in the same buffer where the payload goes out as it is; a sealed one's through `reply`), and returns the
+    payload as written (a re-sent step's record is read from it)."""
+    head, tail, offset = codecs.record_frame((1, 1, 64), torch.bfloat16) or pytest.fail("no frame")
+    values = memoryview(bytearray(range(128)))
+    parts = (head, values, tail)
+    payload = b"".join(parts)
+    written = []
+    for joined in (False, True):
+        keys = direct_stream.StreamKeys(client_to_server=b"c" * 16, server_to_client=b"s" * 16, proof=b"")
+        frames = {"plain": PlainFrames(), "peer": PeerFrames(), "sealed": SealedFrames(keys)}[codec]
+        conn = _Written()
+        port = SocketPort(conn, frames, 1 << 20, lease=None, idle_s=None, timeline=None)  # type: ignore[arg-type]
+        if joined:
+            view = port.reply_joined(parts, len(payload))
+            assert bytes(view) == payload
+            record = runtime_pb2.Tensor.FromString(view[offset:])
+            assert record.buffer == bytes(values) and list(record.size) == [1, 1, 64]
+        else:
+            port.reply(payload)
+        written.append(bytes(conn.data))
+    assert written[0] == written[1] and len(written[0]) >= len(payload)
 
 
 def test_record_frame_leaves_every_other_record(monkeypatch: pytest.MonkeyPatch) -> None:

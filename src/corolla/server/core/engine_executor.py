@@ -278,18 +278,19 @@ class EngineExecutor:
         several at a time (`client.session.shadows.SHADOW_BATCH_ROWS`), one request, one task, one reply for them,
         and the replica computes them as the spare rows of one forward instead of one per step."""
         own = self._own(cache)
-        self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
-        meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
-        raw = inputs.hidden_bytes
-        if (inputs.hidden_states is None and raw is not None and meta is not None and len(meta[1]) == 3
-                and inputs.hypo_ids is None and inputs.prompts is None):  # fmt: skip
-            # a device channel's usual step: its bytes only (the cheaper constructor, the same request)
-            request = StepRequest.of_bytes(own.session, inputs.prefix_length, raw, meta[0], meta[1],
-                                           inputs.hidden_rows)  # fmt: skip
+        session = own.session
+        hidden, prefix_length, prompts, hypo_ids, adapter, _, raw, meta, rows = inputs  # (one unpack: every field)
+        if session.adapter != adapter:  # (else bound to it at an earlier step: `bind_adapter` would do nothing)
+            self.engine.bind_adapter(session, adapter)  # ValueError: unknown, or not the session's adapter
+        # `meta`: (dtype, [B, T, H]) of `raw` where no tensor was built
+        if (hidden is None and raw is not None and meta is not None and len(meta[1]) == 3 and hypo_ids is None
+                and prompts is None):  # fmt: skip
+            # the usual step, a front's or a device channel's: its bytes only (the cheaper constructor, the same request)
+            request = StepRequest.of_bytes(session, prefix_length, raw, meta[0], meta[1], rows)
         else:
             request = StepRequest(
-                own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts, raw,
-                None if meta is None else meta[0], None if meta is None else meta[1], inputs.hidden_rows,
+                session, hidden, prefix_length, hypo_ids, prompts, raw, None if meta is None else meta[0],
+                None if meta is None else meta[1], rows,
             )  # fmt: skip
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)

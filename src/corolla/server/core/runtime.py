@@ -247,7 +247,10 @@ class TaskQueue:
                 self._led_pushed_s = task.submitted_at
             if self._watches:
                 self._count_back(task)
-            heapq.heappush(self._heap, (*task.sort_key, task))
+            # (`sort_key`'s tuple and the task, built at once: a push per decode step)
+            heapq.heappush(
+                self._heap, (task.priority, task.ranks_at or task.lead_after or task.submitted_at, task.seq, task)
+            )
             if notify and self._steps >= self._wanted:
                 self.num_wakeups += 1
                 self._cond.notify()
@@ -763,10 +766,11 @@ class Runtime:
         if on_done is None:
             loop = asyncio.get_running_loop()
             future = loop.create_future()
+        now = time.monotonic()
+        # every field by position, in `Task`'s order (built per decode step: 0.26 us, by keywords 0.80)
         return Task(
-            fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
-            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps, sessions=sessions,
-            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0, ranks_at=ranks_at, then=then,
+            fn, float(priority), size_tokens, future, loop, kind, merge_key, payload, now, 0, on_done, flush, steps,
+            sessions, now + lead_after_s if lead_after_s else 0.0, ranks_at, then,
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:

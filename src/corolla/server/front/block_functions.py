@@ -250,10 +250,9 @@ def decode_step(
     usual = _usual_step(tensors, structure, limits, batch_size, current_length, start_from_position, max_length_tokens)
     if usual is not None:
         prefix_length, dtype, shape, data = usual
-        return StepInputs(
-            None, prefix_length, None, None, adapter, lone_session,
-            hidden_bytes=memoryview(bytearray(data)), hidden_meta=(dtype, shape),
-        )  # fmt: skip
+        # (by position: hidden_bytes, hidden_meta; built per decode step)
+        return StepInputs(None, prefix_length, None, None, adapter, lone_session, memoryview(bytearray(data)),
+                          (dtype, shape))  # fmt: skip
     return parse_step_inputs(
         step_args(tensors, structure), limits, num_blocks=num_blocks, batch_size=batch_size,
         current_length=current_length, start_from_position=start_from_position, max_length_tokens=max_length_tokens,

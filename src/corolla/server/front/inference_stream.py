@@ -573,6 +573,12 @@ class StepPort(Protocol):
         """Writes a response (a message, or its serialized bytes) to the client."""
         ...
 
+    def reply_joined(self, parts: tuple[bytes | memoryview, ...], nbytes: int) -> memoryview:
+        """Writes the serialized response `b"".join(parts)` (`nbytes` long) to the client and returns a view of its
+        bytes as written: joined once, the frame's header with them where the transport sends them as they are
+        (one buffer written, no second join by the transport)."""
+        ...
+
     async def drain(self) -> None:
         """Waits while the replies written are not taken (a KV export's many messages)."""
         ...
@@ -603,6 +609,10 @@ class SessionSteps:
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.order: StepOrder | None = None
         self._in_flight: asyncio.Future | None = None
+        # the step in flight (one at a time: `StepOrder`), what its reply needs once its output comes (`_stepped`,
+        # bound once: the core calls it with the step's future; no partial built per step)
+        self._step: tuple[runtime_pb2.ExpertRequest, InferenceRequestMetadata, int | None, StepInputs] | None = None
+        self._then = self._stepped
         self._task: asyncio.Task[None] | None = None  # a prefix probe's or a KV export's
 
     def run(self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata) -> bool:
@@ -632,11 +642,10 @@ class SessionSteps:
             self.port.reply(runtime_pb2.ExpertResponse(tensors=[session.resend_output(metadata.step_id)]))
             return True
         try:
-            then = functools.partial(self._stepped, request, metadata, hit)
-            inputs, output = self.streams.begin_step(session, metadata, request, self.deadline, then)
+            inputs, output = self.streams.begin_step(session, metadata, request, self.deadline, self._then)
             if isinstance(output, asyncio.Future):
-                if not output.done():  # the reply leaves from the step's completion (`then`)
-                    self._in_flight = output
+                if not output.done():  # the reply leaves from the step's completion (`_stepped`, in a later callback)
+                    self._in_flight, self._step = output, (request, metadata, hit, inputs)
                     if (timeline := self.port.timeline) is not None:
                         timeline.stamp(step_timeline.SENT)
                     return False
@@ -646,17 +655,16 @@ class SessionSteps:
             self._bad_step(metadata, e)
         return True
 
-    def _stepped(
-        self, request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMetadata, hit: int | None,
-        inputs: StepInputs, output: asyncio.Future,
-    ) -> None:  # fmt: skip
-        self._in_flight = None
+    def _stepped(self, output: asyncio.Future) -> None:
+        step, self._in_flight, self._step = self._step, None, None
         if (timeline := self.port.timeline) is not None:
             timeline.stamp(step_timeline.BACK)
         order = self.order
         assert order is not None
         if order.ended or output.cancelled():
             return
+        assert step is not None, "a step's output came with no step in flight"
+        request, metadata, hit, inputs = step
         try:
             try:
                 self._answer(request, metadata, inputs, output.result(), hit)
@@ -683,9 +691,8 @@ class SessionSteps:
         if hit is None and not metadata.pushed and not metadata.next_servers:  # the response goes out as it is
             plain = self.streams.plain_step_reply(session, inputs, output)
             if plain is not None:
-                payload, record = plain
-                session.record_output(metadata, record)
-                self.port.reply(payload)
+                parts, nbytes, offset = plain
+                session.record_output(metadata, self.port.reply_joined(parts, nbytes)[offset:])
                 return
         response, can_push = self.streams.step_reply(session, inputs, output)
         record = response.tensors[0]
@@ -847,11 +854,11 @@ class InferenceStreams:
         metadata: InferenceRequestMetadata,
         request: runtime_pb2.ExpertRequest,
         deadline: float,
-        then: Callable[[StepInputs, asyncio.Future], None],
+        then: Callable[[asyncio.Future], None],
     ) -> tuple[StepInputs, torch.Tensor | TensorBytes | asyncio.Future]:
         """The step decoded (the one decoder: ValueError where it is refused) and sent to the core: its inputs and
         the future of its output (a zero-token step's or a probe session's: its own input, nothing computed), which
-        runs `then(inputs, future)` in the loop once done (not where it comes back done: `CoreClient.step`)."""
+        runs `then(future)` in a later loop callback once done (not where it comes back done: `CoreClient.step`)."""
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
         inputs = bf.decode_step(
             request.tensors,
@@ -871,7 +878,7 @@ class InferenceStreams:
             return inputs, inputs.tensor()  # zero tokens: nothing to compute, [B, 0, H] back
         if deadline - time.monotonic() <= 0:
             raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-        return inputs, self.core.step(session.cache, inputs, functools.partial(then, inputs))
+        return inputs, self.core.step(session.cache, inputs, then)
 
     def step_reply(
         self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes
@@ -886,10 +893,11 @@ class InferenceStreams:
 
     def plain_step_reply(
         self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes
-    ) -> tuple[bytes, memoryview] | None:
-        """`step_reply`'s response serialized, and its record's bytes in it, built without a message
-        (`codecs.record_frame`: the output's bytes copied once): a launched step's bytes in the span's dtype, from a
-        server that does not drain; None for any other output (`step_reply` builds those), nothing done."""
+    ) -> tuple[tuple[bytes | memoryview, ...], int, int] | None:
+        """`step_reply`'s response as the parts of its serialized bytes, their length and where its record begins in
+        them, built without a message (`codecs.record_frame`: the port joins them, the output's bytes copied once,
+        `StepPort.reply_joined`): a launched step's bytes in the span's dtype, from a server that does not drain; None
+        for any other output (`step_reply` builds those), nothing done."""
         drains = self.core.drain.deadline is not None
         if drains or not isinstance(output, TensorBytes) or output.dtype != self.limits.dtype:
             return None
@@ -897,9 +905,8 @@ class InferenceStreams:
         if frame is None:
             return None
         head, tail, offset = frame
-        payload = b"".join((head, output.data, tail))
         _advance(session, inputs)
-        return payload, memoryview(payload)[offset:]
+        return (head, output.data, tail), len(head) + output.data.nbytes + len(tail), offset
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
         """Keys on a request of the session's own client (never a pushed one): its pages are published once

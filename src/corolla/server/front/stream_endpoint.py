@@ -607,6 +607,11 @@ class FrameCodec(Protocol):
         """The payload of a received frame; ValueError if it is not what the peer's side encoded."""
         ...
 
+    def message_head(self, nbytes: int) -> bytes | None:
+        """The header of a MESSAGE frame whose payload of `nbytes` goes out as it is, to be written together with it
+        (what `encode` writes before it); None where `encode` transforms the payload."""
+        ...
+
 
 class PlainFrames:
     """The same-host socket's frames: payloads as they are."""
@@ -618,6 +623,9 @@ class PlainFrames:
 
     def decode(self, kind: int, payload: bytes) -> bytes:
         return payload
+
+    def message_head(self, nbytes: int) -> bytes | None:
+        return ls.header(ls.MESSAGE, nbytes)
 
 
 _PEER_HEADER = struct.Struct(">BQ")  # hivemind's marker byte and 8-byte big-endian length
@@ -654,6 +662,9 @@ class PeerFrames(PlainFrames):
         if kind != ls.MESSAGE:
             raise ValueError(f"a p2pd stream has no frame of kind {kind}")
         return [frame_header(MESSAGE_MARKER, len(payload)), payload]  # the payload is not copied
+
+    def message_head(self, nbytes: int) -> bytes | None:
+        return frame_header(MESSAGE_MARKER, nbytes)
 
 
 @dataclass(frozen=True)
@@ -728,6 +739,7 @@ class SocketPort:
         self.input_over = False  # the client's input ended (its END frame, or a failure `_input_failed` took)
         self._handing = False  # inside `ready`
         self._again = False  # `ready` was called again meanwhile
+        self._on_data, self._on_input_error = self.ready, self._input_error  # (bound once: handed over every step)
 
     def _charge_lease(self, length: int) -> None:
         assert self.lease is not None
@@ -831,7 +843,7 @@ class SocketPort:
                     self._input_failed(asyncio.IncompleteReadError(b"", None))
                     order.client(None)  # the client went away: the session ends
                 else:
-                    conn.deliver(self.ready, idle_s=self.idle_s, pace=self.pace, fail=self._input_error)
+                    conn.deliver(self._on_data, idle_s=self.idle_s, pace=self.pace, fail=self._on_input_error)
                 return
             conn.stop_delivery()
             request = self._request(*frame)
@@ -856,6 +868,18 @@ class SocketPort:
         self.conn.writelines(self.codec.encode(ls.MESSAGE, payload))
         if self.timeline is not None:
             self.timeline.stamp(step_timeline.OUT)
+
+    def reply_joined(self, parts: tuple[bytes | memoryview, ...], nbytes: int) -> memoryview:
+        head = self.codec.message_head(nbytes)
+        if head is None:  # (a sealed connection: the payload is encoded)
+            payload = b"".join(parts)
+            self.reply(payload)
+            return memoryview(payload)
+        frame = b"".join((head, *parts))  # the frame as `reply` writes it, in one buffer
+        self.conn.write(frame)
+        if self.timeline is not None:
+            self.timeline.stamp(step_timeline.OUT)
+        return memoryview(frame)[len(head) :]
 
     async def drain(self) -> None:
         await self.conn.drain()
