@@ -99,6 +99,7 @@ SPLIT_FUNCTIONS = (
     ("corolla.server.front.stream_endpoint", "StreamLease", "charge"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "_request"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply"),
+    ("corolla.server.front.stream_endpoint", "SocketPort", "reply_joined"),  # the usual step's reply (decision 0146)
     ("corolla.server.front.inference_stream", "StepOrder", "_wait"),
 )
 TRACE_S = 0.2  # the gather rule's state is sampled this often over the decode phase (`_trace_rule`)
