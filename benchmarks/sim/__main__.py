@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.sim.client_book import UNMEASURED_RULES
 from benchmarks.sim.helix import reproduction
 from benchmarks.sim.policies import POLICY_NAMES
 from benchmarks.sim.scenarios import SCENARIOS, scenario
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--trace", default=None, help="a JSON-lines workload trace instead of the generator")
     run.add_argument("--bound_time_limit_s", type=float, default=None, help="MILP seconds per flow snapshot")
+    run.add_argument(
+        "--unmeasured",
+        choices=UNMEASURED_RULES,
+        default=None,
+        help="what clients know of servers they never pinged (default: known, every RTT at once; decision 0145)",
+    )
+    run.add_argument("--fakes", type=int, default=None, help="made-up records claiming every block at a great speed")
     run.add_argument("--json", type=Path, default=None, help="write the full reports here")
     helix = sub.add_parser("helix", help="reproduce Helix's 24-node max-flow figures under its capacity model")
     helix.add_argument("--time_limit_s", type=float, default=60.0, help="MILP seconds for the best-known search")
@@ -59,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("servers", args.servers),
             ("duration_s", args.duration_s),
             ("bound_time_limit_s", args.bound_time_limit_s),
+            ("unmeasured", args.unmeasured),
+            ("fake_servers", args.fakes),
         )
         if value is not None
     }

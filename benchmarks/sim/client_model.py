@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from benchmarks.sim.client_book import FAKE_DIAL_S, is_fake
 from benchmarks.sim.clock import Event, EventLoop
 from benchmarks.sim.metrics import Metrics
 from benchmarks.sim.server_model import SimServer
@@ -20,6 +21,7 @@ from corolla.utils.errors import MissingBlocksError
 
 CHUNK_TOKENS = 32  # decode is simulated in chunks of this many tokens at a time per token fixed at the chunk's start
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # Petals' client defaults (min_backoff, max_backoff)
+NEW_SERVER_S = 600.0  # a server's first minutes online, where the load it gets is counted (`Report.new_server_share`)
 MAX_WAIT_S = 300.0  # a user gives up after this long without a chain (assumption; Petals retries forever)
 BAN_TIMEOUT_S = 15.0  # Petals' ban_timeout: a server that refused or failed is skipped this long (first ban)
 
@@ -49,6 +51,7 @@ class SimSession:
     banned: dict[str, float] = field(default_factory=dict)  # peer id -> time its ban ends (its client's bans)
     full: bool = False  # an attempt of its current wait found every block covered but the servers out of cache
     cache_refusals: int = 0  # cache refusals in a row (corolla's client re-routes the first few at once)
+    dial_s: float = 0.0  # a failed dial's time before the next attempt (a made-up server's)
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
 
@@ -67,6 +70,7 @@ class ClientDriver:
         sessions_per_client: int = 1,
         view_age_max_s: float = 60.0,
         on_cache_refusal: Callable[[SimSession, str], bool] | None = None,
+        on_failure: Callable[[SimSession, str], None] | None = None,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
@@ -77,6 +81,7 @@ class ClientDriver:
         # corolla's client (`swarm.cache_refusals`): a server out of cache is avoided for AVOID_S, the client re-reads
         # the records (this callback) and re-routes at once; None: Petals' (a ban, then the back-off schedule)
         self.on_cache_refusal = on_cache_refusal
+        self.on_failure = on_failure  # a server failed a session's call (gone, or made up): its client's book learns
         self._next_sid = 0
 
     def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
@@ -149,7 +154,13 @@ class ClientDriver:
             return
         self.metrics.add_tokens(self.loop.now_s, tokens, session.tpot_s)
         assert session.route is not None
+        now, measure_from = self.loop.now_s, self.metrics.measure_from_s
         for server, _, _ in session.route:
+            if now >= measure_from:
+                self.metrics.server_tokens += tokens
+                first = server.first_online_s
+                if first is not None and first >= measure_from and now - first < NEW_SERVER_S:
+                    self.metrics.new_server_tokens += tokens
             server.tokens_served += tokens
             server.context_tokens += tokens
         session.context += tokens
@@ -218,6 +229,11 @@ class ClientDriver:
             # from the client's view until it re-reads the records, which no longer hold it (or hold its new span)
             session.banned[gone] = self.loop.now_s + max(BAN_TIMEOUT_S, self.view_age_max_s)
             session.cache_refusals = 0
+            if is_fake(gone):  # nobody answers its dial
+                self._count(session, "fake_tries")
+                session.dial_s = FAKE_DIAL_S
+            if self.on_failure is not None:
+                self.on_failure(session, gone)
             return False
         hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
         refusing = next((server for server, start, end in hops if server.kv_free_tokens(start, end) < need), None)
@@ -260,6 +276,7 @@ class ClientDriver:
         delay = 0.0 if session.attempts == 0 else min(MIN_BACKOFF_S * 2 ** (session.attempts - 1), MAX_BACKOFF_S)
         if session.cache_refusals:  # corolla's client after a cache refusal (`RetryBudget.on_failure`)
             delay = reroute_delay_s(session.cache_refusals, delay)
+        delay, session.dial_s = delay + session.dial_s, 0.0
         session.attempts += 1
         for peer in [peer for peer, until in session.banned.items() if until <= now]:
             del session.banned[peer]

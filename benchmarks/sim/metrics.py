@@ -60,6 +60,10 @@ class Metrics:
     route_calls: int = 0
     early_announcements: int = 0  # records stored before the heartbeat for a large change of free cache
     rereads: int = 0  # clients re-reading the records after a cache refusal
+    fake_tries: int = 0  # routes that went through a made-up server (`client_book`): a failed dial each
+    server_tokens: int = 0  # decode tokens times the servers of their chain (each server's share of the work)
+    new_server_tokens: int = 0  # of those, the ones of servers in their first NEW_SERVER_S online after the warm-up
+    new_server_s: float = 0.0  # the seconds those servers were in their first NEW_SERVER_S (the run's end cuts it)
     calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
@@ -103,6 +107,8 @@ class Report:
     sessions: dict[str, int]
     churn: dict[str, Any]
     flow_efficiency_mean: float
+    # work a server gets in its first minutes after joining the running swarm, over the average server's (1: fair)
+    new_server_share: float
     flow_efficiency: list[dict[str, float]]
     wall_s: float
     cpu_s: float  # process time: on a loaded shared machine, what an idle core would have taken
@@ -147,8 +153,13 @@ class Report:
                 "route_calls": metrics.route_calls,
                 "early_announcements": metrics.early_announcements,
                 "rereads": metrics.rereads,
+                "fake_tries": metrics.fake_tries,
             },
             flow_efficiency_mean=float(np.mean([s.efficiency for s in samples])) if samples else float("nan"),
+            new_server_share=(metrics.new_server_tokens / metrics.new_server_s)
+            / (metrics.server_tokens / (measured * servers_start))
+            if metrics.new_server_s > 0 and metrics.server_tokens > 0
+            else float("nan"),
             flow_efficiency=[
                 {
                     "time_s": s.time_s,
@@ -188,6 +199,8 @@ class Report:
             "moves": self.churn["moves"],
             "reload_s": round(self.churn["reload_s"], 0),
             "flow_eff": round(self.flow_efficiency_mean, 3),
+            "fake_tries": self.churn.get("fake_tries", 0),
+            "new_server_share": round(self.new_server_share, 3),
             "wall_s": round(self.wall_s, 1),
             "cpu_s": round(self.cpu_s, 1),
             "calls_wall_s": round(sum(self.calls_wall_s.values()), 1),

@@ -36,6 +36,7 @@ class SimServer:
     end: int = 0
     state: ServerState | None = ServerState.JOINING
     online_since_s: float = 0.0
+    first_online_s: float | None = None  # when it first served (a move does not count)
     last_load_s: float = 0.0
     num_moves: int = 0
     fetching: range | None = None  # the span whose weights it fetches while serving its own (corolla's move)

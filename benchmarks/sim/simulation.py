@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 from benchmarks.sim.bound import ServerKind, best_known_placement
 from benchmarks.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
 from benchmarks.sim.churn import ChurnConfig
-from benchmarks.sim.client_model import ClientDriver, SimSession
+from benchmarks.sim.client_book import ClientBooks, fake_records
+from benchmarks.sim.client_model import NEW_SERVER_S, ClientDriver, SimSession
 from benchmarks.sim.clock import EventLoop
 from benchmarks.sim.metrics import FlowSample, Metrics, Report
 from benchmarks.sim.policies import make_policy
@@ -66,6 +67,8 @@ class SimConfig:
     crash_detect_s: float = 30.0  # a vanished peer is noticed by a step timeout (assumption)
     snapshot_period_s: float = 300.0
     bound_time_limit_s: float = 0.0
+    unmeasured: str = "known"  # what clients know of servers they never pinged (`client_book.UNMEASURED_RULES`)
+    fake_servers: int = 0  # made-up records claiming every block at a great speed (`client_book.fake_records`)
 
     def __post_init__(self) -> None:
         unknown = set(self.fleet) - set(GPUS)
@@ -80,7 +83,8 @@ class Simulation:
         self.config = c = config
         self.loop = EventLoop()
         self.rngs = {
-            name: random.Random(f"{c.seed}/{name}") for name in ("fleet", "churn", "policy", "route", "work", "pings")
+            name: random.Random(f"{c.seed}/{name}")
+            for name in ("fleet", "churn", "policy", "route", "work", "pings", "books")
         }
         self.policy = make_policy(c.policy)
         # corolla's servers re-announce early on a large change of free cache and its clients re-read the records and
@@ -88,6 +92,8 @@ class Simulation:
         # a refusal banned and backed off from
         self.corolla_peers = self.policy.name == "corolla"
         self.view = SwarmView(c.model.num_blocks, RttModel(c.seed))
+        self.view.fakes = fake_records(c.fake_servers, c.model.num_blocks)
+        self.books = ClientBooks(c.unmeasured, c.client_update_period_s, self.rngs["books"])
         self.metrics = Metrics(measure_from_s=c.warmup_s)
         self.workload = WorkloadGenerator(c.workload, self.rngs["work"])
         self.clients = ClientDriver(
@@ -101,6 +107,7 @@ class Simulation:
             sessions_per_client=c.workload.sessions_per_client,
             view_age_max_s=c.client_update_period_s,
             on_cache_refusal=self._on_cache_refusal if self.corolla_peers else None,
+            on_failure=self._on_failure,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -196,6 +203,10 @@ class Simulation:
             return
         server.state = ServerState.ONLINE
         server.online_since_s = self.loop.now_s
+        if server.first_online_s is None:
+            server.first_online_s = self.loop.now_s
+            if self.loop.now_s >= self.config.warmup_s:  # a server that joins the running swarm: its first minutes
+                self.metrics.new_server_s += min(NEW_SERVER_S, self.config.duration_s - self.loop.now_s)
         self.view.announce(server, self.loop.now_s)
         self._schedule_balance_check(server)
 
@@ -355,9 +366,14 @@ class Simulation:
         self._reread(session)
         return avoid
 
+    def _on_failure(self, session: SimSession, peer_id: str) -> None:
+        """A server failed `session`'s call (gone, or made up): its client's book applies the unmeasured rule."""
+        spans, _ = self._client_view(session)
+        self.books.on_failure(self._client_key(session), peer_id, spans, self.loop.now_s)
+
     def _reread(self, session: SimSession) -> None:
         """`session`'s client re-reads the records now (after a cache refusal): the servers' latest announcements."""
-        self._own_views[self._client_key(session)] = (self.view.client_version, self.view.routing_spans())
+        self._own_views[self._client_key(session)] = (self.view.client_version, self.view.client_records())
         self.metrics.rereads += 1
 
     def _client_view(self, session: SimSession) -> tuple[list[RemoteSpanInfo], int]:
@@ -382,7 +398,7 @@ class Simulation:
         now = self.loop.now_s
         banned = frozenset(peer for peer, until in session.banned.items() if until > now)
         key = (version, region, need, banned)
-        memo = self.policy.name in DETERMINISTIC_ROUTING and version >= 0
+        memo = self.policy.name in DETERMINISTIC_ROUTING and version >= 0 and self.config.unmeasured == "known"
         client = self._client(session)
         if memo and key in self._route_memo:
             chain = self._route_memo[key]
@@ -400,7 +416,7 @@ class Simulation:
             0,
             self.config.model.num_blocks,
             mode="min_latency",
-            client_rtts_s=self.view.client_rtts_s[region],
+            client_rtts_s=self.books.rtts(self._client_key(session), spans, self.view.client_rtts_s[region], now),
             cache_tokens_needed=need,
             client_load=None if client is None else client.load(self.loop.now_s),
             waited_s=0.0 if session.wait_start_s is None else now - session.wait_start_s,
@@ -423,7 +439,9 @@ class Simulation:
         return self.routed.setdefault(client, RoutedLoad())
 
     def _ended(self, session: SimSession) -> None:
-        if session.slot is not None:
+        if session.slot is None:
+            self.books.forget(self._client_key(session))
+        else:
             at = self.loop.now_s + self.workload.idle_s()
             if at < self.config.duration_s:
                 self.loop.at(at, self._start_conversation, session.slot)

@@ -22,10 +22,15 @@ class SwarmView:
         self._routing: list[RemoteSpanInfo] = []
         self.client_version = 0
         self._client_spans: list[RemoteSpanInfo] = []
+        self.fakes: list[RemoteSpanInfo] = []  # made-up records (`client_book.fake_records`): clients read them too
 
     def refresh_client_view(self) -> None:
-        self._client_spans = self.routing_spans()
+        self._client_spans = self.client_records()
         self.client_version += 1
+
+    def client_records(self) -> list[RemoteSpanInfo]:
+        """What a client reads of the records now: the ONLINE servers' and the made-up ones."""
+        return self.routing_spans() + self.fakes if self.fakes else self.routing_spans()
 
     def client_spans(self) -> list[RemoteSpanInfo]:
         return self._client_spans
