@@ -1,11 +1,11 @@
 """What each simulated client has measured, and the RTTs its routes see for the servers it has not (decision 0145).
 
-`unmeasured` rules: `known` (the simulator's older assumption: every client knows its region's RTT to every server the
-moment it announces), `after_failure` (the real client, decision 0137: a client measures the servers it pings, up to
-`PLACEMENT_PINGS` it never measured at each refresh, and after a never-measured server fails it counts every unmeasured
-server as unreachable for one refresh period and refreshes at once) and `always` (every unmeasured server always counts
-as unreachable: an entry cost that ranks it below every measured one). A client's book is filled lazily: the refreshes
-it missed since its last route are applied when it routes (only routes read it). Made-up servers (`fake_records`) are
+`unmeasured` rules: `known` (the simulator's older assumption and its default: every client knows its region's RTT to
+every server the moment it announces) and `after_failure` (the real client, decision 0137: a client measures the
+servers it pings, up to `PLACEMENT_PINGS` it never measured at each refresh, and after a never-measured server fails
+it counts every unmeasured server as unreachable for one refresh period and refreshes at once). Counting them
+unreachable always lost (decision 0145). A client's book is filled lazily: the refreshes it missed since its last
+route are applied when it routes (only routes read it). Made-up servers (`fake_records`) are
 records anyone can store: they claim every block at a great speed, never answer a dial or a ping."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.policy import PLACEMENT_PINGS
 
-UNMEASURED_RULES = ("known", "after_failure", "always")
+UNMEASURED_RULES = ("known", "after_failure")
 FIRST_PINGS = PLACEMENT_PINGS + 3 * 3  # a fresh client's first refresh: 64 it never measured + 3 of 3 sampled blocks
 FAKE_DIAL_S = 5.0  # a made-up peer's dial fails after the client's connect_timeout_s (assumption: not measured)
 FAKE_PREFIX = "fake"
@@ -77,7 +77,7 @@ class ClientBooks:
             for peer in book.measured
             if peer in region_rtts or is_fake(peer)
         }
-        if self.rule == "always" or now_s < book.suspect_until_s:
+        if now_s < book.suspect_until_s:
             return {**{span.peer_id: math.inf for span in spans}, **rtts}
         return rtts
 
@@ -87,8 +87,7 @@ class ClientBooks:
         book = self._books.get(key)
         if book is None or self.rule == "known" or peer_id in book.measured:
             return
-        if self.rule == "after_failure":
-            book.suspect_until_s = now_s + self.update_period_s
+        book.suspect_until_s = now_s + self.update_period_s
         self._ping(book, spans, PLACEMENT_PINGS)
 
     def forget(self, key: Hashable) -> None:
