@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import threading
 
 import pytest
 
 from corolla.server.core.refusals import RuntimeStopped
-from corolla.server.core.runtime import PRIORITY_FORWARD, PRIORITY_INFERENCE, Runtime
+from corolla.server.core.runtime import PRIORITY_FORWARD, PRIORITY_INFERENCE, Runtime, Task, TaskQueue
 
 
 async def _block_runtime(runtime: Runtime) -> tuple[threading.Event, asyncio.Future]:
@@ -202,3 +204,27 @@ async def test_failing_inline_step_reports_to_its_caller() -> None:
         with pytest.raises(ValueError, match="bad step"):
             await future
         assert await runtime.submit(lambda: "still serving", priority=1, size_tokens=1) == "still serving"
+
+
+def test_push_and_push_many_queue_by_the_tasks_sort_key() -> None:
+    """`TaskQueue.push` builds its heap entry inline (a push per decode step) and `push_many` through `Task.sort_key`:
+    whichever queued them, the most urgent task is the one with the lowest `sort_key` (priority, then the time it
+    ranks at: `ranks_at`, a held task's lead time, else its queueing; then the order of pushes)."""
+    rng = random.Random(0)
+    for trial in range(200):
+        tasks = []
+        for i in range(rng.randint(1, 6)):
+            task = Task(lambda: None, float(rng.choice([0, 1, 2])), 1, None, None, kind=f"t{trial}.{i}",
+                        submitted_at=rng.choice([10.0, 20.0, 30.0]))  # fmt: skip
+            task.lead_after = rng.choice([0.0, 0.0, 15.0, 25.0])
+            task.ranks_at = rng.choice([0.0, 0.0, 5.0, 35.0])
+            tasks.append(task)
+        one_by_one, at_once = TaskQueue(), TaskQueue()
+        for task in tasks:
+            one_by_one.push(task, notify=False)
+        expected = min(tasks, key=lambda task: task.sort_key).kind
+        assert one_by_one.head_kind() == expected, [task.sort_key for task in tasks]
+        for task, seq in zip(tasks, itertools.count(1)):
+            assert task.seq == seq
+        at_once.push_many(tasks)
+        assert at_once.head_kind() == expected
