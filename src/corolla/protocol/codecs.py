@@ -73,6 +73,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
 _ITEMSIZES: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+_DTYPE_ITEMSIZES: dict[str, tuple[torch.dtype, int]] = {
+    name: (dtype, _ITEMSIZES[dtype]) for name, dtype in _DTYPES.items()
+}
 _RAW_VIEWS = frozenset(_DTYPES.values())  # dtypes whose NONE form is built here (numpy can hold their bytes)
 _COMPRESSION_VALUES = frozenset(CompressionType.values())
 # dtype names each hivemind codec writes (numpy names, or "bfloat16"), so the only ones we decode
@@ -379,18 +382,14 @@ def plain_record(
     The buffer is the record's raw values in native byte order."""
     if serialized.compression != _NONE or serialized.requires_grad:
         return None
-    dtype = _DTYPES.get(serialized.dtype)
-    if dtype is None:
+    typed = _DTYPE_ITEMSIZES.get(serialized.dtype)
+    if typed is None:
         return None
-    shape = tuple(serialized.size)
-    if len(shape) > limits.max_ndim:
+    dtype, itemsize = typed
+    shape = tuple(serialized.size[:])  # (its slice is one C copy; iterating the repeated field costs 0.5 us more)
+    if len(shape) > limits.max_ndim or (shape and min(shape) < 0):
         return None
-    numel = 1
-    for dim in shape:
-        if dim < 0:
-            return None
-        numel *= dim
-    itemsize = _ITEMSIZES[dtype]
+    numel = math.prod(shape)
     if numel > limits.max_elements or numel * itemsize > limits.max_decoded_bytes:
         return None
     buffer = serialized.buffer  # (a copy per access: read once)

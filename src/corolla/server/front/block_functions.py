@@ -273,10 +273,10 @@ def _usual_step(
     (no cast, T >= 1, finite, within every limit); None for anything else."""
     if len(tensors) != 3 or structure != PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
         return None
-    hidden, prompts, hypo_ids = tensors
-    if not (_plain_empty(prompts) and _plain_empty(hypo_ids)):
+    # (indexed: unpacking the repeated field iterates it, 0.6 us against 0.25)
+    if not (_plain_empty(tensors[1]) and _plain_empty(tensors[2])):
         return None
-    record = plain_record(hidden)
+    record = plain_record(tensors[0])
     if record is None:
         return None
     dtype, shape, data = record
