@@ -8,45 +8,15 @@ header, before any part is read (`PeerLimitExceeded` reason `peer_import_bytes`,
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
+from corolla.server.core.limits import PeerLimits
+from corolla.server.front.peer_bytes import ByteCap, PeerBytes
 
 
-class ImportBudget:
-    """Bytes of the imports in flight: per peer and in all (event loop only)."""
-
-    def __init__(self, limits: PeerLimits):
-        self.limits = limits
-        self.total_bytes = 0
-        self.per_peer: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def hold(self, peer: str, nbytes: int) -> Iterator[None]:
-        """Counts an import of `nbytes` by `peer` while inside; refused (nothing counted) past a cap (0: none)."""
-        limits = self.limits
-        held = self.per_peer.get(peer, 0)
-        if limits.max_import_bytes_per_peer and held + nbytes > limits.max_import_bytes_per_peer:
-            raise PeerLimitExceeded(
-                f"KV import of {nbytes} bytes refused: this peer already imports {held} bytes, the limit is "
-                f"max_import_bytes_per_peer={limits.max_import_bytes_per_peer}",
-                reason="peer_import_bytes",
-            )
-        if limits.max_import_bytes_total and self.total_bytes + nbytes > limits.max_import_bytes_total:
-            raise ServerLimitExceeded(
-                f"KV import of {nbytes} bytes refused: the server imports {self.total_bytes} bytes, the limit is "
-                f"max_import_bytes_total={limits.max_import_bytes_total}; retry later",
-                reason="import_bytes_full",
-            )
-        self.per_peer[peer] = held + nbytes
-        self.total_bytes += nbytes
-        try:
-            yield
-        finally:
-            self.total_bytes -= nbytes
-            left = self.per_peer[peer] - nbytes
-            if left:
-                self.per_peer[peer] = left
-            else:
-                del self.per_peer[peer]
+def import_budget(limits: PeerLimits) -> PeerBytes:
+    """The imports in flight under `limits`' caps (`hold(peer, nbytes)` around reading and writing one)."""
+    return PeerBytes(
+        "KV import",
+        "of imports in flight",
+        ByteCap("max_import_bytes_per_peer", limits.max_import_bytes_per_peer, "peer_import_bytes"),
+        ByteCap("max_import_bytes_total", limits.max_import_bytes_total, "import_bytes_full"),
+    )

@@ -46,7 +46,7 @@ from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
 from corolla.server.front import step_timeline
 from corolla.server.front.block_functions import ServingLimits
-from corolla.server.front.import_budget import ImportBudget
+from corolla.server.front.import_budget import import_budget
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
 from corolla.server.metrics import ServerMetrics
@@ -395,14 +395,14 @@ class SessionHandoff:
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
         self.drain: DrainState = core.drain  # the core's: started by `drain_sessions`
-        self.imports = ImportBudget(PeerLimits())  # the bytes of imports in flight (`configure`: the server's limits)
+        self.imports = import_budget(PeerLimits())  # the bytes of imports in flight (`configure`: the server's limits)
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
 
     def configure(self, peer_limits: PeerLimits) -> None:
         """The server's fair-use limits (before serving): its imports' bytes in flight."""
-        self.imports = ImportBudget(peer_limits)
+        self.imports = import_budget(peer_limits)
 
     def import_header(self, metadata: InferenceRequestMetadata) -> hw.KvHeader | None:
         """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""

@@ -23,7 +23,6 @@ import ctypes
 import ctypes.util
 import gc
 import struct
-from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,6 +46,7 @@ from corolla.server.core.limits import (
 )
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
+from corolla.server.front.peer_bytes import ByteCap, PeerBytes
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -67,50 +67,35 @@ TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc k
 TRIM_DELAY_S = 0.5
 
 
-class StreamBudget:
-    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only)."""
+class StreamBudget(PeerBytes):
+    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only), and each
+    message within `max_stream_message_bytes`."""
 
     def __init__(self, limits: PeerLimits):
+        super().__init__(
+            "stream message",
+            "of unfinished requests",
+            ByteCap("max_stream_bytes_per_peer", limits.max_stream_bytes_per_peer, "peer_stream_bytes"),
+            ByteCap("max_stream_bytes_total", limits.max_stream_bytes_total, "stream_bytes_full"),
+        )
         self.limits = limits
-        self.total_bytes = 0
-        self.per_peer: dict[str, int] = defaultdict(int)
         self._freed_since_trim = 0
 
     def charge(self, peer: str, nbytes: int) -> None:
-        limits = self.limits
         if nbytes <= 0:
             return  # an empty message (e.g. the end of a session) holds nothing
-        if limits.max_stream_message_bytes and nbytes > limits.max_stream_message_bytes:
+        max_message_bytes = self.limits.max_stream_message_bytes
+        if max_message_bytes and nbytes > max_message_bytes:
             raise PeerLimitExceeded(
-                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={limits.max_stream_message_bytes}",
+                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={max_message_bytes}",
                 reason="stream_message_too_big",
             )
-        held = self.per_peer.get(peer, 0)
-        if limits.max_stream_bytes_per_peer and held + nbytes > limits.max_stream_bytes_per_peer:
-            raise PeerLimitExceeded(
-                f"stream message of {nbytes} bytes refused: this peer already has {held} bytes of unfinished "
-                f"requests, the limit is max_stream_bytes_per_peer={limits.max_stream_bytes_per_peer}",
-                reason="peer_stream_bytes",
-            )
-        if limits.max_stream_bytes_total and self.total_bytes + nbytes > limits.max_stream_bytes_total:
-            raise ServerLimitExceeded(
-                f"stream message of {nbytes} bytes refused: the server holds {self.total_bytes} bytes of unfinished "
-                f"requests, the limit is max_stream_bytes_total={limits.max_stream_bytes_total}; retry later",
-                reason="stream_bytes_full",
-            )
-        self.per_peer[peer] = held + nbytes
-        self.total_bytes += nbytes
+        self.take(peer, nbytes)
 
     def release(self, peer: str, nbytes: int) -> None:
         if nbytes <= 0:
             return
-        left = self.per_peer.get(peer, 0) - nbytes
-        assert left >= 0 and self.total_bytes >= nbytes, "stream budget released more than it charged"
-        if left:
-            self.per_peer[peer] = left
-        else:
-            self.per_peer.pop(peer, None)
-        self.total_bytes -= nbytes
+        self.give_back(peer, nbytes)
         self._freed_since_trim += nbytes
 
     def maybe_trim(self) -> None:
