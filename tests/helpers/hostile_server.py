@@ -13,11 +13,18 @@ Environment:
   (what a liar would do to get traffic).
 
 `start_hostile_server(swarm, model, mode, *flags, ...)` starts one in a `tests.helpers.swarm.Swarm`.
+
+A lie is told on every path a reply takes: a step's reply is built as a message (`step_reply`) or as its bytes
+(`plain_step_reply`, a launched step's `TensorBytes`: a GPU's usual step, every step a handler process answers); both
+leave from `SessionSteps._answer`, where a lying step is handed on as a tensor (the message way, whose
+`_serialize_output` tells the lie). With `--num_handlers N` > 1 the handler processes (forked from a forkserver that
+never ran `install`) install the same lies from the environment (`handler_main`), each counting its own answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import random
 import sys
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 
 MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang")
+TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,7 +90,9 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
     from corolla.protocol.codecs import serialize_tensor
+    from corolla.server import span_service
     from corolla.server.front.handler import TransformerConnectionHandler
+    from corolla.server.front.inference_stream import SessionSteps
     from corolla.server.server import Server
     from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 
@@ -96,7 +106,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
         self: Any, output: torch.Tensor | TensorBytes, compression: int | None = None, into: Any = None
     ) -> Any:
         lie = getattr(self, "_hostile_lie", "honest")  # decided when the request came in (see below)
-        if lie in ("nan", "garbage", "shape", "dtype"):
+        if lie in TENSOR_LIES:
             tensor = as_tensor(output)  # (a launched decode step's output is its bytes: no numel, no .to)
             if tensor.numel() > 0:
                 tensor = corrupt(tensor.to(self.limits.dtype), lie, generator)
@@ -105,9 +115,9 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
 
     TransformerConnectionHandler._serialize_output = _serialize_output
     # an inference step runs without a task of its own: its lie is decided as it begins (`begin_step`: refused, or
-    # never answered) and applied when its reply is built (`step_reply`), keyed by the step's inputs
+    # never answered) and applied where its reply is built (`SessionSteps._answer`), keyed by the step's inputs
     lies: dict[int, str] = {}
-    original_begin, original_reply = TransformerConnectionHandler.begin_step, TransformerConnectionHandler.step_reply
+    original_begin, original_answer = TransformerConnectionHandler.begin_step, SessionSteps._answer
 
     def begin_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         lie = trigger.lie()
@@ -121,15 +131,23 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
         lies[id(inputs)] = lie
         return inputs, output
 
-    def step_reply(self: Any, session: Any, inputs: Any, output: Any) -> Any:
-        self._hostile_lie = lies.pop(id(inputs), "honest")  # one loop thread: read by _serialize_output below
+    def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
+        lie = lies.pop(id(inputs), "honest")
+        if lie not in TENSOR_LIES:
+            return original_answer(self, request, metadata, inputs, output, hit)
+        # a launched step's bytes would leave as they are (`plain_step_reply` takes `TensorBytes` only): as a tensor
+        # its reply is a message, whose `_serialize_output` (above) tells the lie
+        self.streams._hostile_lie = lie  # one loop thread: read by _serialize_output of this same answer
         try:
-            return original_reply(self, session, inputs, output)
+            return original_answer(self, request, metadata, inputs, as_tensor(output), hit)
         finally:
-            self._hostile_lie = "honest"
+            self.streams._hostile_lie = "honest"
 
     TransformerConnectionHandler.begin_step = begin_step
-    TransformerConnectionHandler.step_reply = step_reply
+    SessionSteps._answer = _answer
+    # a handler process (`--num_handlers` > 1) starts from a forkserver, not from this process: its entry point
+    # installs the lies there first (a function of this module by its importable name: the process pickles it)
+    span_service.handler_main = importlib.import_module(__spec__.name).handler_main
     for name in ("_forward", "_backward"):
         original = getattr(TransformerConnectionHandler, name)
 
@@ -202,7 +220,8 @@ def start_hostile_server(
     return server
 
 
-def main(argv: list[str] | None = None) -> int:
+def install_from_environment() -> None:
+    """`install` as the environment says (see the module docstring)."""
     install(
         os.environ.get("COROLLA_HOSTILE_MODE", "honest") or "honest",
         after=int(os.environ.get("COROLLA_HOSTILE_AFTER", "0") or 0),
@@ -210,6 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         mode_file=os.environ.get("COROLLA_HOSTILE_MODE_FILE") or None,
         rate=float(os.environ.get("COROLLA_HOSTILE_RATE", "1") or 1),
     )
+
+
+def handler_main(settings: Any, daemon_listen_maddr: str, index: int, channel: Any) -> None:
+    """A hostile server's handler process (`handler_pool.HandlerMain`): the lies installed, then the front's own
+    entry point."""
+    install_from_environment()
+    from corolla.server.front.front_service import main as front_main
+
+    front_main(settings, daemon_listen_maddr, index, channel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    install_from_environment()
     from corolla.cli.run_server import main as run_server_main
 
     return run_server_main(argv)
