@@ -6,6 +6,7 @@ connection share are refused without a step running; a server with no direct por
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import uuid
 
@@ -73,14 +74,25 @@ async def _connect(offer: ds.DirectOffer):
     return await asyncio.open_connection(offer.hosts[0], offer.port)
 
 
-async def _handshake(offer: ds.DirectOffer, peer_id: str, token: bytes | None = None):
-    """A hand-driven connection: (reader, writer, reply kind, reply payload, client nonce)."""
+async def _hello(offer: ds.DirectOffer, peer_id: str, token: bytes | None = None, version: int | None = None):
+    """A hand-driven connection's first exchange: (reader, writer, reply kind, reply payload, the hello's bytes)."""
     reader, writer = await _connect(offer)
-    nonce = os.urandom(ds.NONCE_BYTES)
-    hello = ds.DirectHello("rpc_inference", peer_id, offer.ticket.token if token is None else token, nonce)
-    writer.writelines(ls.frame(ls.HELLO, hello.to_bytes()))
+    hello = ds.DirectHello("rpc_inference", peer_id, offer.ticket.token if token is None else token, os.urandom(16))
+    raw = (hello if version is None else dataclasses.replace(hello, version=version)).to_bytes()
+    writer.writelines(ls.frame(ls.HELLO, raw))
     kind, payload = await asyncio.wait_for(ls.read_frame(reader, 1 << 20), 10)
-    return reader, writer, kind, payload, nonce
+    return reader, writer, kind, payload, raw
+
+
+async def _handshake(offer: ds.DirectOffer, peer_id: str):
+    """A hand-driven connection through the whole handshake (the challenge answered with the ticket key's proof):
+    (reader, writer, last reply kind, its payload, the connection's keys)."""
+    reader, writer, kind, payload, raw = await _hello(offer, peer_id)
+    assert kind == ls.ACCEPT, payload
+    keys = ds.StreamKeys.derive(offer.ticket.key, raw, ds.parse_challenge(payload)[0])
+    writer.writelines(ls.frame(ls.HELLO, keys.client_proof))
+    kind, payload = await asyncio.wait_for(ls.read_frame(reader, 1 << 20), 10)
+    return reader, writer, kind, payload, keys
 
 
 def test_ticket_names_the_caller_and_offers_the_loopback_port(server, client):
@@ -173,7 +185,7 @@ def test_bad_tickets_are_refused_before_anything_runs(server, client, case):
         token, expected = b"\x00" * 8, "at most"
 
     async def go():
-        reader, writer, kind, payload, _ = await _handshake(offer, peer_id, token)
+        reader, writer, kind, payload, _ = await _hello(offer, peer_id, token)
         eof = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         return kind, payload.decode(errors="replace"), eof
@@ -193,18 +205,16 @@ def _rejected(server, reason: str) -> float:
 
 @pytest.mark.parametrize("attack", ["wrong_key", "tampered", "replayed"])
 def test_frames_that_do_not_open_end_the_stream_without_a_step(server, client, attack):
-    """Someone who saw a token on the wire (but not its key) is accepted, and then cannot send one step; a sealed
-    request with one flipped bit, or a whole recorded connection replayed, does not run either."""
+    """After a good handshake, a frame sealed under another key, a sealed request with one flipped bit, or a frame
+    sealed for an earlier connection does not open, and no step runs."""
     offer = ticket_offer(client, server)
     request = step_request(server, torch.randn(1, 3, HIDDEN), str(uuid.uuid4())).SerializeToString()
     executor = server.service.executor
     steps_before = executor.runtime.stats()
 
     async def go():
-        reader, writer, kind, payload, nonce = await _handshake(offer, server.peer_id)
-        assert kind == ls.ACCEPT
-        server_nonce, _ = ds.parse_accept(payload)
-        keys = ds.StreamKeys.derive(offer.ticket.key, nonce, server_nonce)
+        reader, writer, kind, payload, keys = await _handshake(offer, server.peer_id)
+        assert kind == ls.ACCEPT and payload == b""
         if attack == "wrong_key":
             frame = ds.Sealer(os.urandom(ds.KEY_BYTES)).seal(ls.MESSAGE, request)
         elif attack == "tampered":
@@ -212,7 +222,8 @@ def test_frames_that_do_not_open_end_the_stream_without_a_step(server, client, a
             frame[40] ^= 1
             frame = bytes(frame)
         else:  # the bytes a client sealed for an earlier connection (its keys came from an older server nonce)
-            old = ds.StreamKeys.derive(offer.ticket.key, nonce, os.urandom(ds.NONCE_BYTES))
+            hello = ds.DirectHello("rpc_inference", server.peer_id, offer.ticket.token, os.urandom(ds.NONCE_BYTES))
+            old = ds.StreamKeys.derive(offer.ticket.key, hello.to_bytes(), os.urandom(ds.NONCE_BYTES))
             frame = ds.Sealer(old.client_to_server).seal(ls.MESSAGE, request)
         writer.write(frame)
         reply = await asyncio.wait_for(reader.read(), 10)  # the server answers with one sealed ERROR and hangs up
@@ -234,9 +245,8 @@ def test_a_stalled_or_oversized_frame_ends_the_stream(server, client, attack):
     offer = ticket_offer(client, server)
 
     async def go():
-        reader, writer, kind, payload, nonce = await _handshake(offer, server.peer_id)
+        reader, writer, kind, _, keys = await _handshake(offer, server.peer_id)
         assert kind == ls.ACCEPT
-        keys = ds.StreamKeys.derive(offer.ticket.key, nonce, ds.parse_accept(payload)[0])
         declared = 1000 if attack == "stalled" else (1 << 31)
         writer.write(ls.header(ls.MESSAGE, declared) + b"x" * 10)
         started = asyncio.get_running_loop().time()
@@ -278,6 +288,113 @@ def test_a_peer_past_its_connection_share_is_refused(server, client):
     assert kind == ls.ERROR and f"already has {share} direct connections" in message
     assert _rejected(server, "direct_connections") == counted + 1
     assert wait_until(lambda: server.service.direct_endpoint.num_open == 0, 10)
+
+
+async def _recorded_handshake(offer: ds.DirectOffer, peer_id: str) -> bytes:
+    """Everything a real client sends while it opens a direct stream, as someone on the path sees it: the stream is
+    opened (and closed) through a loopback relay that keeps the client's bytes."""
+    sent = bytearray()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
+        while data := await reader.read(1 << 16):
+            if record:
+                sent.extend(data)
+            writer.write(data)
+        writer.close()
+
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await _connect(offer)
+        await asyncio.gather(
+            pipe(client_reader, server_writer, True), pipe(server_reader, client_writer, False), return_exceptions=True
+        )
+
+    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    relayed = dataclasses.replace(offer, port=relay_server.sockets[0].getsockname()[1])
+    stream = await DirectInferenceStream.open(relayed, peer_id, timeout_s=10)
+    assert stream is not None, "the direct port refused the ticket through the relay"
+    stream.close()
+    relay_server.close()
+    return bytes(sent)
+
+
+def test_a_replayed_hello_takes_none_of_the_victims_connections(server, client):
+    """The token crosses the link in the clear: someone on the path who resends a client's recorded handshake (its
+    hello alone, or all it sent) on as many connections as the client's connection share holds none of that share:
+    the client's own streams still open, all of them, while the replays wait. (Version 1 accepted the resent hello
+    and counted it against the ticket's peer until the step timeout, so the client fell back to p2p.)"""
+    from corolla.server.front.direct_endpoint import SPARE_CONNECTIONS_PER_PEER
+
+    offer = ticket_offer(client, server)
+    endpoint = server.service.direct_endpoint
+    share = MAX_SESSIONS_PER_PEER + SPARE_CONNECTIONS_PER_PEER
+
+    async def go():
+        recorded = await _recorded_handshake(offer, server.peer_id)
+        kind, length = ls.parse_header(recorded, ls.MAX_HELLO_BYTES)
+        hello_only = recorded[: ls.HEADER_BYTES + length]
+        assert kind == ls.HELLO
+        replays, answers, refusals = [], [], []
+        for i in range(share):
+            reader, writer = await _connect(offer)
+            writer.write(hello_only if i % 2 else recorded)
+            answers.append(await asyncio.wait_for(ls.read_frame(reader, 1 << 20), 10))
+            if not i % 2:  # the recorded proof answers another server nonce
+                refusals.append(await asyncio.wait_for(ls.read_frame(reader, 1 << 20), 10))
+            replays.append(writer)
+        streams = [await DirectInferenceStream.open(offer, server.peer_id, timeout_s=10) for _ in range(share)]
+        opened = sum(stream is not None for stream in streams)
+        for stream in streams:
+            if stream is not None:
+                stream.close()
+        for writer in replays:
+            writer.close()
+        return answers, refusals, opened
+
+    refused = _rejected(server, "direct_bad_proof")
+    answers, refusals, opened = _run(go())
+    assert opened == share, f"the client opened {opened} of its {share} direct connections beside the replays"
+    assert all(kind == ls.ACCEPT and len(payload) == ds.NONCE_BYTES + ds.MAC_BYTES for kind, payload in answers)
+    assert len({payload for _, payload in answers}) == share  # a fresh server nonce each time
+    assert [kind for kind, _ in refusals] == [ls.ERROR] * (share // 2)
+    assert all(b"did not prove" in payload for _, payload in refusals)
+    assert _rejected(server, "direct_bad_proof") == refused + share // 2  # (the silent ones hung up before timing out)
+    assert wait_until(lambda: endpoint.num_open == 0, 10)
+
+
+def test_an_unanswered_challenge_ends_the_connection_within_the_hello_timeout(server, client, monkeypatch):
+    """A resent hello that cannot answer the challenge holds its connection no longer than the handshake's bound
+    (`HELLO_TIMEOUT_S` for the whole handshake, here 0.5 s), counted as `direct_bad_proof`."""
+    from corolla.server.front import direct_endpoint
+
+    monkeypatch.setattr(direct_endpoint, "HELLO_TIMEOUT_S", 0.5)
+    offer = ticket_offer(client, server)
+
+    async def go():
+        reader, writer, kind, payload, _ = await _hello(offer, server.peer_id)
+        eof = await asyncio.wait_for(reader.read(), 10)  # the server hangs up, saying nothing more
+        writer.close()
+        return kind, len(payload), eof
+
+    refused = _rejected(server, "direct_bad_proof")
+    assert _run(go()) == (ls.ACCEPT, ds.NONCE_BYTES + ds.MAC_BYTES, b"")
+    assert _rejected(server, "direct_bad_proof") == refused + 1
+    assert wait_until(lambda: server.service.direct_endpoint.num_open == 0, 10)
+
+
+def test_a_version_1_hello_gets_an_error_at_once(server, client):
+    """A client of the version before (which would also refuse this server's version-2 offer) is told so at its
+    hello, and falls back to p2p instead of waiting."""
+    offer = ticket_offer(client, server)
+    assert offer.to_dict()["version"] == ds.DIRECT_STREAM_VERSION == 2
+
+    async def go():
+        reader, writer, kind, payload, _ = await _hello(offer, server.peer_id, version=1)
+        eof = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return kind, payload.decode(errors="replace"), eof
+
+    kind, message, eof = _run(go())
+    assert kind == ls.ERROR and "version 1 is not 2" in message and eof == b""
 
 
 def test_no_direct_port_means_p2p(model_path, local, tmp_path):

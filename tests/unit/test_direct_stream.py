@@ -65,7 +65,7 @@ def test_hello_round_trip_and_malformed_hellos() -> None:
 
 
 def test_sealed_frames_open_once_in_order_under_their_key() -> None:
-    keys = ds.StreamKeys.derive(os.urandom(32), os.urandom(16), os.urandom(16))
+    keys = ds.StreamKeys.derive(os.urandom(32), os.urandom(80), os.urandom(16))
     sealer, opener = ds.Sealer(keys.client_to_server), ds.Opener(keys.client_to_server)
     frames = [sealer.seal(ls.MESSAGE, f"step {i}".encode()) for i in range(3)]
 
@@ -86,7 +86,37 @@ def test_sealed_frames_open_once_in_order_under_their_key() -> None:
         open_frame(ds.Opener(keys.server_to_client), frames[0])  # the other direction's key
     with pytest.raises(ValueError, match="shorter than its tag"):
         opener.open(ls.MESSAGE, b"x")
-    assert keys.proof != ds.StreamKeys.derive(os.urandom(32), os.urandom(16), os.urandom(16)).proof
+
+
+def test_stream_keys_bind_the_ticket_key_the_whole_hello_and_the_server_nonce() -> None:
+    """Each of a connection's four secrets is its own (a proof says nothing of the other proof or of a key), and each
+    changes with the ticket key, any byte of the hello (its client nonce, rpc, server peer id, token) or the server
+    nonce: a proof recorded on one connection answers no other, and the client's proof cannot be made from the
+    server's."""
+    key, server_nonce = os.urandom(ds.KEY_BYTES), os.urandom(ds.NONCE_BYTES)
+    hello = ds.DirectHello("rpc_inference", "QmServer", ds.TicketSecret().issue("QmClient").token, os.urandom(16))
+    raw = hello.to_bytes()
+    keys = ds.StreamKeys.derive(key, raw, server_nonce)
+    secrets = (keys.client_to_server, keys.server_to_client, keys.server_proof, keys.client_proof)
+    assert len(set(secrets)) == 4 and len(keys.client_proof) == len(keys.server_proof) == ds.MAC_BYTES
+    assert ds.StreamKeys.derive(key, raw, server_nonce) == keys
+    others = [ds.StreamKeys.derive(os.urandom(ds.KEY_BYTES), raw, server_nonce)]
+    others.append(ds.StreamKeys.derive(key, raw, os.urandom(ds.NONCE_BYTES)))
+    for i in range(len(raw)):
+        changed = bytearray(raw)
+        changed[i] ^= 1
+        others.append(ds.StreamKeys.derive(key, bytes(changed), server_nonce))
+    for other in others:
+        assert not {other.client_to_server, other.server_to_client, other.server_proof, other.client_proof} & {*secrets}
+    assert ds.parse_challenge(ds.challenge_payload(server_nonce, keys)) == (server_nonce, keys.server_proof)
+    for bad in (b"", ds.challenge_payload(server_nonce, keys)[:-1], ds.challenge_payload(server_nonce, keys) + b"x"):
+        with pytest.raises(ValueError, match="challenge"):
+            ds.parse_challenge(bad)
+    with pytest.raises(ValueError, match="server nonce"):
+        ds.StreamKeys.derive(key, raw, b"short")
+    assert ds.proof_matches(keys.client_proof, bytes(keys.client_proof))
+    for bad in (b"", keys.client_proof[:-1], keys.client_proof + b"\0", keys.server_proof, bytes(ds.MAC_BYTES)):
+        assert not ds.proof_matches(keys.client_proof, bad)
 
 
 def _offer_dict(**changes: object) -> dict:
@@ -108,7 +138,8 @@ def test_offers_from_a_hostile_server_are_bounded() -> None:
         {"token": b"x" * (ds.MAX_TOKEN_BYTES + 1)},
         {"key": b"k" * 31},
         {"expires_at": "soon"},
-        {"version": 2},
+        {"version": 1},  # an offer of the version before the key was proved (a version-1 server's)
+        {"version": 3},
     ):
         with pytest.raises(ValueError):
             ds.DirectOffer.from_dict(_offer_dict(**changes))

@@ -330,7 +330,9 @@ def test_a_reply_joined_goes_out_as_its_payload_replied(codec: str) -> None:
     payload = b"".join(parts)
     written = []
     for joined in (False, True):
-        keys = direct_stream.StreamKeys(client_to_server=b"c" * 16, server_to_client=b"s" * 16, proof=b"")
+        keys = direct_stream.StreamKeys(
+            client_to_server=b"c" * 16, server_to_client=b"s" * 16, server_proof=b"", client_proof=b""
+        )
         frames = {"plain": PlainFrames(), "peer": PeerFrames(), "sealed": SealedFrames(keys)}[codec]
         conn = _Written()
         port = SocketPort(conn, frames, 1 << 20, lease=None, idle_s=None, timeline=None)  # type: ignore[arg-type]

@@ -6,19 +6,26 @@ Trust comes from p2p, which authenticates both peers: the client first asks the 
 (`rpc_direct_ticket`, answered only to the libp2p-authenticated caller). The ticket is a token (the caller's peer
 id, an expiry, a nonce, and a MAC under a secret only the server holds, so the server needs no table of tickets and
 every handler process can check any of them) and a ticket key (a MAC of the token under that secret, which only
-the caller and the server know). On the TCP connection:
+the caller and the server know: it never crosses the TCP link). On the TCP connection (version 2):
 
     client -> server: HELLO (plain frame, `DirectHello`: version, rpc, the server's peer id, token, client nonce)
-    server -> client: ACCEPT (plain frame: server nonce, then a 16-byte proof that the server knows the ticket key)
+    server -> client: ACCEPT (plain: a fresh server nonce and the server's 16-byte proof of the ticket key)
                       or ERROR (plain text: a ticket that is forged, expired or not for this server)
+    client -> server: HELLO (plain: the client's 16-byte proof of the ticket key)
+    server -> client: ACCEPT (plain, empty) or ERROR (a wrong proof, the peer past its connection share)
     then both ways:   sealed frames (MESSAGE, END, ERROR as on the same-host socket, `local_stream`)
 
-Keys for each direction come from the ticket key and both nonces, so a recorded connection replayed to the server
-meets a fresh server nonce and fails. A sealed frame is the same 5-byte header (kind, length of what follows) and
-AES-GCM of the payload under that direction's key, with the frame's counter as nonce and the header as associated
-data: a frame that was changed, dropped, repeated or reordered fails to open, and the stream ends. The server knows
-the stream's peer as the one the ticket names; per-peer limits apply to it as on p2p. Stock Petals peers never see
-any of this: a server without the RPC makes the client keep to p2p.
+Both proofs and both directions' keys are MACs under the ticket key of the transcript (the hello's bytes, which hold
+the client nonce, the rpc, the server's peer id and the token, and the server nonce), under labels of their own. The
+token travels in the clear, so anyone on the path can resend a recorded hello: it meets a fresh server nonce and
+cannot answer it, and the server takes none of the ticket's peer's connection share before the client's proof
+checks (version 1 took it at the hello: a replayed hello held one of the victim's slots until the step timeout). A
+recorded connection replayed whole fails the same way. A sealed frame is the same 5-byte header (kind, length of what
+follows) and AES-GCM of the payload under that direction's key, with the frame's counter as nonce and the header as
+associated data: a frame that was changed, dropped, repeated or reordered fails to open, and the stream ends. The
+server knows the stream's peer as the one the ticket names; per-peer limits apply to it as on p2p. Stock Petals peers
+never see any of this: a server without the RPC makes the client keep to p2p, and so does an offer or a hello of
+another version (a version-1 client refuses a version-2 offer and keeps to p2p; its hello would get an ERROR).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from corolla.protocol import local_stream as ls
 
-DIRECT_STREAM_VERSION = 1
+DIRECT_STREAM_VERSION = 2  # 2: the client proves the ticket key before the server takes a connection slot
 TICKET_TTL_S = 600
 SECRET_BYTES = 32
 KEY_BYTES = 32
@@ -205,33 +212,43 @@ class DirectHello:
 
 @dataclass(frozen=True)
 class StreamKeys:
-    """The two directions' keys of one connection and the server's proof that it knows the ticket key."""
+    """One connection's secrets, each a MAC under the ticket key of the transcript (the hello's bytes and the server
+    nonce) under a label of its own: the two directions' keys and the two proofs of the ticket key."""
 
     client_to_server: bytes
     server_to_client: bytes
-    proof: bytes
+    server_proof: bytes  # sent with the server nonce: the client uses the stream only with a server that knows the key
+    client_proof: bytes  # the client's answer: checked before the server takes a connection slot for the ticket's peer
 
     @classmethod
-    def derive(cls, ticket_key: bytes, client_nonce: bytes, server_nonce: bytes) -> StreamKeys:
-        if len(client_nonce) != NONCE_BYTES or len(server_nonce) != NONCE_BYTES:
-            raise ValueError(f"direct stream nonces are {NONCE_BYTES} bytes")
-        nonces = client_nonce + server_nonce
+    def derive(cls, ticket_key: bytes, hello: bytes, server_nonce: bytes) -> StreamKeys:
+        """`hello`: the HELLO frame's payload as sent (`DirectHello.to_bytes`), client nonce included."""
+        if len(server_nonce) != NONCE_BYTES:
+            raise ValueError(f"a direct stream's server nonce is {NONCE_BYTES} bytes")
+        transcript = hashlib.sha256(hello + server_nonce).digest()
         return cls(
-            client_to_server=_mac(ticket_key, b"corolla-direct-c2s", nonces),
-            server_to_client=_mac(ticket_key, b"corolla-direct-s2c", nonces),
-            proof=_mac(ticket_key, b"corolla-direct-accept", nonces)[:MAC_BYTES],
+            client_to_server=_mac(ticket_key, b"corolla-direct-c2s", transcript),
+            server_to_client=_mac(ticket_key, b"corolla-direct-s2c", transcript),
+            server_proof=_mac(ticket_key, b"corolla-direct-server-proof", transcript)[:MAC_BYTES],
+            client_proof=_mac(ticket_key, b"corolla-direct-client-proof", transcript)[:MAC_BYTES],
         )
 
 
-def accept_payload(server_nonce: bytes, keys: StreamKeys) -> bytes:
-    return server_nonce + keys.proof
+def challenge_payload(server_nonce: bytes, keys: StreamKeys) -> bytes:
+    """The server's first ACCEPT: its nonce and its proof."""
+    return server_nonce + keys.server_proof
 
 
-def parse_accept(payload: bytes) -> tuple[bytes, bytes]:
-    """(server nonce, proof) of an ACCEPT frame; ValueError if it has the wrong size."""
+def parse_challenge(payload: bytes) -> tuple[bytes, bytes]:
+    """(server nonce, server proof) of the server's first ACCEPT; ValueError if it has the wrong size."""
     if len(payload) != NONCE_BYTES + MAC_BYTES:
-        raise ValueError(f"direct accept is {NONCE_BYTES + MAC_BYTES} bytes, got {len(payload)}")
+        raise ValueError(f"a direct challenge is {NONCE_BYTES + MAC_BYTES} bytes, got {len(payload)}")
     return payload[:NONCE_BYTES], payload[NONCE_BYTES:]
+
+
+def proof_matches(expected: bytes, received: bytes) -> bool:
+    """Whether a received proof is the expected one (constant time; a proof of another size never matches)."""
+    return len(received) == MAC_BYTES and hmac.compare_digest(expected, received)
 
 
 # ---- sealed frames

@@ -43,8 +43,9 @@ LIMIT_REASONS = (
     "duplicate_step",
 )
 # the direct port's refused connections (`direct_endpoint`): too many before their hello, no hello, a bad hello or
-# ticket, a peer past its connection share
-DIRECT_REASONS = ("direct_pending", "direct_no_hello", "direct_bad_hello", "direct_connections")
+# ticket, a good ticket without the proof of its key (a hello resent by someone who saw it), a peer past its
+# connection share
+DIRECT_REASONS = ("direct_pending", "direct_no_hello", "direct_bad_hello", "direct_bad_proof", "direct_connections")
 REJECT_REASONS = (
     "bad_request", "cache_full", "too_long", "overloaded", "timeout", "draining", *LIMIT_REASONS, *DIRECT_REASONS,
     "other",

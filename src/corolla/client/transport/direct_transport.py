@@ -2,8 +2,8 @@
 the two p2pd daemons.
 
 `DirectInferenceStream` is one such stream on a raw non-blocking TCP socket (`framed_socket.FramedSocketStream`):
-the handshake proves the server holds the ticket key that p2p gave us (else the stream is not used), then every
-frame both ways is sealed. `DirectOffers` keeps each server's offer (a ticket, asked for over p2p once and reused
+the handshake proves the server holds the ticket key that p2p gave us (else the stream is not used) and that we
+hold it (else the server refuses), then every frame both ways is sealed. `DirectOffers` keeps each server's offer (a ticket, asked for over p2p once and reused
 until shortly before it expires) and remembers, for a while, servers that have no direct port or could not be
 reached at it. Any problem means "use p2p".
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import ipaddress
 import os
 import socket
@@ -89,7 +88,7 @@ class DirectInferenceStream(FramedSocketStream):
         cls, offer: ds.DirectOffer, peer_id: str, *, timeout_s: float, rpc: str = "rpc_inference"
     ) -> DirectInferenceStream | None:
         """Connects to the first of the offer's hosts that answers and completes the handshake for `rpc`; None if none
-        does (then nothing was sent but a hello)."""
+        does (then nothing was sent but the handshake)."""
         for host in offer.hosts:
             stream = await cls._open_at(host, offer, peer_id, timeout_s, rpc)
             if stream is not None:
@@ -106,14 +105,18 @@ class DirectInferenceStream(FramedSocketStream):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stream = cls(sock, peer_id, rpc)
         loop = asyncio.get_running_loop()
-        client_nonce = os.urandom(ds.NONCE_BYTES)
+        hello = ds.DirectHello(
+            rpc=rpc, peer_id=peer_id, token=offer.ticket.token, client_nonce=os.urandom(ds.NONCE_BYTES)
+        )
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, offer.port)), timeout_s)
-            hello = ds.DirectHello(rpc=rpc, peer_id=peer_id, token=offer.ticket.token, client_nonce=client_nonce)
-            server_nonce, proof = ds.parse_accept(await say_hello(stream, hello.to_bytes(), timeout_s))
-            keys = ds.StreamKeys.derive(offer.ticket.key, client_nonce, server_nonce)
-            if not hmac.compare_digest(proof, keys.proof):
+            raw = hello.to_bytes()
+            server_nonce, server_proof = ds.parse_challenge(await say_hello(stream, raw, timeout_s))
+            keys = ds.StreamKeys.derive(offer.ticket.key, raw, server_nonce)
+            if not ds.proof_matches(keys.server_proof, server_proof):
                 raise ConnectionError("the server at the direct port does not hold our ticket's key")
+            if await say_hello(stream, keys.client_proof, timeout_s):  # ACCEPT (empty) or ERROR: a full server, say
+                raise ConnectionError("the direct port's last ACCEPT is not empty")
         except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
             logger.debug(f"direct_transport.unavailable(peer=...{peer_id[-6:]}, host={host}, error={e!r})")
             stream.close()

@@ -9,9 +9,11 @@ same port (`SO_REUSEPORT`) with the same ticket secret, and a process that accep
 fewer hands it there before reading from it (`connection_balance`: the kernel alone would spread them at random).
 The endpoint accepts itself (`loop.sock_accept`), so that a connection is placed before any transport reads it.
 
-Before a ticket is checked a connection holds nothing but its socket: at most `MAX_PENDING_HELLOS` such connections,
-each for at most `HELLO_TIMEOUT_S`; after it, at most `max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER`
-connections per peer and `max_sessions_total` in all."""
+Before the client has proved its ticket's key a connection holds nothing but its socket: at most
+`MAX_PENDING_HELLOS` such connections, each for at most `HELLO_TIMEOUT_S` (the whole handshake); after it, at most
+`max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER` connections per peer and `max_sessions_total` in all. The
+token crosses the link in the clear, so a hello resent by someone on the path gets as far as the server's challenge
+and no further: it takes none of the victim's connections."""
 
 from __future__ import annotations
 
@@ -82,6 +84,10 @@ class DirectListen:
 
 class ConnectionShareExceeded(ValueError):
     """A ticket holder past its share of direct connections, or the server past its total."""
+
+
+class WrongProof(ValueError):
+    """A hello with a good token whose sender could not prove the ticket's key (one who saw the token on the wire)."""
 
 
 class DirectTicketRpc:
@@ -272,26 +278,43 @@ class DirectEndpoint:
             self.handoff.release()
 
     async def _accept(self, conn: FrameConnection) -> tuple[str, ds.StreamKeys, str] | None:
-        """(the ticket's peer, this connection's keys, the rpc it opens) once the hello checks out and ACCEPT is sent; None after a
-        refusal (an ERROR frame where the client said something) or silence."""
+        """(the ticket's peer, this connection's keys, the rpc it opens) once the client has proved its ticket's key
+        and the peer's connection share allows one more (the last ACCEPT sent); None after a refusal (an ERROR frame
+        where the client said something) or silence. The whole handshake gets `HELLO_TIMEOUT_S`. Nothing is counted
+        against the ticket's peer before its proof checks: anyone on the path can resend a hello it saw."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HELLO_TIMEOUT_S
+        stage = "hello"
         try:
-            hello = ds.DirectHello.from_bytes(await read_hello(conn))
+            raw = await read_hello(conn)
+            hello = ds.DirectHello.from_bytes(raw)
             check_hello(
                 "direct stream", version=hello.version, expected_version=ds.DIRECT_STREAM_VERSION,
                 peer_id=hello.peer_id, own_peer_id=self.peer_id_b58, rpc=hello.rpc,
             )  # fmt: skip
             peer, ticket_key = self.secret.check(hello.token)
+            server_nonce = os.urandom(ds.NONCE_BYTES)  # fresh for every connection: a recorded answer fits no other
+            keys = ds.StreamKeys.derive(ticket_key, raw, server_nonce)
+            conn.write(b"".join(ls.frame(ls.ACCEPT, ds.challenge_payload(server_nonce, keys))))
+            stage = "proof"
+            proof = await read_hello(conn, ds.MAC_BYTES, max(0.0, deadline - loop.time()))
+            if not ds.proof_matches(keys.client_proof, proof):
+                raise WrongProof("the client did not prove its ticket's key")
             self._check_admission(peer)
         except asyncio.TimeoutError:
-            self._refused("no_hello", f"no hello within {HELLO_TIMEOUT_S} s")
+            if stage == "hello":
+                self._refused("no_hello", f"no hello within {HELLO_TIMEOUT_S} s")
+            else:
+                self._refused("bad_proof", f"no proof of the ticket's key within {HELLO_TIMEOUT_S} s")
             return None
         except ValueError as e:
-            self._refused("connections" if isinstance(e, ConnectionShareExceeded) else "bad_hello", str(e))
+            if isinstance(e, ConnectionShareExceeded):
+                self._refused("connections", str(e))
+            else:
+                self._refused("bad_proof" if stage == "proof" else "bad_hello", str(e))
             conn.write(b"".join(ls.frame(ls.ERROR, ls.error_text(e))))
             return None
-        server_nonce = os.urandom(ds.NONCE_BYTES)
-        keys = ds.StreamKeys.derive(ticket_key, hello.client_nonce, server_nonce)
-        conn.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
+        conn.write(b"".join(ls.frame(ls.ACCEPT)))
         return peer, keys, hello.rpc
 
     def _refused(self, reason: str, detail: str) -> None:

@@ -535,10 +535,13 @@ class Connections:
         self.server = None
 
 
-async def read_hello(conn: FrameConnection) -> bytes:
-    """The payload of a connection's first frame, which must be a HELLO (within `HELLO_TIMEOUT_S`: else
-    `asyncio.TimeoutError`); ValueError for another kind or an oversized frame."""
-    kind, payload = await asyncio.wait_for(conn.read_frame(ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+async def read_hello(
+    conn: FrameConnection, max_bytes: int = ls.MAX_HELLO_BYTES, timeout_s: float = HELLO_TIMEOUT_S
+) -> bytes:
+    """The payload of a connection's next frame, which must be a HELLO of at most `max_bytes` (within `timeout_s`:
+    else `asyncio.TimeoutError`); ValueError for another kind or an oversized frame (refused at its header, before
+    its payload is buffered)."""
+    kind, payload = await asyncio.wait_for(conn.read_frame(max_bytes), timeout_s)
     if kind != ls.HELLO:
         raise ValueError(f"expected a hello frame first, got kind {kind}")
     return payload
