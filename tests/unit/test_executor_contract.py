@@ -421,6 +421,62 @@ async def test_forward_slots_are_the_device_processes(backend) -> None:
             torch.testing.assert_close(await asyncio.wait_for(waiting, 10), other)
 
 
+async def test_kv_imports_in_flight_are_the_device_processes(backend) -> None:
+    """A peer's KV imports in flight through any handler process count against the device process's one budget
+    (`max_import_bytes_per_peer` / `max_import_bytes_total` hold per server; each front counted its own before, N
+    times the caps with N processes); the bytes come back when the import ends, when its caller is cancelled while
+    the core is asked, and when a process's channel ends mid-import."""
+    from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded
+
+    async def settled(remote: RemoteCore) -> bool:
+        """Whether the core holds no import bytes once every note `remote` sent before has reached it (the call of
+        one more import goes behind them) and that import's own has too."""
+        async with remote.hold_import("peer-z", 1):
+            pass
+        for _ in range(100):
+            if imports.total_bytes == 0 and imports.per_peer == {}:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = eager_executor(backend, runtime)
+        core = SpanCore(real, PeerLimits(max_import_bytes_per_peer=100, max_import_bytes_total=150))
+        imports = core.imports
+        async with proxied_executor(real, core) as first_link, proxied_executor(real, core) as second_link:
+            first, second = RemoteCore(first_link), RemoteCore(second_link)
+            async with first.hold_import("peer-a", 100):
+                assert imports.per_peer == {"peer-a": 100}
+                with pytest.raises(PeerLimitExceeded) as per_peer:  # the same peer through the other process
+                    async with second.hold_import("peer-a", 1):
+                        pass
+                with pytest.raises(ServerLimitExceeded) as total:
+                    async with second.hold_import("peer-b", 51):
+                        pass
+                assert (per_peer.value.reason, total.value.reason) == ("peer_import_bytes", "import_bytes_full")
+                async with second.hold_import("peer-b", 50):
+                    assert imports.total_bytes == 150
+            assert await settled(first) and await settled(second)
+
+            async def importing() -> None:
+                async with second.hold_import("peer-a", 100):
+                    await asyncio.sleep(3600)
+
+            task = asyncio.ensure_future(importing())
+            await asyncio.sleep(0)  # its call to the core is out
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert await settled(second)  # taken after its caller left, and given back
+
+            async with proxied_executor(real, core) as third_link:
+                async with RemoteCore(third_link).hold_import("peer-a", 100):
+                    assert imports.total_bytes == 100
+                    await third_link.close()  # the process is gone mid-import
+            assert await settled(first)
+            async with first.hold_import("peer-a", 100):  # room again
+                pass
+
+
 async def test_push_is_routed_to_the_process_holding_the_session(backend) -> None:
     from hivemind.proto import runtime_pb2
 

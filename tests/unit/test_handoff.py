@@ -402,7 +402,9 @@ def test_imports_in_flight_are_bounded_per_peer_and_in_all(backend):
                     (nbytes, 0, "client", PeerLimitExceeded),
                     (0, 3 * nbytes // 2, "another identity", ServerLimitExceeded),
                 ]:
-                    new.handoff.configure(PeerLimits(max_import_bytes_per_peer=per_peer, max_import_bytes_total=total))
+                    new.handoff.core.configure(
+                        PeerLimits(max_import_bytes_per_peer=per_peer, max_import_bytes_total=total)
+                    )
                     held.clear()
                     waiting = asyncio.ensure_future(new.handoff.import_kv(first, header, UID, stalled(), peer="client"))
                     await held.wait()
@@ -418,7 +420,7 @@ def test_imports_in_flight_are_bounded_per_peer_and_in_all(backend):
                     assert taken == [] and second.prefix_length == 0
                     waiting.cancel()
                     await asyncio.gather(waiting, return_exceptions=True)
-                    assert new.handoff.imports.total_bytes == 0 and new.handoff.imports.per_peer == {}
+                    assert new.handoff.core.imports.total_bytes == 0 and new.handoff.core.imports.per_peer == {}
                 await new.handoff.import_kv(second, header, UID, _requests(messages), peer="client")  # room again
                 assert second.prefix_length == PREFIX
 

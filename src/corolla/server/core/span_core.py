@@ -1,8 +1,8 @@
 """The one seam between a front and the core: `CoreClient`, everything a front asks of the core (sessions and their
 admission, steps, forwards and backwards, prefix caching, KV hand-off, pushes, the drain, the cache's figures).
 `SpanCore` is the core itself (one per span service): the one admission (per-peer caps, idle eviction, then the KV
-cache), the one table of pushes by session id, the forward slots of each peer, whether the server drains
-(`DrainState`) and the executor that runs the work. A front in the core's process calls it directly (frames reach the
+cache), the one table of pushes by session id, the forward slots of each peer, the bytes of KV imports in flight,
+whether the server drains (`DrainState`) and the executor that runs the work. A front in the core's process calls it directly (frames reach the
 core without a socket); a front in a handler process calls `handlers.remote_core.RemoteCore`, the same seam over the
 one frame codec. A front keeps only its own streams."""
 
@@ -29,6 +29,7 @@ from corolla.server.core.executor import (
     SessionSpec,
     StepInputs,
 )
+from corolla.server.core.import_budget import import_budget
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import Draining
 from corolla.server.metrics import ServerMetrics
@@ -171,6 +172,11 @@ class CoreClient(Protocol):
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None: ...
 
+    def hold_import(self, peer: str, nbytes: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """`nbytes` of a KV import of `peer` counted as in flight on the server while in the block (`import_budget`:
+        per peer and in all, every front's); `PeerLimitExceeded` / `ServerLimitExceeded` on entry, nothing taken."""
+        ...
+
 
 class SpanCore:
     """The core of one span service (see the module docstring), a `CoreClient` for the fronts of its own process:
@@ -194,6 +200,7 @@ class SpanCore:
         self.peer_limits = peer_limits
         self.admission = SessionAdmission(peer_limits, self.executor)
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
+        self.imports = import_budget(peer_limits)  # every front's KV imports in flight, per peer and in all
 
     @property
     def num_open(self) -> int:
@@ -255,3 +262,8 @@ class SpanCore:
     ) -> list[torch.Tensor]:
         async with self.forward_slots.hold(peer):
             return await asyncio.wait_for(self.executor.backward(block_indices, replace(inputs, owner=peer)), timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def hold_import(self, peer: str, nbytes: int) -> AsyncIterator[None]:
+        with self.imports.hold(peer, nbytes):
+            yield

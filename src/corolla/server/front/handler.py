@@ -120,11 +120,10 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
 
     def configure_limits(self, peer_limits: PeerLimits) -> None:
         """Sets this front's fair-use limits (before serving): its stream bytes, and the forwards' chunks (the core's
-        own, sessions and forward slots, are set on the core: `SpanCore.configure`)."""
+        own, sessions, forward slots and KV imports in flight, are set on the core: `SpanCore.configure`)."""
         self.peer_limits = peer_limits
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
-        self.handoff.configure(peer_limits)  # KV imports' bytes in flight
 
     # ---- registration ---------------------------------------------------------------------------------------------
 

@@ -39,14 +39,13 @@ from corolla.protocol.uids import make_chain
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.core.limits import DuplicateStep, PeerLimits, SessionEvicted, SessionTimeouts, peer_key
+from corolla.server.core.limits import DuplicateStep, SessionEvicted, SessionTimeouts, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, screen_step
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.server.front import block_functions as bf
 from corolla.server.front import step_timeline
 from corolla.server.front.block_functions import ServingLimits
-from corolla.server.front.import_budget import import_budget
 from corolla.server.front.peer_auth import PeerAuth, gate_stream
 from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
 from corolla.server.metrics import ServerMetrics
@@ -395,14 +394,9 @@ class SessionHandoff:
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
         self.drain: DrainState = core.drain  # the core's: started by `drain_sessions`
-        self.imports = import_budget(PeerLimits())  # the bytes of imports in flight (`configure`: the server's limits)
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
-
-    def configure(self, peer_limits: PeerLimits) -> None:
-        """The server's fair-use limits (before serving): its imports' bytes in flight."""
-        self.imports = import_budget(peer_limits)
 
     def import_header(self, metadata: InferenceRequestMetadata) -> hw.KvHeader | None:
         """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""
@@ -472,8 +466,8 @@ class SessionHandoff:
         """Reads `header.num_messages` part messages from the stream, validates them against this session's own
         cache layout (exact bytes, shapes, dtypes, finite values) and writes them; the session then starts at
         `header.position`. ValueError (nothing written) on any mismatch or past `request_timeout_s`; a
-        `LimitExceeded` before any part is read where `peer`'s imports in flight, or all, would pass their bytes
-        (`imports`)."""
+        `LimitExceeded` before any part is read where `peer`'s imports in flight on the server, or all, would pass
+        their bytes (`CoreClient.hold_import`: the core counts every front's)."""
         started = time.perf_counter()
         blocks = session.block_indices
         if (header.batch_size, header.start_block, header.end_block) != (session.batch_size, blocks[0], blocks[-1] + 1):
@@ -491,7 +485,7 @@ class SessionHandoff:
         expected = kv.canonical_nbytes(descriptors, header.position)
         if header.total_bytes != expected:
             raise ValueError(f"KV import announces {header.total_bytes} bytes; {header.position} tokens are {expected}")
-        with self.imports.hold(peer, expected):  # (held in this process's memory until written)
+        async with self.core.hold_import(peer, expected):  # (held in this process's memory until written)
             parts = await self._read_parts(header, uid, requests, expected)
             tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
             del parts

@@ -44,9 +44,9 @@ from corolla.server.core.limits import (
     StreamStalled,
     StreamTooSlow,
 )
+from corolla.server.core.peer_bytes import ByteCap, PeerBytes
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
-from corolla.server.front.peer_bytes import ByteCap, PeerBytes
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 

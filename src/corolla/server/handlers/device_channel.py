@@ -542,6 +542,7 @@ class DeviceChannel:
         self.listen_maddr = ""  # the handler process's p2pd client socket (its streams arrive there)
         self.stream_names: list[str] = []
         self.sessions: dict[int, _Held] = {}
+        self.imports: dict[int, tuple[str, int]] = {}  # the process's KV imports in flight: (peer, bytes) by handle
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
         self._outbox: list[StepReply] = []  # step results not sent yet, from the intake and runtime threads
@@ -562,6 +563,7 @@ class DeviceChannel:
             "attach_prefix": (tuple[int, str, int, tuple[bytes, ...]], self._attach_prefix),
             "read_kv": (tuple[int, int], self._read_kv),
             "write_kv": (tuple[int, int, tuple[torch.Tensor, ...]], self._write_kv),
+            "take_import": (tuple[str, int], self._take_import),
         }  # fmt: skip
         self.notes: dict[str, tuple[Any, Callable[..., None]]] = {
             "push": (tuple[str, str | None, bytes], self._push_in),
@@ -569,6 +571,7 @@ class DeviceChannel:
             "rejected": (tuple[str], self._rejected),
             "prefix_probe": (tuple[int, int], self._prefix_probe),
             "ready": (tuple[int, str, tuple[str, ...]], self._ready),
+            "give_import": (tuple[int], self._give_import),
         }
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
@@ -715,6 +718,12 @@ class DeviceChannel:
         if self.metrics is not None:
             self.metrics.prefix_probe(keyed_tokens=keyed_tokens, hit_tokens=hit_tokens)
 
+    def _give_import(self, handle: int) -> None:
+        """An import of the handler process ended: its bytes back to the core's count (once)."""
+        held = self.imports.pop(handle, None)
+        if held is not None:
+            self.core.imports.give_back(*held)
+
     def _ready(self, pid: int, listen_maddr: str, stream_names: tuple[str, ...]) -> None:
         """The handler process registered its handlers: where p2pd sends its streams, and their names."""
         self.pid, self.listen_maddr, self.stream_names = pid, listen_maddr, list(stream_names)
@@ -725,6 +734,8 @@ class DeviceChannel:
     async def _end_all(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        for handle in list(self.imports):  # a handler process that died mid-import gives nothing back itself
+            self._give_import(handle)
         for held in list(self.sessions.values()):
             held.close.set()
         holders = [h.task for h in self.sessions.values() if h.task is not None]
@@ -847,6 +858,16 @@ class DeviceChannel:
     async def _write_kv(self, handle: int, position: int, tensors: tuple[torch.Tensor, ...]) -> None:
         # the tensors were validated by the handler process's front
         await self.core.write_kv(self._held_cache(handle)[0], list(tensors), position)
+
+    async def _take_import(self, peer: str, nbytes: int) -> int:
+        """Counts a KV import of the handler process in the core's imports in flight (its refusal goes back as
+        is); the handle its "give_import" note names."""
+        if nbytes < 0:
+            raise wire.FrameError(f"a KV import of {nbytes} bytes")
+        self.core.imports.take(peer, nbytes)
+        handle = next(self._handles)
+        self.imports[handle] = (peer, nbytes)
+        return handle
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -1,7 +1,8 @@
 """A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
 (`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames` frames), so the unchanged
 `TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
-batching stay with the device process's one `SpanCore` (its admission, push table, forward slots and drain). Each
+batching stay with the device process's one `SpanCore` (its admission, push table, forward slots, KV imports in flight
+and drain). Each
 call of the seam but a step is one CALL of the core's method by name with its arguments as tagged values
 (`DeviceLink.request`; what it may call: `device_channel.DeviceChannel.calls`), one-way ones a NOTE. This process
 keeps only its own streams: its sessions' push sinks (a push the core routes here: a "push" note) and their tickets
@@ -345,6 +346,27 @@ class RemoteCore:
         handle = self._own(cache).handle
         kv.check_handoff_frame(tensors, self.link.info.max_frame_bytes)
         await self.link.request("write_kv", handle, position, tuple(t.contiguous() for t in tensors))
+
+    @contextlib.asynccontextmanager
+    async def hold_import(self, peer: str, nbytes: int) -> AsyncIterator[None]:
+        """The core's count of imports in flight, every process's ("take_import", one call an import: the core's
+        refusal is raised here), given back with a "give_import" note on exit (and by the core for whatever a
+        channel still holds when it ends). A caller cancelled while the call is out gives back what it took once
+        the reply comes."""
+        call = asyncio.ensure_future(self.link.request("take_import", peer, nbytes))
+        try:
+            handle = _typed(await asyncio.shield(call), int)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._give_back_taken)
+            raise
+        try:
+            yield
+        finally:
+            self.link.note("give_import", handle)
+
+    def _give_back_taken(self, call: asyncio.Future[object]) -> None:
+        if not call.cancelled() and call.exception() is None and isinstance(handle := call.result(), int):
+            self.link.note("give_import", handle)
 
 
 def _typed(value: object, kind: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Bytes of one kind a front holds for its peers, per peer and in all, each under a cap: the unfinished streamed
-requests (`stream_endpoint.StreamBudget`) and the KV hand-off imports in flight (`import_budget`). A peer past its
+"""Bytes of one kind held for peers, per peer and in all, each under a cap: the unfinished streamed requests a front
+holds (`front.stream_endpoint.StreamBudget`) and the KV hand-off imports in flight on the server (the core's
+`import_budget`, every front's). A peer past its
 share is refused as a peer (`PeerLimitExceeded`), any peer past the server's total as a full server
 (`ServerLimitExceeded`: retry later); either way nothing is taken."""
 
