@@ -185,3 +185,24 @@ async def test_early_announce_on_a_large_cache_change_is_rate_bounded(records):
         await asyncio.sleep(0.1)
     assert len(records.stored) <= 3 + 2
     await announcer.stop()
+
+
+async def test_offline_again_after_a_timed_out_offline_returns(monkeypatch):
+    """A drain announces OFFLINE (`server.drain_sessions`), then the server's shutdown does again: where the DHT
+    is slow (a store past the first call's bound), the first call gives up and cancels the loop, and the second must
+    return, not raise the loop's CancelledError out of the server's `finally` (which then skipped stopping the
+    service: its sessions, its runtime)."""
+    import corolla.swarm.records_io as records_io
+
+    def slow_store(dht, uids, server_info, expiration_time, *, timeout_s, model_info=None):
+        time.sleep(0.3)  # a DHT store past `announce`'s bound (each call is bounded by its own, longer, timeout)
+        return {uid: True for uid in uids}
+
+    monkeypatch.setattr(records_io, "declare_active_modules", slow_store)
+    monkeypatch.setattr(records_io, "declare_model_info", lambda *args, **kwargs: True)
+    announcer = make_announcer("model", [100])
+    announcer.start(ServerState.ONLINE)
+    await announcer.announce(ServerState.OFFLINE, timeout_s=0.05)  # gives up: the loop is cancelled
+    await announcer.announce(ServerState.OFFLINE, timeout_s=0.05)  # the shutdown's: returns
+    await announcer.stop()
+    await asyncio.sleep(0.4)  # (the worker thread's store ends)

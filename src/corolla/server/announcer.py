@@ -98,17 +98,22 @@ class Announcer:
         """Switches state and re-announces now, and returns (within `timeout_s`) once a record of that state was
         stored: a server that says it is ONLINE can be found by a client that reads the records after that (its
         ready line comes after this). OFFLINE also waits until the loop ends. A store that fails or times out is
-        logged; the heartbeat tries again."""
+        logged; the heartbeat tries again. An OFFLINE not stored within `timeout_s` is given up on: the loop is
+        cancelled and over when this returns. Once the loop is over nothing is stored any more: returns at once
+        (awaiting the cancelled loop raised its CancelledError into the caller: where the DHT was slow, a drain's
+        OFFLINE timed out and the shutdown's own OFFLINE then skipped stopping the service)."""
         self.server_info.state = state
         self._trigger.set()
-        if self._task is None:
+        task = self._task
+        if task is None or task.done():
             return
         if state == ServerState.OFFLINE:
             try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
             except asyncio.TimeoutError:
                 logger.warning(f"announcer.offline_timeout(timeout_s={timeout_s})")
-                self._task.cancel()
+                task.cancel()
+                await asyncio.wait({task})  # (at its next await: a store's worker thread is not waited for)
             except Exception as e:
                 logger.warning(f"announcer.offline_failed({e!r})")
             return
