@@ -4,7 +4,9 @@ the environment, so clients can be tested against servers that return NaN, finit
 refuse, or hang.
 
 Environment:
-- `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change);
+- `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change), or
+  `equivocate`: a step's true outputs to the client, finite garbage pushed to the next server it names, the reply
+  sent once that push is in (the next server runs the pushed copy before the client's own);
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER]`, read at every answer (tests switch one server's lie
   without restarting it; the count of honest answers restarts whenever the file changes);
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang")
+MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate")
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +91,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     """Patches the server classes of this process (call before the server starts)."""
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
-    from corolla.protocol.codecs import serialize_tensor
+    from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
     from corolla.server import span_service
     from corolla.server.front.handler import TransformerConnectionHandler
     from corolla.server.front.inference_stream import SessionSteps
@@ -133,6 +135,8 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
         lie = lies.pop(id(inputs), "honest")
+        if lie == "equivocate" and metadata.next_servers and hit is None and not metadata.pushed:
+            return _equivocate(self, request, metadata, inputs, output)
         if lie not in TENSOR_LIES:
             return original_answer(self, request, metadata, inputs, output, hit)
         # a launched step's bytes would leave as they are (`plain_step_reply` takes `TensorBytes` only): as a tensor
@@ -142,6 +146,14 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
             return original_answer(self, request, metadata, inputs, as_tensor(output), hit)
         finally:
             self.streams._hostile_lie = "honest"
+
+    def _equivocate(steps: Any, request: Any, metadata: Any, inputs: Any, output: Any) -> None:
+        streams, port = steps.streams, steps.port
+        response, _ = streams.step_reply(steps.session, inputs, output)  # the true outputs, for the client
+        steps.session.record_output(metadata, response.tensors[0])
+        garbage = corrupt(deserialize_tensor(response.tensors[0]), "garbage", generator)
+        push = asyncio.ensure_future(streams._push_outputs(request, serialize_tensor(garbage), metadata))
+        push.add_done_callback(lambda _: port.reply(response))
 
     TransformerConnectionHandler.begin_step = begin_step
     SessionSteps._answer = _answer

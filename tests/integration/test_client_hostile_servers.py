@@ -4,8 +4,9 @@ two honest servers of 2:4 (in this process). NaN, wrong shapes and hangs fail ov
 local `transformers` and only the liar banned; finite garbage is caught by verification (the liar as the span's
 server or as a referee; in the background, by a shadow session on a replica, whose finding another client re-checks
 first-hand with `corolla-findings` and bans the liar on, while the same finding forged against an honest replica
-bans nobody); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
-1) within max_wait_s."""
+bans nobody); an upstream that pushes other outputs than it answers gets no honest server banned by a verifying
+client; a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit 1) within
+max_wait_s."""
 
 from __future__ import annotations
 
@@ -142,6 +143,18 @@ def test_finite_garbage_is_caught_by_verification(swarm, model_path, mode_file, 
         assert session.verifier.num_rejected >= 1
     else:  # on a loaded machine the route may start at an honest replica: the liar, asked as a referee, is outvoted
         assert session.verifier.num_verified >= 1
+
+
+def test_an_upstream_pushing_other_outputs_gets_no_honest_server_banned(swarm, model_path, mode_file, expected):
+    """The liar answers the client truly and pushes garbage to the next server (equivocation), its reply held until
+    the push is in: the next server answered the pushed copy, and the client's check of that reply against its own
+    copy of the inputs banned the honest servers of 2:4 one after the other (NoHonestServerError). A client that
+    verifies names no next server (decision 0153), so no push reaches its sessions."""
+    mode_file.write_text("equivocate 0")
+    output, banned, first_hop, _ = _generate(swarm, model_path, _config(verify_fraction=1.0))
+    assert first_hop == swarm.liar.peer_id  # the route went through the liar first
+    assert output.tolist() == expected.tolist()
+    assert not banned & {server.peer_id for server in swarm.honest}
 
 
 def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_file):

@@ -54,7 +54,8 @@ class ClientConfig:
     busy_poll_ms: float = 0.0
 
     # name the following spans as `next_servers` so each server pushes its outputs straight to the next one (n+1
-    # one-way delays per step instead of 2n); the client still sends every span its own copy (client.session.forwarding)
+    # one-way delays per step instead of 2n); the client still sends every span its own copy
+    # (client.session.forwarding). Not in a client that verifies (`verifies`): a push is the upstream's word (0153)
     server_forwarding: bool = True
     # key each session's positions by their tokens (`corolla.prefix`) so that corolla servers keep them, and start
     # a generation after the prefix its chain already holds (`client.prefix.prefix_chain`); outputs are the same either way
@@ -82,6 +83,14 @@ class ClientConfig:
     findings_dir: str | None = None
     findings_max_count: int = 16  # findings kept (one per liar); past it the oldest goes
     findings_max_bytes: int = 256 << 20  # bytes of the findings kept (one larger than this is not kept)
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this client checks servers' outputs (`verify_fraction` or `verify_shadow_fraction` > 0). Such a
+        client takes nothing into a server's session that another server could forge, since its checks blame the
+        server that answered: no KV hand-off (the draining server's cache) and no pushes (`server_forwarding`: the
+        upstream server's outputs, which it may push other than it answers)."""
+        return self.verify_fraction > 0 or self.verify_shadow_fraction > 0
 
     def __post_init__(self) -> None:
         for name in (

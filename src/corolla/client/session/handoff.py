@@ -72,13 +72,13 @@ class HandoffLog:
 
 def needs_handoff(log: HandoffLog, spans: list[SpanSession]) -> bool:
     """True when a span's server said it drains and that span was not handed off yet. Never with
-    `ClientConfig.kv_handoff` off, nor in a client that verifies (`verify_fraction`, `verify_shadow_fraction`): the
+    `ClientConfig.kv_handoff` off, nor in a client that verifies (`ClientConfig.verifies`): the
     cache is the draining server's word, relayed unread, and a poisoned one makes the replacement answer wrong
     with no check (a handed-off span session is not shadowed, its mirror would start mid-session; a step check
     would blame the replacement). Such spans are replayed from the client's history once their server ends the
     stream."""
     config = log.manager.config
-    if not config.kv_handoff or config.verify_fraction > 0 or config.verify_shadow_fraction > 0:
+    if not config.kv_handoff or config.verifies:
         return False
     return any(s.drain_notice is not None and s.session_id not in log.tried for s in spans)
 

@@ -67,7 +67,8 @@ class InferenceSession:
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over socket streams (no client-loop hop)
-        self.forwarding = StepForwarding(manager.config.server_forwarding)  # step ids, next_servers
+        # step ids, next_servers; none in a client that verifies (its checks would blame a push's target for it)
+        self.forwarding = StepForwarding(manager.config.server_forwarding and not manager.config.verifies)
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog(manager, max_length)  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
@@ -216,14 +217,14 @@ class InferenceSession:
 
     def _step_here(self, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor | None:
         """The step in this thread when every span of the chain is on a socket stream (the local socket, or p2p
-        where servers could not push to each other anyway: one span, or `server_forwarding` off): no hop to the
+        where servers could not push to each other anyway: one span, or no forwarding): no hop to the
         client loop and back, each an idle thread's wake-up. None when not possible or when a span fails: then the
         async path runs the step (spans already stepped are re-sent from the same position, which the servers
         overwrite; the failed span's stream is closed, so it is replaced and replayed)."""
         spans = self._spans
         if not spans or spans[0].span.start != self.start or spans[-1].span.end != self.end:
             return None
-        if len(spans) > 1 and self.manager.config.server_forwarding and any(s.local is None for s in spans):
+        if len(spans) > 1 and self.forwarding.enabled and any(s.local is None for s in spans):
             return None  # over p2p, pushes between servers save more than the hop (see client.session.forwarding)
         if any(a.span.end != b.span.start for a, b in zip(spans[:-1], spans[1:], strict=True)) or not all(
             s.can_step_here() for s in spans
