@@ -6,10 +6,12 @@ refuse, or hang.
 Environment:
 - `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change), or
   `equivocate`: a step's true outputs to the client, finite garbage pushed to the next server it names, the reply
-  sent once that push is in (the next server runs the pushed copy before the client's own);
+  sent once that push is in (the next server runs the pushed copy before the client's own), or `slow`: every
+  inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
+  `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris);
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
-- `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER]`, read at every answer (tests switch one server's lie
-  without restarting it; the count of honest answers restarts whenever the file changes);
+- `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
+  switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes);
 - `COROLLA_HOSTILE_RATE`: the share of answers (after the first `AFTER`) that lie, drawn at random (default 1: all);
 - `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
   (what a liar would do to get traffic).
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate")
+MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "slow")
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +46,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class _Trigger:
     """Counts answers; `lie()` is the mode to apply to this answer (`honest` for the first `after`), thread-safe."""
 
-    def __init__(self, mode: str, after: int, mode_file: str | None = None, rate: float = 1.0):
+    def __init__(
+        self,
+        mode: str,
+        after: int,
+        mode_file: str | None = None,
+        rate: float = 1.0,
+        slow: tuple[float, int] = (30.0, 1),
+    ):
         self.mode, self.after, self.count, self.mode_file = mode, after, 0, mode_file
+        self.slow_s, self.slow_min_tokens = slow  # `slow`: how late, and from how many tokens a step
         self.rate, self.rng = rate, random.Random(4321)
         self._seen: str | None = None
         self._lock = threading.Lock()
@@ -65,6 +75,10 @@ class _Trigger:
                         int(parts[1:2][0] if parts[1:] else 0),
                         0,
                     )
+                    if len(parts) > 2:
+                        self.slow_s = float(parts[2])
+                    if len(parts) > 3:
+                        self.slow_min_tokens = int(parts[3])
             self.count += 1
             if self.count <= self.after or (self.rate < 1.0 and self.rng.random() >= self.rate):
                 return "honest"
@@ -87,7 +101,14 @@ def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torc
     raise ValueError(f"mode {mode!r} does not corrupt tensors")
 
 
-def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | None = None, rate: float = 1.0) -> None:
+def install(
+    mode: str,
+    after: int = 0,
+    attract: bool = False,
+    mode_file: str | None = None,
+    rate: float = 1.0,
+    slow: tuple[float, int] = (30.0, 1),
+) -> None:
     """Patches the server classes of this process (call before the server starts)."""
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
@@ -100,7 +121,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
 
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"COROLLA_HOSTILE_RATE must be in (0, 1], got {rate}")
-    trigger = _Trigger(mode, after, mode_file, rate)
+    trigger = _Trigger(mode, after, mode_file, rate, slow)
     generator = torch.Generator().manual_seed(1234)
     original_serialize = TransformerConnectionHandler._serialize_output
 
@@ -125,12 +146,33 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
         lie = trigger.lie()
         if lie == "refuse":
             raise ValueError("hostile server refuses to compute")
+        if lie == "slow":
+            return slow_step(self, trigger.slow_s, trigger.slow_min_tokens, *args)
         inputs, output = original_begin(self, *args, **kwargs)
         if lie == "hang":
             if isinstance(output, asyncio.Future):
                 output.cancel()  # its reply (`then`) is never run
             return inputs, asyncio.get_running_loop().create_future()  # never resolved
         lies[id(inputs)] = lie
+        return inputs, output
+
+    def slow_step(self: Any, slow_s: float, min_tokens: int, *args: Any) -> Any:
+        """The step computed as usual, its reply (the front's `then`) run `slow_s` late if it sends `min_tokens` or
+        more: the loop stays free meanwhile, so pings and other sessions are answered."""
+        *head, then = args  # (session, metadata, request, deadline, then)
+        loop, delay = asyncio.get_running_loop(), [0.0]  # set once the step's length is known (then runs later)
+
+        def late_then(future: asyncio.Future) -> None:
+            loop.call_later(delay[0], then, future) if delay[0] else then(future)
+
+        inputs, output = original_begin(self, *head, late_then)
+        meta = inputs.hidden_meta  # as the handler reads the step's length
+        length = meta[1][1] if meta is not None else inputs.tensor().shape[1]
+        delay[0] = slow_s if length >= min_tokens else 0.0
+        if delay[0] and isinstance(output, asyncio.Future) and output.done():  # a lone step run inline: answered late
+            late: asyncio.Future = loop.create_future()
+            loop.call_later(delay[0], lambda: (late.set_result(output.result()), then(late)))
+            output = late
         return inputs, output
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
@@ -240,6 +282,10 @@ def install_from_environment() -> None:
         attract=os.environ.get("COROLLA_HOSTILE_ATTRACT", "0") == "1",
         mode_file=os.environ.get("COROLLA_HOSTILE_MODE_FILE") or None,
         rate=float(os.environ.get("COROLLA_HOSTILE_RATE", "1") or 1),
+        slow=(
+            float(os.environ.get("COROLLA_HOSTILE_SLOW_S", "30") or 30),
+            int(os.environ.get("COROLLA_HOSTILE_SLOW_MIN_TOKENS", "1") or 1),
+        ),
     )
 
 

@@ -19,7 +19,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.session import span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s
+from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s, announced_token_s
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.protocol import local_stream as ls
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
@@ -185,9 +185,9 @@ def test_step_clock_deadline_and_late_budget():
     """The clock's rules (no waiting): the first decode step's deadline comes from the announced step time, measured
     steps may not raise it past 4x that; late seconds are charged, leak at LATE_LEAK of wall time, and run out."""
     assert announced_step_s(4, 100.0) == pytest.approx(0.04) and announced_step_s(4, None) is None
-    assert StepClock().deadline_s(1) is None  # nothing announced, nothing measured: only pings and the timeout
+    assert StepClock().deadline_s(1) == stalls.STEP_MAX_S  # nothing announced, nothing measured: still a bound
     clock = StepClock(announced_step_s(20, 4.0))  # 5 s a step announced
-    assert clock.deadline_s(1) == pytest.approx(20.0) and clock.deadline_s(64) is None  # prefills are not timed
+    assert clock.deadline_s(1) == pytest.approx(20.0)
     clock.record(1, 0.1)
     assert clock.deadline_s(1) == pytest.approx(stalls.STALL_MIN_S)
     for elapsed_s in (0.4, 1.6, 6.4, 19.0):  # each within 4x the last: a ramp
@@ -201,3 +201,119 @@ def test_step_clock_deadline_and_late_budget():
     clock.charge_late(budget, 110.0)
     assert clock.late_left_s(110.0) < 0  # spent: the next late step moves the session
     assert clock.late_left_s(110.0 + 2 * budget / LATE_LEAK) == budget  # never more than the whole budget
+
+
+@pytest.fixture
+def small_long_step_floor(small_budgets, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stalls, "LONG_STEP_MIN_S", 0.5)
+
+
+PROMPT_TOKENS = 24  # a long step (more than DECODE_MAX_TOKENS): timed by its tokens
+
+
+def test_a_loris_holding_a_prompt_loses_it_to_another_server(small_long_step_floor):
+    """A (announcing the best figures, routed first) answers pings and holds every step just under
+    `request_timeout_s`, the session's first step (a 24-token prompt) too: the prompt moves to B within its deadline
+    (the floor: A's announced rate makes it ~0.4 s) plus the budget, and the outputs are the reference's."""
+    torch.manual_seed(4)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    servers["A"].delay_s = LORIS_DELAY_S
+    manager = _manager(servers)
+    tokens = torch.randn(1, PROMPT_TOKENS + 4, HIDDEN)
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        outputs = [session.step(tokens[:, :PROMPT_TOKENS])]
+        outputs += [session.step(tokens[:, t : t + 1]) for t in range(PROMPT_TOKENS, tokens.shape[1])]
+        assert [span.peer_id for span, _ in session.route] == ["B"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    # B's first step is the prompt (the old client waited out A's, then moved at the first decode step: 25 tokens)
+    assert servers["B"].requests[0][1] == PROMPT_TOKENS and _served_tokens(servers["B"]) == tokens.shape[1]
+    moved = [e for e in events if e.action == "moved"]
+    assert len(moved) == 1 and moved[0].peer_id == "A" and moved[0].num_tokens == PROMPT_TOKENS, events
+    assert moved[0].step_deadline_s == pytest.approx(0.5, abs=0.01)  # the floor (+ 1.5 kB at a slow link)
+    assert moved[0].detected_after_s < LORIS_DELAY_S
+    assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+def test_a_replay_held_by_a_loris_moves_on(small_long_step_floor):
+    """A turns slow at token 12 and the session moves (a decode step's rule) to B, a loris too: B holds the replay of
+    the 13 positions (a long step) until its deadline plus the budget, and the session moves on to C. Every position
+    is computed once on C, the outputs are the reference's."""
+    torch.manual_seed(5)
+    servers = {
+        "A": FakeServer(0, 4, inference_rps=1000.0),
+        "B": FakeServer(0, 4, inference_rps=500.0),
+        "C": FakeServer(0, 4),
+    }
+    servers["B"].delay_s = LORIS_DELAY_S
+    manager = _manager(servers)
+    tokens = torch.randn(1, 16, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=16) as session:
+        for t in range(16):
+            if t == 12:
+                servers["A"].delay_s = LORIS_DELAY_S
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == ["C"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    # C's first step is the replay B held (the old client waited it out, then moved at the next decode step: 14)
+    assert (
+        servers["C"].requests[0][1] == 13 and _served_tokens(servers["C"]) == 16 and servers["C"].final_lengths == [16]
+    )
+    moved = [(e.peer_id, e.num_tokens) for e in events if e.action == "moved"]
+    assert moved == [("A", 1), ("B", 13)], events
+    assert all(e.detected_after_s < LORIS_DELAY_S for e in events)
+    assert not manager.bans.is_banned("A") and not manager.bans.is_banned("B")
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["within_its_deadline", "late_within_the_budget"])
+def test_an_honest_slow_prompt_keeps_its_server(small_long_step_floor, monkeypatch: pytest.MonkeyPatch, late: bool):
+    """A announces a slow rate (10 tokens/s a block: 24 tokens through 4 blocks, 9.6 s, a 38 s deadline) and its
+    prompt takes 1.5 s, over the floor but within its deadline: no stall at all. Or A announces a fast rate and its
+    prompt comes 1.0 s past the floor's deadline, within the late budget (2 s): a `slow` event, and the session stays.
+    Nothing is replayed on B."""
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)
+    torch.manual_seed(6)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0 if late else 10.0), "B": FakeServer(0, 4, 1.0)}
+    manager = _manager(servers)
+    tokens = torch.randn(1, PROMPT_TOKENS + 4, HIDDEN)
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        servers["A"].delay_s = 1.5
+        outputs = [session.step(tokens[:, :PROMPT_TOKENS])]
+        servers["A"].delay_s = 0.0
+        outputs += [session.step(tokens[:, t : t + 1]) for t in range(PROMPT_TOKENS, tokens.shape[1])]
+        assert [span.peer_id for span, _ in session.route] == ["A"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    if late:
+        assert events and {(e.action, e.num_tokens) for e in events} == {("slow", PROMPT_TOKENS)}, events
+    else:
+        assert events == []
+    assert servers["B"].requests == [] and _served_tokens(servers["A"]) == tokens.shape[1]
+    assert "A" not in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+def test_long_step_deadline_rules():
+    """A long step's deadline (no waiting): 4x its tokens at the announced prefill rate (else the decode rate), never
+    under the floor plus its bytes at a slow link, nor under 4x the slowest decode step measured (an absurd
+    announced rate), never over STEP_MAX_S (a tiny one, or none)."""
+    floor_s, max_s = stalls.LONG_STEP_MIN_S, stalls.STEP_MAX_S
+    assert announced_token_s(4, 200.0, 1.0) == pytest.approx(0.02) and announced_token_s(4, None, 8.0) == 0.5
+    assert announced_token_s(4, None, None) is None and announced_token_s(4, 0.0, None) is None
+    clock = StepClock(announced_step_s(4, 100.0), announced_token_s(4, 200.0, 100.0))  # 20 ms a prompt token
+    assert clock.deadline_s(100) == pytest.approx(8.0)  # 4 x 100 x 20 ms
+    assert clock.deadline_s(10) == pytest.approx(floor_s)  # 0.8 s: under the floor
+    assert clock.deadline_s(10, nbytes=4_000_000) == pytest.approx(floor_s + 8e6 / stalls.SLOW_LINK_BYTES_PER_S)
+    assert clock.deadline_s(10_000) == max_s  # 800 s implied: capped
+    absurd = StepClock(announced_step_s(4, 1e9), announced_token_s(4, 1e9, 1e9))
+    assert absurd.deadline_s(2048) == pytest.approx(floor_s)
+    absurd.record(1, 3.0)  # it showed a 3 s decode step (a late one is charged, not recorded: a slow honest one)
+    assert absurd.deadline_s(2048) == pytest.approx(12.0)
+    tiny = StepClock(announced_step_s(4, 1e-6), announced_token_s(4, 1e-6, 1e-6))
+    assert tiny.deadline_s(9) == max_s and tiny.deadline_s(1) == max_s
+    assert StepClock().deadline_s(9) == max_s and StepClock().deadline_s(0) == max_s
+    unannounced = StepClock()
+    for elapsed_s in (1.0, 4.0, 16.0, 40.0):  # a ramp of decode steps without a figure to cap it
+        unannounced.record(1, elapsed_s)
+    assert unannounced.deadline_s(1) == max_s and unannounced.deadline_s(64) == max_s

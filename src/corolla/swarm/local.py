@@ -139,12 +139,14 @@ class LocalSwarm:
         cwd: str | Path | None = None,
         wait: bool = True,
         timeout_s: float | None = None,
+        module: str = "corolla.cli.run_server",
     ) -> ServerProcess:
         """Launches a server of `model` joining `initial_peers` (unless `--new_swarm` is among `args`) with
-        `config.server_args` then `args`; with `wait`, waits (bounded) until it is ready."""
+        `config.server_args` then `args`; with `wait`, waits (bounded) until it is ready. `module`: what runs it
+        (`python -m module`, taking `run_server`'s arguments: a benchmark's misbehaving server)."""
         if block_indices is not None and num_blocks is not None:
             raise ValueError("pass block_indices or num_blocks, not both")
-        command = ["corolla.cli.run_server", str(model)]
+        command = [module, str(model)]
         if self.initial_peers and "--new_swarm" not in args:
             command += ["--initial_peers", *self.initial_peers]
         if block_indices is not None:

@@ -32,7 +32,14 @@ from corolla.client.calls.retries import ServerTooSlow, has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.stalls import SLOW_AVOID_S, StallAction, StallEvent, StepClock, announced_step_s
+from corolla.client.session.stalls import (
+    SLOW_AVOID_S,
+    StallAction,
+    StallEvent,
+    StepClock,
+    announced_step_s,
+    announced_token_s,
+)
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
@@ -149,7 +156,12 @@ class SpanSession:
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
         self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
         # this span's recent step times: the deadline of a step's silence, and its late budget
-        self.clock = StepClock(announced_step_s(span.length, span.server_info.inference_rps))
+        info = span.server_info
+        self.clock = StepClock(
+            announced_step_s(span.length, info.inference_rps),
+            announced_token_s(span.length, info.forward_rps, info.inference_rps),
+        )
+        self.step_tokens = 0  # tokens the step in flight sends (a stall event names them: a decode step or a long one)
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
         self.last_step_suspect = False  # the last response came after the step deadline
         self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
@@ -325,9 +337,9 @@ class SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         self.started = True
-        num_tokens = inputs.shape[1]
+        num_tokens = self.step_tokens = inputs.shape[1]
         started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens)
+        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.numel() * inputs.element_size())
         await self.send(request)
         response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
         result = self.accept_reply(response, inputs, send_from, hidden.dtype)
@@ -346,8 +358,9 @@ class SpanSession:
             empty, 0, 0, _NO_TENSOR, _NO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
         )
         self.started = True
-        await self.send(request)
-        response = await self.next_response(None, limit_bytes=reply_limit_bytes(empty.shape))
+        self.step_tokens = 0
+        await self.send(request)  # (a loris may not hold the probe either: a zero-token step's deadline)
+        response = await self.next_response(self.clock.deadline_s(0), limit_bytes=reply_limit_bytes(empty.shape))
         self.accept_reply(response, empty, 0, like.dtype)
         try:
             metadata = decode_metadata(response.metadata) if response.metadata else {}
@@ -396,13 +409,12 @@ class SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
-        num_tokens = inputs.shape[1]
+        num_tokens = self.step_tokens = inputs.shape[1]
         started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens)
-        on_late, late_after_s = None, math.inf
-        if stall_deadline_s is not None:  # past its deadline and the span's late budget, the step may be left
-            on_late = functools.partial(self._on_late, started_s, stall_deadline_s)
-            late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
+        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.numel() * inputs.element_size())
+        # past its deadline and the span's late budget, the step may be left
+        on_late = functools.partial(self._on_late, started_s, stall_deadline_s)
+        late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
         try:
             response = stream.exchange(
                 request,
@@ -446,7 +458,7 @@ class SpanSession:
         history elsewhere)."""
         blocks, peer_id = (self.span.start, self.span.end), self.span.peer_id
         self.too_slow = True
-        self.stall_events.append(StallEvent(peer_id, blocks, waited_s, stall_deadline_s, "moved"))
+        self.stall_events.append(StallEvent(peer_id, blocks, waited_s, stall_deadline_s, "moved", self.step_tokens))
         logger.warning(
             "span_session.too_slow(peer=...%s, blocks=%d:%d, waited_s=%.2f, step_deadline_s=%.2f): moving the session,"
             " the server avoided for %.0f s", peer_id[-6:], blocks[0], blocks[1], waited_s, stall_deadline_s,
@@ -537,7 +549,9 @@ class SpanSession:
         blocks = (self.span.start, self.span.end)
         failing_over = not alive and has_alternative(self.manager, self.span.peer_id, blocks)
         action: StallAction = "slow" if alive else "failed_over" if failing_over else "waited"
-        self.stall_events.append(StallEvent(self.span.peer_id, blocks, waited_s, stall_deadline_s, action))
+        self.stall_events.append(
+            StallEvent(self.span.peer_id, blocks, waited_s, stall_deadline_s, action, self.step_tokens)
+        )
         logger.warning(
             "span_session.hop_silent(peer=...%s, blocks=%d:%d, waited_s=%.2f, step_deadline_s=%s, answers_ping=%s, "
             "action=%s)",

@@ -1,10 +1,14 @@
 """Stall and slowness detection for one hop of a chain: `StepClock` keeps a span's recent decode step times and derives
-the deadline after which a step's silence is suspect (a multiple of the slowest recent step, or of the step time the
-server announces before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced
-time), instead of waiting for the fixed `request_timeout_s`; it also keeps the span's late budget: seconds its steps
-ran past their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has
-spent `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the slow
-server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
+the deadline after which a step's silence is suspect, instead of waiting for the fixed `request_timeout_s`. A decode
+step's (at most `DECODE_MAX_TOKENS`): a multiple of the slowest recent step, or of the step time the server announces
+before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced time. A long step's (a
+prompt, a replay on a replacement server, decision 0149): that multiple of what its tokens cost at the rate the server
+announces for prefills (`forward_rps`, else `inference_rps`), never under the slowest decode step measured on it nor
+under `LONG_STEP_MIN_S` plus what its bytes take over a slow link, and never past `STEP_MAX_S`. No step has no
+deadline: without any figure, `STEP_MAX_S`. The clock also keeps the span's late budget: seconds its steps ran past
+their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has spent
+`LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the
+slow server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
 
 from __future__ import annotations
 
@@ -15,11 +19,20 @@ from typing import Literal
 
 STALL_FACTOR = 4.0  # a step this many times slower than the span's slowest recent step is suspect
 STALL_MIN_S = 1.0  # never suspect sooner: a busy CPU, a GC pause or a batch on the server can take this long
-DECODE_MAX_TOKENS = 8  # steps sending more tokens (prefills, replays) are not timed: their cost grows with length
+DECODE_MAX_TOKENS = 8  # steps sending more tokens (prefills, replays) are timed by their tokens, not by decode steps
 STEP_TIMES_KEPT = 16  # recent step times a deadline is derived from
 LATE_BUDGET_S = 8.0  # a span's steps may run this long past their deadlines (net of the leak) before it is moved
 LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a server late 10% of the time is kept
 SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes this long (one refresh period)
+# A long step's deadline is never shorter than this plus its bytes at `SLOW_LINK_BYTES_PER_S` (request and reply, both
+# about the inputs' size): a server announcing an absurd prefill rate (1e6 tokens/s a block) gets this, which an honest
+# server behind a busy queue meets (its own figures come from an idle device)
+LONG_STEP_MIN_S = 4.0
+SLOW_LINK_BYTES_PER_S = 1e6  # 8 Mbit/s: a slow home uplink, which the client's tensors cross on top of the compute
+# No step's deadline is longer (bytes aside): a server announcing a tiny rate (or none, `--throughput N` servers) may
+# not hold a step for `request_timeout_s` (minutes); with the late budget, a step waits at most this + `LATE_BUDGET_S`
+# where another server holds the blocks
+STEP_MAX_S = 60.0
 
 StallAction = Literal["slow", "moved", "failed_over", "waited"]
 
@@ -30,13 +43,14 @@ class StallEvent:
     the step deadline it had, and what the client did (`slow`: it answered a ping, so we kept waiting; `moved`: it
     answered pings but its span's late budget ran out while another server holds its blocks; `failed_over`: it did
     not answer and another server holds its blocks; `waited`: it did not and it is the only one, so we kept waiting
-    for the link)."""
+    for the link), and the tokens the step sent (more than `DECODE_MAX_TOKENS`: a prompt or a replay)."""
 
     peer_id: str
     blocks: tuple[int, int]
     detected_after_s: float
     step_deadline_s: float | None  # None: noticed by a liveness ping, not at a step deadline
     action: StallAction
+    num_tokens: int = 0
 
 
 def announced_step_s(num_blocks: int, inference_rps: float | None) -> float | None:
@@ -47,34 +61,57 @@ def announced_step_s(num_blocks: int, inference_rps: float | None) -> float | No
     return num_blocks / inference_rps
 
 
+def announced_token_s(num_blocks: int, forward_rps: float | None, inference_rps: float | None) -> float | None:
+    """The time a server's record implies for one token of a long step through `num_blocks` of its blocks: its
+    prefill rate (`forward_rps`, per block, measured on a batch of tokens), else its decode rate (a prefill costs no
+    more than its tokens as decode steps); None when it announces neither."""
+    for rps in (forward_rps, inference_rps):
+        if rps is not None and rps > 0:
+            return num_blocks / rps
+    return None
+
+
 class StepClock:
     """Per span session: `record(num_tokens, elapsed_s)` after each answered step that was never suspect;
-    `deadline_s(num_tokens)` is how long the next step may stay silent before the client checks on the server
-    (None: no estimate yet, or a long step: only the liveness pings and `request_timeout_s` apply).
+    `deadline_s(num_tokens, nbytes)` is how long the next step (`nbytes`: its inputs' size) may stay silent before the
+    client checks on the server (never more than `STEP_MAX_S`, bytes aside).
     `announced_step_s`: the decode step time the server's record implies (its blocks / its `inference_rps`; None when
     it announces none): the deadline of the first steps, and with `STALL_FACTOR` the most any deadline may grow to
-    (steps that keep within 4x the last ones could otherwise raise it without bound).
+    (steps that keep within 4x the last ones could otherwise raise it without bound). `announced_token_s`: a long
+    step's time per token the record implies (`announced_token_s()`; None when it announces none).
     `charge_late(late_s, now_s)` after a step answered past its deadline; `late_left_s(now_s)` is what is left of
     `LATE_BUDGET_S` (times are `time.monotonic()`'s)."""
 
-    def __init__(self, announced_step_s: float | None = None) -> None:
+    def __init__(self, announced_step_s: float | None = None, announced_token_s: float | None = None) -> None:
         self._times_s: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
-        self._ceiling_s: float | None = None
+        self._ceiling_s = STEP_MAX_S
         if announced_step_s is not None and math.isfinite(announced_step_s) and announced_step_s >= 0:
-            self._ceiling_s = max(STALL_MIN_S, STALL_FACTOR * announced_step_s)
+            self._ceiling_s = min(STEP_MAX_S, max(STALL_MIN_S, STALL_FACTOR * announced_step_s))
+        self._token_s: float | None = None
+        if announced_token_s is not None and math.isfinite(announced_token_s) and announced_token_s >= 0:
+            self._token_s = announced_token_s
         self._late_s, self._late_at_s = 0.0, 0.0
 
     def record(self, num_tokens: int, elapsed_s: float) -> None:
         if 0 < num_tokens <= DECODE_MAX_TOKENS and elapsed_s >= 0:
             self._times_s.append(elapsed_s)
 
-    def deadline_s(self, num_tokens: int) -> float | None:
+    def deadline_s(self, num_tokens: int, nbytes: int = 0) -> float:
         if num_tokens > DECODE_MAX_TOKENS:
-            return None
+            return self._long_deadline_s(num_tokens, nbytes)
         if not self._times_s:
             return self._ceiling_s
-        measured_s = max(STALL_MIN_S, STALL_FACTOR * max(self._times_s))
-        return measured_s if self._ceiling_s is None else min(measured_s, self._ceiling_s)
+        return min(max(STALL_MIN_S, STALL_FACTOR * max(self._times_s)), self._ceiling_s)
+
+    def _long_deadline_s(self, num_tokens: int, nbytes: int) -> float:
+        """A prompt's or a replay's: 4x its tokens at the announced rate, never under the slowest decode step measured
+        here (a long step costs at least one; a server announcing an absurd rate is held to what it showed) nor
+        under the floor of its bytes, never over `STEP_MAX_S` (a server announcing a tiny rate, or none)."""
+        floor_s = LONG_STEP_MIN_S + 2 * nbytes / SLOW_LINK_BYTES_PER_S
+        if self._token_s is None and not self._times_s:
+            return max(floor_s, STEP_MAX_S)
+        estimate_s = max(num_tokens * (self._token_s or 0.0), max(self._times_s, default=0.0))
+        return max(floor_s, min(STEP_MAX_S, STALL_FACTOR * estimate_s))
 
     def late_left_s(self, now_s: float) -> float:
         leaked_s = LATE_LEAK * max(0.0, now_s - self._late_at_s)
