@@ -1,15 +1,20 @@
-"""`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--new_tokens 48]` (inside `../shared/tools/loopback-only`):
-the demo model on a chain of 3 spans (the middle one with a replica), each server behind a `benchmarks.wan_emulator` proxy that
-it announces (`--announce_maddrs`), one greedy generation per fault: the only server of the first span stalls for
-`stall_s`, the only server of the last span drops its link for `drop_s` (connections reset, new dials unanswered),
-the middle span's server in use is partitioned from every peer that dials it (its own DHT connections stay up).
-Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run, the extra delay of the
-affected tokens (p99 and max, beyond the fault-free median step), what the client did (stall events), and targets."""
+"""`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--slow_s 20] [--new_tokens 48]` (inside
+`../shared/tools/loopback-only`): the demo model on a chain of 3 spans (the middle one with a replica), each server
+behind a `benchmarks.wan_emulator` proxy that it announces (`--announce_maddrs`), one greedy generation per fault:
+the only server of the first span stalls for `stall_s`, the only server of the last span drops its link for `drop_s`
+(connections reset, new dials unanswered), the middle span's server in use is partitioned from every peer that dials
+it (its own DHT connections stay up), or answers every step `slow_s` late while it answers pings (`slow`: a loris;
+the middle span's servers run as `tests.helpers.hostile_server`, honest until the fault, a test helper run from the
+repository root as the churn soak's liar is). Prints one JSON line per scenario: wrong/duplicated/lost tokens against
+a fault-free run, the extra delay of the affected tokens (p99 and max, beyond the fault-free median step), the time
+per token (p50, p99) of the run and of the fault-free one, the moves (`stall_events` with action `moved`), what the
+client did, and targets."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -28,6 +33,9 @@ from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])
 FAULT_AT = 12  # tokens out before the fault
 LINK = LinkConfig(delay_ms=10.0)  # every link: 10 ms each way
+SLOW_TARGET_S = 12.0  # a loris's extra delay: its step deadline (1 s at these steps) + the late budget (8 s) + slack
+LORIS_MODULE = "tests.helpers.hostile_server"  # the middle span's servers: honest until the `slow` fault
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class TokenClock:
@@ -67,22 +75,41 @@ def _peer_of_block(session: Any, block: int) -> str:
     return next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end)
 
 
-def _report(name: str, fault_s: float, clean: list[int], got: list[int], clock: TokenClock, base_s: float) -> dict:
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _report(
+    name: str,
+    fault_s: float,
+    clean: list[int],
+    got: list[int],
+    clock: TokenClock,
+    base_s: float,
+    clean_clock: TokenClock,
+) -> dict:
     extra = sorted(max(0.0, g - base_s) for g in clock.gaps_s() if g > 2 * base_s + 0.05)  # the tokens it hit
     wrong = sum(a != b for a, b in zip(clean, got, strict=False)) + abs(len(clean) - len(got))
-    p99 = extra[min(len(extra) - 1, int(0.99 * len(extra)))] if extra else 0.0
+    p99 = _quantile(extra, 0.99)
     assert clock.session is not None
     events = [
         {"blocks": list(e.blocks), "detected_after_s": round(e.detected_after_s, 2), "action": e.action,
-         "step_deadline_s": None if e.step_deadline_s is None else round(e.step_deadline_s, 2)}
+         "step_deadline_s": None if e.step_deadline_s is None else round(e.step_deadline_s, 2),
+         "tokens": e.num_tokens}
         for e in clock.session.stall_events
     ]  # fmt: skip
-    target_s = fault_s + 2.0 if name != "partition" else 10.0
+    # a loris is left within its step deadline + the late budget (decision 0144): ~9 s at the default budgets
+    target_s = {"partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S)}.get(name, fault_s + 2.0)
+    gaps, clean_gaps = clock.gaps_s(), clean_clock.gaps_s()
     return {
         "scenario": name, "fault_s": fault_s, "wrong_or_misplaced_tokens": wrong, "affected_tokens": len(extra),
         "p99_extra_delay_s": round(p99, 2), "max_extra_delay_s": round(max(extra, default=0.0), 2),
         "target_extra_delay_s": target_s, "met": wrong == 0 and p99 <= target_s, "stall_events": events,
-        "fault_free_step_s": round(base_s, 4),
+        "moves": sum(e["action"] == "moved" for e in events), "fault_free_step_s": round(base_s, 4),
+        "token_s_p50": round(_quantile(gaps, 0.5), 4), "token_s_p99": round(_quantile(gaps, 0.99), 3),
+        "fault_free_token_s_p50": round(_quantile(clean_gaps, 0.5), 4),
+        "fault_free_token_s_p99": round(_quantile(clean_gaps, 0.99), 3),
     }  # fmt: skip
 
 
@@ -90,9 +117,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--stall_s", type=float, default=5.0)
     p.add_argument("--drop_s", type=float, default=30.0)
+    p.add_argument("--slow_s", type=float, default=20.0, help="the loris's delay a step (under request_timeout_s)")
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--model_dir", default=None)
-    p.add_argument("--scenarios", default="stall,drop,partition", help="which faults, comma-separated")
+    p.add_argument("--scenarios", default="stall,drop,partition,slow", help="which faults, comma-separated")
     args = p.parse_args()
     model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
     from transformers import AutoConfig
@@ -107,15 +135,24 @@ def main() -> None:
         with swarm:
             swarm.start_bootstrap()
             proxies: list[WanProxy] = []
-            for start, end in spans:
+            mode_files = [Path(work) / f"mode{i}" for i in range(len(spans))]  # the loris's switch (middle span's)
+            for (start, end), mode_file in zip(spans, mode_files, strict=True):
                 port = free_port()
                 proxies.append(proxy := wan.add(port, LINK))
+                middle = start == third
+                mode_file.write_text("honest")
+                env = {
+                    "COROLLA_HOSTILE_MODE_FILE": str(mode_file),
+                    "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+                }
                 swarm.start_server(
                     model_dir, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}",
                     "--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy.port}", block_indices=(start, end), wait=False,
+                    module=LORIS_MODULE if middle else "corolla.cli.run_server", env=env if middle else None,
                 )  # fmt: skip
             swarm.wait_servers_ready()
             proxy_of = {server.peer_id: proxy for server, proxy in zip(swarm.servers, proxies, strict=True)}
+            mode_file_of = {server.peer_id: path for server, path in zip(swarm.servers, mode_files, strict=True)}
             peers = swarm.initial_peers
             _generate(peers, model_dir, 4, TokenClock(None))  # warm-up
             clean_clock = TokenClock(None)
@@ -125,15 +162,21 @@ def main() -> None:
                 "stall": (args.stall_s, lambda s: wan.stall(proxy_of[_peer_of_block(s, 0)], args.stall_s)),
                 "drop": (args.drop_s, lambda s: wan.drop(proxy_of[_peer_of_block(s, num_blocks - 1)], args.drop_s)),
                 "partition": (0.0, lambda s: wan.partition(proxy_of[_peer_of_block(s, third)])),
+                "slow": (
+                    args.slow_s,
+                    lambda s: mode_file_of[_peer_of_block(s, third)].write_text(f"slow 0 {args.slow_s}"),
+                ),
             }
             for name, (fault_s, action) in scenarios.items():
                 if name not in args.scenarios.split(","):
                     continue
                 clock = TokenClock(FAULT_AT, action)
                 got = _generate(peers, model_dir, args.new_tokens, clock)
-                print(json.dumps(_report(name, fault_s, clean, got, clock, base_s)), flush=True)
+                print(json.dumps(_report(name, fault_s, clean, got, clock, base_s, clean_clock)), flush=True)
                 for proxy in proxies:
                     wan.heal(proxy)
+                for mode_file in mode_files:
+                    mode_file.write_text("honest")
 
 
 if __name__ == "__main__":
