@@ -6,8 +6,9 @@ refuse, or hang.
 Environment:
 - `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change), or
   `equivocate`: a step's true outputs to the client, finite garbage pushed to the next server it names, the reply
-  sent once that push is in (the next server runs the pushed copy before the client's own), or `slow`: every
-  inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
+  sent once that push is in (the next server runs the pushed copy before the client's own); `overpush`: the same,
+  but the true outputs pushed with one token more (as many as the push rules allow: the client's prefill was longer);
+  or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
   `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris);
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "slow")
+MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "slow")
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -177,8 +178,8 @@ def install(
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
         lie = lies.pop(id(inputs), "honest")
-        if lie == "equivocate" and metadata.next_servers and hit is None and not metadata.pushed:
-            return _equivocate(self, request, metadata, inputs, output)
+        if lie in ("equivocate", "overpush") and metadata.next_servers and hit is None and not metadata.pushed:
+            return _equivocate(self, request, metadata, inputs, output, lie)
         if lie not in TENSOR_LIES:
             return original_answer(self, request, metadata, inputs, output, hit)
         # a launched step's bytes would leave as they are (`plain_step_reply` takes `TensorBytes` only): as a tensor
@@ -189,12 +190,13 @@ def install(
         finally:
             self.streams._hostile_lie = "honest"
 
-    def _equivocate(steps: Any, request: Any, metadata: Any, inputs: Any, output: Any) -> None:
+    def _equivocate(steps: Any, request: Any, metadata: Any, inputs: Any, output: Any, lie: str) -> None:
         streams, port = steps.streams, steps.port
         response, _ = streams.step_reply(steps.session, inputs, output)  # the true outputs, for the client
         steps.session.record_output(metadata, response.tensors[0])
-        garbage = corrupt(deserialize_tensor(response.tensors[0]), "garbage", generator)
-        push = asyncio.ensure_future(streams._push_outputs(request, serialize_tensor(garbage), metadata))
+        true = deserialize_tensor(response.tensors[0])  # [B, T, H]
+        pushed = corrupt(true, "garbage", generator) if lie == "equivocate" else torch.cat([true, true[:, -1:]], 1)
+        push = asyncio.ensure_future(streams._push_outputs(request, serialize_tensor(pushed), metadata))
         push.add_done_callback(lambda _: port.reply(response))
 
     TransformerConnectionHandler.begin_step = begin_step

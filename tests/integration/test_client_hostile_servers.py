@@ -4,8 +4,8 @@ two honest servers of 2:4 (in this process). NaN, wrong shapes and hangs fail ov
 local `transformers` and only the liar banned; finite garbage is caught by verification (the liar as the span's
 server or as a referee; in the background, by a shadow session on a replica, whose finding another client re-checks
 first-hand with `corolla-findings` and bans the liar on, while the same finding forged against an honest replica
-bans nobody); an upstream that pushes other outputs than it answers gets no honest server banned by a verifying
-client; a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit 1) within
+bans nobody); an upstream that pushes other outputs than it answers gets no honest server banned (garbage: by a
+verifying client, which forwards nothing; one token more: by any client); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit 1) within
 max_wait_s."""
 
 from __future__ import annotations
@@ -155,6 +155,20 @@ def test_an_upstream_pushing_other_outputs_gets_no_honest_server_banned(swarm, m
     assert first_hop == swarm.liar.peer_id  # the route went through the liar first
     assert output.tolist() == expected.tolist()
     assert not banned & {server.peer_id for server in swarm.honest}
+
+
+def test_an_upstream_pushing_more_tokens_gets_no_honest_server_banned(swarm, model_path, mode_file, expected):
+    """The liar answers the client truly and pushes its outputs with one token more (the push rules allow up to the
+    client's biggest step: its prefill), its reply held until the push is in: the next server answers the pushed
+    copy, its outputs one token longer than the client's own copy asked for, and the client banned the honest
+    servers of 2:4 one after the other for it (the liar never). Now such a reply blames nobody: the span is replayed
+    and the session forwards no more (decision 0154). Over p2p: a chain of same-host sockets is not forwarded."""
+    mode_file.write_text("overpush 0")
+    output, banned, first_hop, session = _generate(swarm, model_path, _config(local_transport=False))
+    assert first_hop == swarm.liar.peer_id  # the route went through the liar first
+    assert output.tolist() == expected.tolist()
+    assert not banned & {server.peer_id for server in swarm.honest}
+    assert not session.forwarding.enabled  # a pushed reply was rejected (the liar's push reached 2:4)
 
 
 def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_file):

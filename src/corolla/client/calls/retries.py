@@ -34,6 +34,19 @@ class ServerTooSlow(ConnectionError):
         super().__init__(message)
 
 
+class PushedReplyRejected(ConnectionError):
+    """A reply failed a check (its shape, dtype or values) where the server flagged it as the answer to the copy
+    of the step pushed to it by the previous span's server, and the client had named it to receive that push: the
+    push, not the server, may be at fault (an upstream may push other outputs than it answers the client, within the
+    push rules: up to the client's biggest step, decision 0154). Neither is blamed; the session forwards no more
+    (`forwarding.StepForwarding`) and the span is replayed from the client's own inputs. A server that flags its own
+    lie so gets that one replay: with no push, its next lie is its own."""
+
+    def __init__(self, peer_id: str, message: str):
+        self.peer_id = peer_id
+        super().__init__(message)
+
+
 def has_alternative(manager: RemoteSequenceManager, peer_id: str, blocks: tuple[int, int]) -> bool:
     """True when servers other than `peer_id` (and not banned) cover every block of `[blocks[0], blocks[1])` in the
     client's current view."""
@@ -92,7 +105,8 @@ class RetryBudget:
         if refused and peer_id is not None:  # avoided for a while, not banned: it failed nothing
             self.manager.on_cache_refusal(peer_id)
         too_slow = isinstance(error, ServerTooSlow)  # avoided by the span session already: it failed nothing
-        banned = refused or too_slow or blame(self.manager, error, peer_id, blocks)
+        unblamed = too_slow or isinstance(error, PushedReplyRejected)  # (the push's fault, maybe)
+        banned = refused or unblamed or blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
         if config.retries_exhausted(self.attempt) or out_of_time:
@@ -111,7 +125,7 @@ class RetryBudget:
         delay_s = config.retry_delay_s(self.attempt - 1)
         if refused:
             delay_s = reroute_delay_s(self.cache_refusals, delay_s)
-        if too_slow:  # another server holds its blocks (it was checked): no reason to wait
+        if unblamed:  # another server holds its blocks (it was checked), or the span is replayed as it is: no wait
             delay_s = 0.0
         self.kept_sole_server = not banned and peer_id is not None
         if self.kept_sole_server:

@@ -18,7 +18,7 @@ import torch
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput
-from corolla.client.calls.retries import RetryBudget, has_alternative
+from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale
@@ -328,6 +328,8 @@ class InferenceSession:
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
                 if isinstance(e, SpanUnreachable):
                     failed = e.peer_id
+                if isinstance(e, PushedReplyRejected):  # a push may have caused it: none from now on (0154)
+                    self.forwarding.enabled = False
                 if isinstance(e, BadServerOutput) and e.taints_history:
                     for later in self._spans[index + 1 :]:  # they may hold states built from its earlier lies
                         later.position = 0

@@ -28,7 +28,7 @@ from hivemind.proto import runtime_pb2
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, check_outputs, reply_limit_bytes
 from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
-from corolla.client.calls.retries import ServerTooSlow, has_alternative
+from corolla.client.calls.retries import PushedReplyRejected, ServerTooSlow, has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -299,20 +299,33 @@ class SpanSession:
         return request, inputs, send_from
 
     def accept_reply(
-        self, response: runtime_pb2.ExpertResponse, inputs: torch.Tensor, send_from: int, dtype: torch.dtype
+        self,
+        response: runtime_pb2.ExpertResponse,
+        inputs: torch.Tensor,
+        send_from: int,
+        dtype: torch.dtype,
+        *,
+        step_id: str | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
-        server), records the inputs as the server's cache contents; returns (outputs, first position)."""
+        server, or PushedReplyRejected where the server answered the copy of step `step_id` the client named it to
+        receive by push), records the inputs as the server's cache contents; returns (outputs, first position)."""
         peer_id = self.span.peer_id
-        if len(response.tensors) != 1:
-            raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
+        drain_notice, pushed = reply_flags(response)
         try:
-            outputs = deserialize_tensor(response.tensors[0])
-        except ValueError as e:
-            raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
-        check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype)
+            if len(response.tensors) != 1:
+                raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
+            try:
+                outputs = deserialize_tensor(response.tensors[0])
+            except ValueError as e:
+                raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
+            check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype)
+        except BadServerOutput as e:
+            if pushed and step_id is not None and self.expected_push is not None and self.expected_push[0] == step_id:
+                raise PushedReplyRejected(peer_id, f"{e} (the answer to the copy pushed to it)") from e
+            raise
         self._record(inputs, send_from)
-        self.drain_notice, self.last_reply_pushed = reply_flags(response)
+        self.drain_notice, self.last_reply_pushed = drain_notice, pushed
         self.last_outputs = outputs
         return outputs.to(dtype), send_from
 
@@ -342,7 +355,7 @@ class SpanSession:
         stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.numel() * inputs.element_size())
         await self.send(request)
         response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
-        result = self.accept_reply(response, inputs, send_from, hidden.dtype)
+        result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
         # a late step's time says nothing of the server's speed: it is charged to the late budget instead
         self._time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
         return result
