@@ -3,12 +3,14 @@
 behind a `benchmarks.wan_emulator` proxy that it announces (`--announce_maddrs`), one greedy generation per fault:
 the only server of the first span stalls for `stall_s`, the only server of the last span drops its link for `drop_s`
 (connections reset, new dials unanswered), the middle span's server in use is partitioned from every peer that dials
-it (its own DHT connections stay up), or answers every step `slow_s` late while it answers pings (`slow`: a loris;
-the middle span's servers run as `tests.helpers.hostile_server`, honest until the fault, a test helper run from the
-repository root as the churn soak's liar is). Prints one JSON line per scenario: wrong/duplicated/lost tokens against
-a fault-free run, the extra delay of the affected tokens (p99 and max, beyond the fault-free median step), the time
-per token (p50, p99) of the run and of the fault-free one, the moves (`stall_events` with action `moved`), what the
-client did, and targets."""
+it (its own DHT connections stay up), or answers every step `slow_s` late while it answers pings (`slow`: a loris),
+or holds the prompt (a 16-token long step) `slow_s` from the start (`slow_prompt`; against a fault-free run of the
+same prompt). The middle span's servers run as `tests.helpers.hostile_server`, honest until the fault (a test helper,
+run from the repository root as the churn soak's liar is); the first announces absurd speeds (1e6 tokens/s a block),
+so routes go through it. Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run,
+the extra delay of the affected tokens (p99 and max, beyond the fault-free median step; `slow_prompt`: the time to
+the first token beyond the fault-free one), the time per token (p50, p99) and to the first token of the run and of
+the fault-free one, the moves (`stall_events` with action `moved`), what the client did, and targets."""
 
 from __future__ import annotations
 
@@ -27,13 +29,17 @@ from benchmarks.wan.chain import free_port
 from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session.inference_session import InferenceSession
+from corolla.client.session.stalls import DECODE_MAX_TOKENS
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
 PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])
+LONG_PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7, 3, 9, 81, 11, 2, 40, 17, 5, 60, 23]])  # more than 8 tokens
 FAULT_AT = 12  # tokens out before the fault
 LINK = LinkConfig(delay_ms=10.0)  # every link: 10 ms each way
 SLOW_TARGET_S = 12.0  # a loris's extra delay: its step deadline (1 s at these steps) + the late budget (8 s) + slack
+# a prompt loris announcing absurd speeds: the long step's floor (4 s, `stalls.LONG_STEP_MIN_S`) + the budget + slack
+SLOW_PROMPT_TARGET_S = 14.0
 LORIS_MODULE = "tests.helpers.hostile_server"  # the middle span's servers: honest until the `slow` fault
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,14 +65,20 @@ class TokenClock:
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.times[1:], self.times[2:], strict=False)]
 
+    def ttft_s(self) -> float:
+        """From the prompt handed to the streamer (before the first step) to the first new token."""
+        return self.times[1] - self.times[0] if len(self.times) > 1 else 0.0
 
-def _generate(peers: list[str], model_dir: Path, new_tokens: int, clock: TokenClock) -> list[int]:
+
+def _generate(
+    peers: list[str], model_dir: Path, new_tokens: int, clock: TokenClock, prompt: torch.Tensor = PROMPT
+) -> list[int]:
     config = ClientConfig(max_retries=None, max_wait_s=90.0, update_period_s=5.0, local_transport=False)
     with AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers, client_config=config) as model:
-        with model.inference_session(max_length=PROMPT.shape[1] + new_tokens) as session:
+        with model.inference_session(max_length=prompt.shape[1] + new_tokens) as session:
             clock.session = session
             out = model.generate(
-                PROMPT, max_new_tokens=new_tokens, min_new_tokens=new_tokens, session=session, streamer=clock
+                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, session=session, streamer=clock
             )
     return out[0].tolist()
 
@@ -90,6 +102,8 @@ def _report(
     clean_clock: TokenClock,
 ) -> dict:
     extra = sorted(max(0.0, g - base_s) for g in clock.gaps_s() if g > 2 * base_s + 0.05)  # the tokens it hit
+    if name == "slow_prompt":  # the prompt's step: the first token's wait
+        extra = [max(0.0, clock.ttft_s() - clean_clock.ttft_s())]
     wrong = sum(a != b for a, b in zip(clean, got, strict=False)) + abs(len(clean) - len(got))
     p99 = _quantile(extra, 0.99)
     assert clock.session is not None
@@ -100,7 +114,9 @@ def _report(
         for e in clock.session.stall_events
     ]  # fmt: skip
     # a loris is left within its step deadline + the late budget (decision 0144): ~9 s at the default budgets
-    target_s = {"partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S)}.get(name, fault_s + 2.0)
+    target_s = {
+        "partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S), "slow_prompt": min(fault_s, SLOW_PROMPT_TARGET_S)
+    }.get(name, fault_s + 2.0)  # fmt: skip
     gaps, clean_gaps = clock.gaps_s(), clean_clock.gaps_s()
     return {
         "scenario": name, "fault_s": fault_s, "wrong_or_misplaced_tokens": wrong, "affected_tokens": len(extra),
@@ -110,6 +126,7 @@ def _report(
         "token_s_p50": round(_quantile(gaps, 0.5), 4), "token_s_p99": round(_quantile(gaps, 0.99), 3),
         "fault_free_token_s_p50": round(_quantile(clean_gaps, 0.5), 4),
         "fault_free_token_s_p99": round(_quantile(clean_gaps, 0.99), 3),
+        "ttft_s": round(clock.ttft_s(), 3), "fault_free_ttft_s": round(clean_clock.ttft_s(), 3),
     }  # fmt: skip
 
 
@@ -120,7 +137,7 @@ def main() -> None:
     p.add_argument("--slow_s", type=float, default=20.0, help="the loris's delay a step (under request_timeout_s)")
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--model_dir", default=None)
-    p.add_argument("--scenarios", default="stall,drop,partition,slow", help="which faults, comma-separated")
+    p.add_argument("--scenarios", default="stall,drop,partition,slow,slow_prompt", help="which faults, comma-separated")
     args = p.parse_args()
     model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
     from transformers import AutoConfig
@@ -136,13 +153,14 @@ def main() -> None:
             swarm.start_bootstrap()
             proxies: list[WanProxy] = []
             mode_files = [Path(work) / f"mode{i}" for i in range(len(spans))]  # the loris's switch (middle span's)
-            for (start, end), mode_file in zip(spans, mode_files, strict=True):
+            for index, ((start, end), mode_file) in enumerate(zip(spans, mode_files, strict=True)):
                 port = free_port()
                 proxies.append(proxy := wan.add(port, LINK))
                 middle = start == third
                 mode_file.write_text("honest")
                 env = {
                     "COROLLA_HOSTILE_MODE_FILE": str(mode_file),
+                    "COROLLA_HOSTILE_ATTRACT": "1" if index == 1 else "0",  # routes go through the first one
                     "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
                 }
                 swarm.start_server(
@@ -177,6 +195,15 @@ def main() -> None:
                     wan.heal(proxy)
                 for mode_file in mode_files:
                     mode_file.write_text("honest")
+            if "slow_prompt" in args.scenarios.split(","):  # the loris holds long steps only, from the prompt on
+                long_clock = TokenClock(None)
+                long_clean = _generate(peers, model_dir, args.new_tokens, long_clock, LONG_PROMPT)
+                mode_files[1].write_text(f"slow 0 {args.slow_s} {DECODE_MAX_TOKENS + 1}")
+                clock = TokenClock(None)
+                got = _generate(peers, model_dir, args.new_tokens, clock, LONG_PROMPT)
+                report = _report("slow_prompt", args.slow_s, long_clean, got, clock, base_s, long_clock)
+                print(json.dumps(report), flush=True)
+                mode_files[1].write_text("honest")
 
 
 if __name__ == "__main__":
