@@ -8,6 +8,7 @@ Environment:
   `equivocate`: a step's true outputs to the client, finite garbage pushed to the next server it names, the reply
   sent once that push is in (the next server runs the pushed copy before the client's own); `overpush`: the same,
   but the true outputs pushed with one token more (as many as the push rules allow: the client's prefill was longer);
+  `rewind`: the same, the true outputs pushed as a step from position 1 (the push rules allow it after a prefill);
   or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
   `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris);
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
@@ -29,6 +30,7 @@ never ran `install`) install the same lies from the environment (`handler_main`)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import os
 import random
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 
-MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "slow")
+MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "slow")
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,7 +180,12 @@ def install(
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
         lie = lies.pop(id(inputs), "honest")
-        if lie in ("equivocate", "overpush") and metadata.next_servers and hit is None and not metadata.pushed:
+        if (
+            lie in ("equivocate", "overpush", "rewind")
+            and metadata.next_servers
+            and hit is None
+            and not metadata.pushed
+        ):
             return _equivocate(self, request, metadata, inputs, output, lie)
         if lie not in TENSOR_LIES:
             return original_answer(self, request, metadata, inputs, output, hit)
@@ -196,6 +203,8 @@ def install(
         steps.session.record_output(metadata, response.tensors[0])
         true = deserialize_tensor(response.tensors[0])  # [B, T, H]
         pushed = corrupt(true, "garbage", generator) if lie == "equivocate" else torch.cat([true, true[:, -1:]], 1)
+        if lie == "rewind":  # the true outputs, at the earliest start the push rules may allow
+            pushed, metadata = true, dataclasses.replace(metadata, start_from_position=1)
         push = asyncio.ensure_future(streams._push_outputs(request, serialize_tensor(pushed), metadata))
         push.add_done_callback(lambda _: port.reply(response))
 

@@ -171,6 +171,20 @@ def test_an_upstream_pushing_more_tokens_gets_no_honest_server_banned(swarm, mod
     assert not session.forwarding.enabled  # a pushed reply was rejected (the liar's push reached 2:4)
 
 
+def test_an_upstream_pushing_an_earlier_start_gets_no_honest_server_banned(swarm, model_path, mode_file, expected):
+    """The liar pushes its true outputs from position 1 (the push rules allow a start from just past the client's
+    last step's first token: after the prefill, 1): the next server rolls its cache back to 2 positions and answers
+    with the right shape, and the client's next step (from 6) was refused by it, then by the other honest server of
+    2:4 the same way, both banned. Now the reply says where the pushed step started (`corolla.pushed_from`), and one
+    that is not the client's own start blames nobody (decision 0154)."""
+    mode_file.write_text("rewind 0")
+    output, banned, first_hop, session = _generate(swarm, model_path, _config(local_transport=False))
+    assert first_hop == swarm.liar.peer_id  # the route went through the liar first
+    assert not banned & {server.peer_id for server in swarm.honest}
+    assert output.tolist() == expected.tolist()
+    assert not session.forwarding.enabled  # a pushed reply was rejected (the liar's push reached 2:4)
+
+
 def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_file):
     """A deep-prompt-tuned session (its prompts go with position 0, to the shadows too: they were dropped before)."""
     mode_file.write_text("garbage 3")

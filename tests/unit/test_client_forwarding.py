@@ -10,7 +10,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.session.forwarding import StepForwarding, push_chain, push_went_stale
 from corolla.client.session.span_session import reply_flags
-from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
+from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_FROM_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import encode_metadata
 
 
@@ -85,6 +85,11 @@ def test_a_span_named_for_a_push_from_another_start_is_stale():
 
 def test_pushed_reply_flag():
     flagged = runtime_pb2.ExpertResponse(metadata=encode_metadata({PUSHED_REPLY_KEY: True}))
-    assert reply_flags(flagged)[1]
+    assert reply_flags(flagged)[1] and reply_flags(flagged)[2] is None  # (a server before 0154: no start said)
+    flagged = runtime_pb2.ExpertResponse(metadata=encode_metadata({PUSHED_REPLY_KEY: True, PUSHED_FROM_KEY: 5}))
+    assert reply_flags(flagged)[1:] == (True, 5)
+    for start in (True, 5.0, "5"):  # only an int is a position
+        flagged = runtime_pb2.ExpertResponse(metadata=encode_metadata({PUSHED_REPLY_KEY: True, PUSHED_FROM_KEY: start}))
+        assert reply_flags(flagged)[2] is None
     assert not reply_flags(runtime_pb2.ExpertResponse())[1]
     assert not reply_flags(runtime_pb2.ExpertResponse(metadata=b"\xc1garbage"))[1]

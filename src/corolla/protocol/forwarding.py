@@ -23,3 +23,6 @@ def parse_next_step_id(metadata_extra: dict[str, Any]) -> str | None:
 
 
 PUSHED_REPLY_KEY = "corolla.pushed"  # response metadata: this reply answers a step that reached the server by push
+# response metadata beside it: the position the pushed step started at (the client checks it is its own step's: a push
+# within the push rules may start earlier than the client's copy, decision 0154)
+PUSHED_FROM_KEY = "corolla.pushed_from"

@@ -35,8 +35,9 @@ class ServerTooSlow(ConnectionError):
 
 
 class PushedReplyRejected(ConnectionError):
-    """A reply failed a check (its shape, dtype or values) where the server flagged it as the answer to the copy
-    of the step pushed to it by the previous span's server, and the client had named it to receive that push: the
+    """A reply failed a check (its shape, dtype or values, or the start its server says the step had) where the
+    server flagged it as the answer to the copy of the step pushed to it by the previous span's server, and the client
+    had named it to receive that push: the
     push, not the server, may be at fault (an upstream may push other outputs than it answers the client, within the
     push rules: up to the client's biggest step, decision 0154). Neither is blamed; the session forwards no more
     (`forwarding.StepForwarding`) and the span is replayed from the client's own inputs. A server that flags its own

@@ -46,7 +46,7 @@ from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
-from corolla.protocol.forwarding import PUSHED_REPLY_KEY
+from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -94,19 +94,21 @@ def _poll_s(config: ClientConfig) -> float:
     return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
 
 
-def reply_flags(response: runtime_pb2.ExpertResponse) -> tuple[DrainNotice | None, bool]:
-    """The server's drain notice in a response's metadata, and whether a corolla server flagged the response as the
-    answer to a step that reached it by push; None / False when absent or garbled (never raises: the flag is only a
-    statistic, and a garbled notice means no hand-off)."""
+def reply_flags(response: runtime_pb2.ExpertResponse) -> tuple[DrainNotice | None, bool, int | None]:
+    """The server's drain notice in a response's metadata, whether a corolla server flagged the response as the
+    answer to a step that reached it by push, and the position that step started at (None: not said, a server before
+    decision 0154); None / False / None when absent or garbled (never raises: a garbled notice means no hand-off)."""
     try:
         metadata = decode_metadata(response.metadata) if response.metadata else {}
     except ValueError:
-        return None, False
+        return None, False, None
     pushed, raw = metadata.get(PUSHED_REPLY_KEY) is True, metadata.get(DRAINING_KEY)
+    start = metadata.get(PUSHED_FROM_KEY)
+    pushed_from = start if pushed and type(start) is int else None
     try:
-        return (None if raw is None else DrainNotice.from_dict(raw)), pushed
+        return (None if raw is None else DrainNotice.from_dict(raw)), pushed, pushed_from
     except ValueError:
-        return None, pushed
+        return None, pushed, pushed_from
 
 
 class HopStalled(ConnectionError):
@@ -311,17 +313,21 @@ class SpanSession:
         server, or PushedReplyRejected where the server answered the copy of step `step_id` the client named it to
         receive by push), records the inputs as the server's cache contents; returns (outputs, first position)."""
         peer_id = self.span.peer_id
-        drain_notice, pushed = reply_flags(response)
+        drain_notice, pushed, pushed_from = reply_flags(response)
+        expected = self.expected_push  # (step id, start) of a push the client named this span to receive
+        push_named = pushed and expected is not None and step_id is not None and expected[0] == step_id
         try:
             if len(response.tensors) != 1:
                 raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
+            if push_named and pushed_from is not None and expected is not None and pushed_from != expected[1]:
+                raise BadServerOutput(peer_id, f"answer to a step from position {pushed_from}, not {expected[1]}")
             try:
                 outputs = deserialize_tensor(response.tensors[0])
             except ValueError as e:
                 raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
             check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype)
         except BadServerOutput as e:
-            if pushed and step_id is not None and self.expected_push is not None and self.expected_push[0] == step_id:
+            if push_named:
                 raise PushedReplyRejected(peer_id, f"{e} (the answer to the copy pushed to it)") from e
             raise
         self._record(inputs, send_from)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.auth import parse_upstream_peer
-from corolla.protocol.forwarding import PUSHED_REPLY_KEY, parse_next_step_id
+from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY, parse_next_step_id
 from corolla.protocol.metadata import InferenceRequestMetadata, decode_metadata, encode_metadata
 from corolla.utils.logging import get_logger
 
@@ -146,7 +146,8 @@ def screen_step(
     return replace(metadata, extra={})
 
 
-def mark_pushed_reply(response: runtime_pb2.ExpertResponse) -> runtime_pb2.ExpertResponse:
-    """`response` to a step that came by push, flagged (`corolla.pushed`): the client counts them."""
-    merged = {**decode_metadata(response.metadata), PUSHED_REPLY_KEY: True}
+def mark_pushed_reply(response: runtime_pb2.ExpertResponse, start: int | None) -> runtime_pb2.ExpertResponse:
+    """`response` to a step that came by push, flagged (`corolla.pushed`: the client counts them) with the position
+    the step started at (`corolla.pushed_from`: the client checks it is its own copy's)."""
+    merged = {**decode_metadata(response.metadata), PUSHED_REPLY_KEY: True, PUSHED_FROM_KEY: start}
     return runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=encode_metadata(merged))

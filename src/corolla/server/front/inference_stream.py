@@ -696,7 +696,7 @@ class SessionSteps:
         if can_push and metadata.next_servers and guard is not None and guard.may_push_on(metadata):
             self.streams.schedule_push(request, record, metadata)
         if metadata.pushed:
-            response = mark_pushed_reply(response)
+            response = mark_pushed_reply(response, metadata.start_from_position)
         self.port.reply(response if hit is None else with_hit(response, hit))
 
     async def _export(self) -> None:
