@@ -270,10 +270,11 @@ def test_a_replay_held_by_a_loris_moves_on(small_long_step_floor):
 @pytest.mark.parametrize("late", [False, True], ids=["within_its_deadline", "late_within_the_budget"])
 def test_an_honest_slow_prompt_keeps_its_server(small_long_step_floor, monkeypatch: pytest.MonkeyPatch, late: bool):
     """A announces a slow rate (10 tokens/s a block: 24 tokens through 4 blocks, 9.6 s, a 38 s deadline) and its
-    prompt takes 1.5 s, over the floor but within its deadline: no stall at all. Or A announces a fast rate and its
-    prompt comes 1.0 s past the floor's deadline, within the late budget (2 s): a `slow` event, and the session stays.
-    Nothing is replayed on B."""
-    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)
+    prompt takes 1.5 s, over the floor but within its deadline: no stall of the prompt. Or A announces a fast rate and
+    its prompt comes 1.0 s past the floor's deadline, within the late budget (4 s): a `slow` event, and the session
+    stays. Nothing is replayed on B. (Only the prompt's events are asserted: a decode step's deadline is 0.2 s here,
+    which a loaded machine may pass; the budget leaves 3 s for that.)"""
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 4.0)
     torch.manual_seed(6)
     servers = {"A": FakeServer(0, 4, inference_rps=1000.0 if late else 10.0), "B": FakeServer(0, 4, 1.0)}
     manager = _manager(servers)
@@ -286,10 +287,9 @@ def test_an_honest_slow_prompt_keeps_its_server(small_long_step_floor, monkeypat
         assert [span.peer_id for span, _ in session.route] == ["A"]
         events = list(session.stall_events)
     torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
-    if late:
-        assert events and {(e.action, e.num_tokens) for e in events} == {("slow", PROMPT_TOKENS)}, events
-    else:
-        assert events == []
+    prompt_events = {(e.action, e.num_tokens) for e in events if e.num_tokens == PROMPT_TOKENS}
+    assert prompt_events == ({("slow", PROMPT_TOKENS)} if late else set()), events
+    assert not [e for e in events if e.action == "moved"], events
     assert servers["B"].requests == [] and _served_tokens(servers["A"]) == tokens.shape[1]
     assert "A" not in manager.avoided_peers() and not manager.bans.is_banned("A")
 
