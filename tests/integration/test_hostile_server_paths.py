@@ -99,9 +99,10 @@ def test_a_liar_lies_on_every_reply_path(clients, mode_file, blocks, front):
     calls = {"step": _step, "forward": _forward, "backward": _backward}
     mode_file.write_text("honest")
     honest = {name: call(client, hidden) for name, call in calls.items()}
-    reference = blocks_forward(blocks, hidden)  # an honest step of 3 tokens from position 0 is a forward
-    torch.testing.assert_close(honest["step"], reference, atol=1e-3, rtol=0)
-    torch.testing.assert_close(honest["forward"], reference, atol=1e-3, rtol=0)
+    # an honest step of 3 tokens from position 0 is a forward (the server's kernels sum in another order: 3.5e-4 seen)
+    reference = blocks_forward(blocks, hidden)
+    torch.testing.assert_close(honest["step"], reference, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(honest["forward"], reference, atol=1e-3, rtol=1e-3)
     mode_file.write_text("garbage")
     lies = {name: call(client, hidden) for name, call in calls.items()}
     for name, lie in lies.items():
