@@ -69,7 +69,7 @@ from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
-from corolla.utils.tensor_bytes import TensorBytes, as_tensor
+from corolla.utils.tensor_bytes import TensorBytes
 
 BUCKET_ROWS = 16  # the graph buckets' step: rows, rows + 16, ... (a server's buckets are finer still)
 
@@ -116,14 +116,23 @@ async def _session(
     then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
     progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
     request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
-    latency, the decode steps' outputs (`_positions`: [steps, H]); `prefilled` is called once its prefill is done."""
+    latency, the decode steps' outputs ([steps, H]); `prefilled` is called once its prefill is done.
+
+    Each step's output rows are copied once into `record`'s outputs as they come back, as a server's front copies
+    them into the step's reply, and the step's output is let go: a launched step's output views its forward's host
+    buffer (`graph_decode.HostOutput`), which a server's runtime takes again for a later forward once the replies are
+    sent; an output kept to the end of the run kept its buffer out of use, so that every forward's output went into a
+    new buffer, its rows written into fresh pages (a cost per row, shadow rows' too, that a server does not pay:
+    docs/decisions/0157)."""
     raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
+    # the kept outputs [steps, H], written before the run (no page first touched inside it)
+    kept = torch.zeros(steps, hidden, dtype=dtype)
+    kept_bytes, row = host_bytes(kept), hidden * dtype.itemsize
     for start in range(0, prompt, chunk):
         await executor.step(cache, _inputs(raw, dtype, start, min(prompt, start + chunk), hidden))
     record["prefilled"] = time.perf_counter()
     if prefilled is not None:
         prefilled()
-    outputs: list[torch.Tensor | TensorBytes] = []  # per step [1, n, H] (a launched step's: its bytes)
     latencies = []
     t = 0
     while t < steps:
@@ -134,15 +143,22 @@ async def _session(
         started = time.perf_counter()
         out = await executor.step(cache, _inputs(raw, dtype, position, position + n, hidden))
         latencies.append(time.perf_counter() - started)
-        outputs.append(out)  # (made tensors after the timed part: `_decoded`)
+        _keep(out, kept, kept_bytes, t * row, (t + n) * row)
+        del out  # (its forward's host buffer is free for another forward once no step's output views it)
         progress.advance()
         t += n
-    record["done"], record["latencies"], record["outputs"] = time.perf_counter(), latencies, outputs
+    record["done"], record["latencies"], record["outputs"] = time.perf_counter(), latencies, kept
 
 
-def _positions(outputs: list[torch.Tensor | TensorBytes]) -> torch.Tensor:
-    """A session's decode outputs [steps, H] from its steps' [1, n, H] (a launched step's are its bytes)."""
-    return torch.cat([as_tensor(out)[0] for out in outputs])
+def _keep(out: torch.Tensor | TensorBytes, kept: torch.Tensor, kept_bytes: memoryview, start: int, end: int) -> None:
+    """A step's output [1, n, H] copied into bytes [start, end) of `kept` [steps, H] (`kept_bytes`: its bytes): a
+    launched step's bytes with one memcpy, as a front's reply copies them (`StepPort.reply_joined`), else the
+    tensor's rows."""
+    if isinstance(out, TensorBytes):
+        kept_bytes[start:end] = out.data
+    else:
+        row = kept_bytes.nbytes // kept.shape[0]
+        kept[start // row : end // row] = out[0]
 
 
 def _totals(runtime: Runtime) -> tuple[float, float, int]:
@@ -248,8 +264,8 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         real, mirror = records[:rows], records[rows:]
         errors = None
         if mirror:  # real session j against its shadow, every decode position
-            claimed = torch.stack([_positions(r["outputs"]) for r in real[: len(mirror)]])  # [V, S, H]
-            recomputed = torch.stack([_positions(r["outputs"]) for r in mirror])
+            claimed = torch.stack([r["outputs"] for r in real[: len(mirror)]])  # [V, S, H]
+            recomputed = torch.stack([r["outputs"] for r in mirror])
             errors = position_errors(claimed, recomputed).flatten().float().cpu()
         latencies = sorted(x for r in real for x in r["latencies"])
         return {

@@ -23,6 +23,23 @@ def make_pool(usable_pages: int, num_layers: int = 2) -> KVPool:
                   page_size_tokens=PAGE, max_pages_per_seq=usable_pages, dtype=torch.float32, device="cpu")  # fmt: skip
 
 
+def test_a_page_taken_is_written_into_the_table_without_a_torch_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the device thread grows a session's pages as they fill (every 16th-64th step of each session, shadows' rows
+    # included): through the table's numpy view, not a tensor built and copied (~8 us, the GIL handed away each)
+    pool = make_pool(10)
+    (slot,) = pool.allocate(1, 4 * PAGE)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a torch call in KVPool.grow")
+
+    monkeypatch.setattr(torch, "tensor", refused)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", refused)
+    pool.grow([slot], 3 * PAGE + 1)
+    monkeypatch.undo()
+    assert len(slot.pages) == 4 and slot.table[:4].tolist() == slot.pages  # the tensor holds what numpy wrote
+    assert slot.table[4:].eq(TRASH_PAGE).all()
+
+
 def test_promised_pages_are_taken_as_positions_arrive() -> None:
     pool = make_pool(10)
     (slot,) = pool.allocate(1, 4 * PAGE)
