@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.field import verify_cost
-from corolla.engine import graph_decode
 from corolla.client.session.shadows import SHADOW_BATCH_ROWS
+from corolla.engine import graph_decode
 from helpers.graph_runs import count_graph_runs
 
 
