@@ -144,7 +144,7 @@ def serialize_tensor_bytes(
     return serialize_tensor(output.tensor(), compression, into)
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     """Protobuf's base-128 varint of `value` >= 0."""
     out = bytearray()
     while value > 0x7F:
@@ -177,12 +177,12 @@ def record_frame(
     nbytes = math.prod(shape) * _ITEMSIZES[dtype]
     if nbytes <= 0:
         return None
-    sizes = b"".join(_varint(dim) for dim in shape)
+    sizes = b"".join(varint(dim) for dim in shape)
     name = _DTYPE_NAMES[dtype].encode()
-    tail = (b"\x12" + _varint(len(sizes)) + sizes if sizes else b"") + b"\x22" + _varint(len(name)) + name
-    record_head = b"\x0a" + _varint(nbytes)  # field 1 (buffer), field 2 (size, packed), field 4 (dtype)
+    tail = (b"\x12" + varint(len(sizes)) + sizes if sizes else b"") + b"\x22" + varint(len(name)) + name
+    record_head = b"\x0a" + varint(nbytes)  # field 1 (buffer), field 2 (size, packed), field 4 (dtype)
     record_bytes = len(record_head) + nbytes + len(tail)
-    head = b"\x12" + _varint(record_bytes) + record_head  # ExpertResponse field 2 (tensors), one record
+    head = b"\x12" + varint(record_bytes) + record_head  # ExpertResponse field 2 (tensors), one record
     frame = (head, tail, len(head) - len(record_head))
     if len(_record_frames) >= MAX_RECORD_FRAMES:
         _record_frames.clear()

@@ -26,9 +26,10 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, check_outputs, reply_limit_bytes
+from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, read_output, reply_limit_bytes
 from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
 from corolla.client.calls.retries import PushedReplyRejected, ServerTooSlow, has_alternative
+from corolla.client.calls.step_request import step_payload, uid_field
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -45,7 +46,6 @@ from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
-from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
@@ -136,9 +136,11 @@ class SpanSession:
         self.manager, self.span, self.max_length = manager, span, max_length
         self.session_id = str(uuid.uuid4())
         self._uid = manager.make_chain(span.start, span.end)  # the span's uid chain, sent in every request
+        self._uid_field = uid_field(self._uid)  # (its bytes in a request: `build_payload`)
         self.position = 0  # tokens in the server's cache
         self._history_buf: torch.Tensor | None = None  # [B, capacity, H]; positions [0, _history_len) are valid
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
+        self._history_view: tuple[torch.Tensor, memoryview] | None = None  # (a buffer, its bytes): `_history_bytes`
         self.history_from = 0  # inputs before it were never sent: the server reused that prefix from its cache
         self.prefix: PrefixChain | None = None  # the session's token chain, when this server takes prefix keys
         self._stream: InferenceStream | None = None  # once open (p2p, or a socket stream), driven on the loop
@@ -224,10 +226,12 @@ class SpanSession:
         """Whether a step sending from `send_from` needs inputs before `hidden_from` that this span never had."""
         return send_from < hidden_from and send_from < self.history_from
 
-    def _record(self, inputs: torch.Tensor, send_from: int) -> None:
+    def _record(self, inputs: torch.Tensor, send_from: int, values: bytes | None = None) -> None:
         """Writes `inputs` [B, n, H] as positions `[send_from, send_from + n)`, growing the buffer by doubling (a
         whole-history copy per token would cost O(position) each step); a new buffer has room for as many tokens
-        again (up to `max_length`), so the first decode step after a prompt copies nothing."""
+        again (up to `max_length`), so the first decode step after a prompt copies nothing. `values`: the inputs'
+        bytes (contiguous, native order), written into the buffer's bytes where it is one batch row (no torch call:
+        a stepping thread runs this cold, where a torch slice write costs 10-30 us)."""
         end = send_from + inputs.shape[1]
         buf = self._history_buf
         if buf is None or buf.shape[1] < end or buf.shape[0] != inputs.shape[0] or buf.dtype != inputs.dtype:
@@ -236,9 +240,26 @@ class SpanSession:
             if buf is not None and send_from > 0:
                 grown[:, :send_from] = buf[:, :send_from]
             self._history_buf = buf = grown
-        buf[:, send_from:end] = inputs
+        view = self._history_bytes(buf) if values is not None and buf.shape[0] == 1 and end > send_from else None
+        if view is not None:
+            assert values is not None
+            row = len(values) // (end - send_from)  # bytes a position
+            view[send_from * row : end * row] = values
+        else:
+            buf[:, send_from:end] = inputs
         self._history_len = self.position = end
         self.history_from = min(self.history_from, send_from)
+
+    def _history_bytes(self, buf: torch.Tensor) -> memoryview | None:
+        """The bytes of the history buffer `buf` (kept while it is the buffer); None where it is not contiguous."""
+        kept = self._history_view
+        if kept is not None and kept[0] is buf:
+            return kept[1]
+        if not buf.is_contiguous():
+            return None
+        view = memoryview(buf.view(-1).view(torch.uint8).numpy())  # [B * capacity * H * itemsize], writable
+        self._history_view = (buf, view)
+        return view
 
     def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
         """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
@@ -254,7 +275,7 @@ class SpanSession:
         )
         return torch.cat([history[:, send_from:hidden_from], hidden], dim=1)
 
-    def build_request(
+    def _request_parts(
         self,
         hidden: torch.Tensor,
         hidden_from: int,
@@ -262,13 +283,11 @@ class SpanSession:
         prompts: torch.Tensor,
         hypo_ids: torch.Tensor,
         step_id: str,
-        compression: int,
         extra: dict[str, Any],
-        keys_until: int | None = None,
-    ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
-        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start). With
-        prefix keys, it names the blocks it completes (or, for the probe, those of positions `[0, keys_until)`, and
-        no start position)."""
+        keys_until: int | None,
+    ) -> tuple[list[torch.Tensor], bytes, torch.Tensor, int]:
+        """What the request for positions `[min(self.position, position), ...)` carries: (tensors, encoded
+        metadata, its inputs, their start)."""
         send_from = min(self.position, position)
         inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
         keys = None
@@ -295,10 +314,54 @@ class SpanSession:
             metadata["max_length"] = self.max_length
             if self.manager.config.alloc_timeout_s:
                 metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
+        return tensors, encode_metadata(metadata), inputs, send_from
+
+    def build_request(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        compression: int,
+        extra: dict[str, Any],
+        keys_until: int | None = None,
+    ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
+        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start). With
+        prefix keys, it names the blocks it completes (or, for the probe, those of positions `[0, keys_until)`, and
+        no start position)."""
+        tensors, metadata, inputs, send_from = self._request_parts(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, extra, keys_until
+        )
         request = runtime_pb2.ExpertRequest(
-            uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=encode_metadata(metadata)
+            uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=metadata
         )
         return request, inputs, send_from
+
+    def build_payload(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        compression: int,
+        extra: dict[str, Any],
+    ) -> tuple[bytes, bytes | None, torch.Tensor, int]:
+        """`build_request`'s request serialized: (its bytes, the inputs' values as sent where the usual step's
+        bytes were built directly (`step_request.step_payload`) else None, its inputs, their start)."""
+        tensors, metadata, inputs, send_from = self._request_parts(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, extra, None
+        )
+        built = step_payload(self._uid_field, tensors, compression, metadata)
+        if built is not None:
+            return built[0], built[1], inputs, send_from
+        request = runtime_pb2.ExpertRequest(
+            uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=metadata
+        )
+        return request.SerializeToString(), None, inputs, send_from
 
     def accept_reply(
         self,
@@ -306,12 +369,14 @@ class SpanSession:
         inputs: torch.Tensor,
         send_from: int,
         dtype: torch.dtype,
+        values: bytes | None = None,
         *,
         step_id: str | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
         server, or PushedReplyRejected where the server answered the copy of step `step_id` the client named it to
-        receive by push), records the inputs as the server's cache contents; returns (outputs, first position)."""
+        receive by push), records the inputs (`values`: their bytes as sent, where known) as the server's cache
+        contents; returns (outputs, first position)."""
         peer_id = self.span.peer_id
         drain_notice, pushed, pushed_from = reply_flags(response)
         expected = self.expected_push  # (step id, start) of a push the client named this span to receive
@@ -321,19 +386,17 @@ class SpanSession:
                 raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
             if push_named and pushed_from is not None and expected is not None and pushed_from != expected[1]:
                 raise BadServerOutput(peer_id, f"answer to a step from position {pushed_from}, not {expected[1]}")
-            try:
-                outputs = deserialize_tensor(response.tensors[0])
-            except ValueError as e:
-                raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
-            check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype)
+            outputs = read_output(
+                response.tensors[0], expected_shape=inputs.shape, peer_id=peer_id, what="inference output", dtype=dtype
+            )
         except BadServerOutput as e:
             if push_named:
                 raise PushedReplyRejected(peer_id, f"{e} (the answer to the copy pushed to it)") from e
             raise
-        self._record(inputs, send_from)
+        self._record(inputs, send_from, values)
         self.drain_notice, self.last_reply_pushed = drain_notice, pushed
         self.last_outputs = outputs
-        return outputs.to(dtype), send_from
+        return (outputs if outputs.dtype == dtype else outputs.to(dtype)), send_from
 
     async def step(
         self,
@@ -424,7 +487,7 @@ class SpanSession:
         config = self.manager.config
         compression = self.manager.cached_input_compression(self.span.peer_id)
         assert compression is not None
-        request, inputs, send_from = self.build_request(
+        payload, values, inputs, send_from = self.build_payload(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
@@ -436,7 +499,7 @@ class SpanSession:
         late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
         try:
             response = stream.exchange(
-                request,
+                payload,
                 timeout_s=config.request_timeout_s,
                 poll_s=_poll_s(config),
                 check_alive=check_alive,
@@ -445,7 +508,7 @@ class SpanSession:
                 on_late=on_late,
                 late_after_s=late_after_s,
             )
-            result = self.accept_reply(response, inputs, send_from, hidden.dtype)
+            result = self.accept_reply(response, inputs, send_from, hidden.dtype, values)
         except BaseException:
             stream.close()
             raise

@@ -128,9 +128,9 @@ class DirectInferenceStream(FramedSocketStream):
 
     # ---- framing (sealed once open)
 
-    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
+    def _request_frame(self, payload: bytes) -> bytes:
         assert self._sealer is not None, "the stream is not open"
-        return self._sealer.seal(ls.MESSAGE, request.SerializeToString())
+        return self._sealer.seal(ls.MESSAGE, payload)
 
     def _end_frame(self) -> bytes:
         assert self._sealer is not None, "the stream is not open"

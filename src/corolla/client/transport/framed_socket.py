@@ -35,12 +35,13 @@ class FramedSocketStream(ABC):
         self._buffer = bytearray()
         self.closed = False
         self.polled_responses = 0  # `exchange` responses that arrived while it polled (no sleep, no wake-up)
+        self._readable: select.poll | None = None  # `exchange`'s poll(2) object for this socket, made once
 
     # ---- framing (subclasses)
 
     @abstractmethod
-    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
-        """The bytes of one request."""
+    def _request_frame(self, payload: bytes) -> bytes:
+        """The bytes of one request, serialized as `payload`."""
 
     @abstractmethod
     def _end_frame(self) -> bytes:
@@ -58,7 +59,7 @@ class FramedSocketStream(ABC):
     # ---- async side (client loop)
 
     async def send(self, request: runtime_pb2.ExpertRequest) -> None:
-        await asyncio.get_running_loop().sock_sendall(self.sock, self._request_frame(request))
+        await asyncio.get_running_loop().sock_sendall(self.sock, self._request_frame(request.SerializeToString()))
 
     async def send_end(self) -> None:
         await asyncio.get_running_loop().sock_sendall(self.sock, self._end_frame())
@@ -85,7 +86,7 @@ class FramedSocketStream(ABC):
 
     def exchange(
         self,
-        request: runtime_pb2.ExpertRequest,
+        request: runtime_pb2.ExpertRequest | bytes,
         *,
         timeout_s: float,
         poll_s: float = 0.0,
@@ -95,31 +96,38 @@ class FramedSocketStream(ABC):
         on_late: Callable[[], None] | None = None,
         late_after_s: float = math.inf,
     ) -> runtime_pb2.ExpertResponse:
-        """Sends `request` and waits for its response in the calling thread: polling for up to `poll_s`, then
-        sleeping in `poll(2)`; every `check_period_s` of waiting, `check_alive()` must say the server still answers
+        """Sends `request` (a message, or its serialized bytes) and waits for its response in the calling thread:
+        polling for up to `poll_s`, else sleeping in `poll(2)` before each read (a read that finds nothing costs a
+        raised BlockingIOError); every `check_period_s` of waiting, `check_alive()` must say the server still answers
         (else ConnectionError); once, after `late_after_s` of waiting, `on_late()` may end the wait (it raises) or
         let it go on (it returns). ConnectionError when the stream ends or breaks or the response's frame announces
         more than `max_response_bytes`, TimeoutError past `timeout_s`."""
         max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
         deadline = start + timeout_s
-        data = memoryview(self._request_frame(request))
-        poller = select.poll()
+        data = memoryview(self._request_frame(request if isinstance(request, bytes) else request.SerializeToString()))
         while data:
             try:
                 data = data[self.sock.send(data) :]
             except BlockingIOError:
-                poller.register(self.sock, select.POLLOUT)
-                while not poller.poll(_slice_ms(deadline)):  # in slices: Ctrl-C ends the wait (utils.interrupts)
+                writable = select.poll()
+                writable.register(self.sock, select.POLLOUT)
+                while not writable.poll(_slice_ms(deadline)):  # in slices: Ctrl-C ends the wait (utils.interrupts)
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
-                poller.unregister(self.sock)
         poll_until = time.monotonic() + poll_s
         next_check = start + check_period_s if check_alive is not None else math.inf
         late_at = start + late_after_s if on_late is not None else math.inf
-        poller.register(self.sock, select.POLLIN)
+        poller = self._readable
+        if poller is None:
+            poller = self._readable = select.poll()
+            poller.register(self.sock, select.POLLIN)
         slept = False
+        wait_first = poll_s <= 0  # not polling: sleep in poll(2) before each read (the reply is not there yet)
         while (parsed := self._parse_frame(max_response_bytes)) is None:
+            if wait_first:
+                poller.poll(_slice_ms(min(deadline, next_check, late_at)))
+                slept = True
             try:
                 chunk = self.sock.recv(RECV_BYTES)
             except BlockingIOError:
@@ -137,7 +145,7 @@ class FramedSocketStream(ABC):
                         raise ConnectionError(f"server ...{self.peer_id[-6:]} stopped answering pings") from None
                     next_check = time.monotonic() + check_period_s
                     continue
-                if now >= poll_until:
+                if now >= poll_until and not wait_first:
                     poller.poll(_slice_ms(min(deadline, next_check, late_at)))
                     slept = True
                 continue

@@ -119,8 +119,8 @@ class LocalInferenceStream(FramedSocketStream):
 
     # ---- framing
 
-    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
-        return b"".join(ls.frame(ls.MESSAGE, request.SerializeToString()))
+    def _request_frame(self, payload: bytes) -> bytes:
+        return b"".join(ls.frame(ls.MESSAGE, payload))
 
     def _end_frame(self) -> bytes:
         return b"".join(ls.frame(ls.END))

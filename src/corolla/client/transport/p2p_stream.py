@@ -20,6 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr, protocols
 
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.link_probe import tcp_address
+from corolla.protocol.codecs import varint
 from corolla.protocol.rpc import handle_name
 from corolla.protocol.stream_frames import (
     END_OF_STREAM_FRAME,
@@ -48,19 +49,11 @@ class InferenceStream(Protocol):
     def close(self) -> None: ...
 
 
-def request_frame(request: runtime_pb2.ExpertRequest) -> bytes:
-    """The bytes hivemind's `P2P.send_protobuf` writes for `request` (in three writes), as one buffer."""
-    data = request.SerializeToString()
+def request_frame(request: runtime_pb2.ExpertRequest | bytes) -> bytes:
+    """The bytes hivemind's `P2P.send_protobuf` writes for `request` (a message or its serialized bytes; in three
+    writes), as one buffer."""
+    data = request if isinstance(request, bytes) else request.SerializeToString()
     return frame_header(MESSAGE_MARKER, len(data)) + data
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 async def _read_varint(loop: asyncio.AbstractEventLoop, sock: socket.socket, limit: int) -> int:
@@ -121,7 +114,7 @@ class P2PInferenceStream(FramedSocketStream):
             open_request = p2pd_pb2.StreamOpenRequest(peer=PeerID.from_base58(peer_id).to_bytes())
             open_request.proto.append(handle_name(rpc))
             request = p2pd_pb2.Request(type=p2pd_pb2.Request.STREAM_OPEN, streamOpen=open_request).SerializeToString()
-            await loop.sock_sendall(sock, _varint(len(request)) + request)
+            await loop.sock_sendall(sock, varint(len(request)) + request)
             length = await _read_varint(loop, sock, MAX_CONTROL_BYTES)
             response = p2pd_pb2.Response.FromString(await _recv_exactly(loop, sock, length))
             if response.type == p2pd_pb2.Response.ERROR:
@@ -134,8 +127,8 @@ class P2PInferenceStream(FramedSocketStream):
         stream.remote_address = tcp_address(remote)
         return stream
 
-    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
-        return request_frame(request)
+    def _request_frame(self, payload: bytes) -> bytes:
+        return request_frame(payload)
 
     def _end_frame(self) -> bytes:
         return END_OF_STREAM_FRAME
