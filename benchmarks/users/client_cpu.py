@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -53,6 +54,13 @@ SPLIT_FUNCTIONS = (
     ("corolla.client.session.span_session", "SpanSession", "step_here"),
     ("corolla.client.session.span_session", "SpanSession", "build_request"),
     ("corolla.client.session.span_session", "SpanSession", "build_payload"),
+    ("corolla.client.session.span_session", "SpanSession", "_request_parts"),
+    ("corolla.client.session.span_session", "SpanSession", "can_step_here"),
+    ("corolla.client.session.forwarding", "StepForwarding", "take_step_id"),
+    ("corolla.client.session.forwarding", "StepForwarding", "request_extra"),
+    ("corolla.client.routing.sequence_manager", "RemoteSequenceManager", "request_metadata"),
+    ("corolla.client.session.stalls", "StepClock", "deadline_s"),
+    ("corolla.client.session.stalls", "StepClock", "late_left_s"),
     ("corolla.client.session.span_session", "", "step_payload"),
     ("corolla.client.session.span_session", "", "serialize_activations"),
     ("corolla.client.session.span_session", "", "encode_metadata"),
@@ -95,7 +103,7 @@ class Split:
                 self._all.append(counter)
         return counter
 
-    def _timed(self, function, label: str):  # noqa: ANN001, ANN202 (any function or classmethod)
+    def _timed(self, function: Any, label: str) -> Any:  # (a function or a classmethod)
         is_class = isinstance(function, classmethod)
         inner = function.__func__ if is_class else function
         split = self
