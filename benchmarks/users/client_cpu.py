@@ -90,8 +90,8 @@ class Split:
         self._lock = threading.Lock()
         for module_name, owner_name, name in SPLIT_FUNCTIONS:
             with contextlib.suppress(ModuleNotFoundError):
-                owner = importlib.import_module(module_name)
-                owner = getattr(owner, owner_name, None) if owner_name else owner
+                module = importlib.import_module(module_name)
+                owner: Any = getattr(module, owner_name, None) if owner_name else module
                 if owner is not None and name in vars(owner):
                     setattr(owner, name, self._timed(vars(owner)[name], f"{owner_name or module_name}.{name}"))
 

@@ -257,7 +257,7 @@ class SpanSession:
             return kept[1]
         if not buf.is_contiguous():
             return None
-        view = memoryview(buf.view(-1).view(torch.uint8).numpy())  # [B * capacity * H * itemsize], writable
+        view = buf.view(-1).view(torch.uint8).numpy().data  # [B * capacity * H * itemsize] bytes, writable
         self._history_view = (buf, view)
         return view
 
