@@ -117,6 +117,8 @@ class SpanService:
                 settings = replace(settings, direct_balance_dir=str(self._balance.path))
             except OSError as e:  # no private temporary directory: the kernel's spread alone
                 logger.warning(f"span_service.direct_balance_unavailable({e!r})")
+        # the stream caps per server: the core lends each handler process its peers' stream bytes
+        self.core.lend_streams(settings.peer_limits.with_stream_defaults(settings.limits.step_bytes))
         self.pool = HandlerPool(
             self.num_handlers, settings, handler_main, str(p2p.daemon_listen_maddr),
             executor=self.executor, core=self.core,  # one admission and one push table for all processes

@@ -1,10 +1,11 @@
 """The one seam between a front and the core: `CoreClient`, everything a front asks of the core (sessions and their
 admission, steps, forwards and backwards, prefix caching, KV hand-off, pushes, the drain, the cache's figures).
 `SpanCore` is the core itself (one per span service): the one admission (per-peer caps, idle eviction, then the KV
-cache), the one table of pushes by session id, the forward slots of each peer, the bytes of KV imports in flight,
-whether the server drains (`DrainState`) and the executor that runs the work. A front in the core's process calls it directly (frames reach the
-core without a socket); a front in a handler process calls `handlers.remote_core.RemoteCore`, the same seam over the
-one frame codec. A front keeps only its own streams."""
+cache), the one table of pushes by session id, the forward slots of each peer, the bytes of KV imports in flight
+(and, with handler processes, the stream bytes lent to them), whether the server drains (`DrainState`) and the
+executor that runs the work. A front in the core's process calls it directly (frames reach the core without a
+socket); a front in a handler process calls `handlers.remote_core.RemoteCore`, the same seam over the one frame codec.
+A front keeps only its own streams."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.import_budget import import_budget
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.peer_bytes import PeerBytes
 from corolla.server.core.refusals import Draining
+from corolla.server.core.stream_loans import stream_loans
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
@@ -201,6 +204,13 @@ class SpanCore:
         self.admission = SessionAdmission(peer_limits, self.executor)
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
         self.imports = import_budget(peer_limits)  # every front's KV imports in flight, per peer and in all
+        # with handler processes, the stream bytes lent to them (`lend_streams`); None: the one front counts its own
+        self.stream_loans: PeerBytes | None = None
+
+    def lend_streams(self, stream_limits: PeerLimits) -> None:
+        """With handler processes: lends them their stream bytes under `stream_limits`' caps (with their stream
+        defaults set, as every front's), so that the caps hold per server (`stream_loans`)."""
+        self.stream_loans = stream_loans(stream_limits)
 
     @property
     def num_open(self) -> int:

@@ -38,6 +38,11 @@ class ServingLimits:
     adapters: tuple[str, ...] = ()
 
     @property
+    def step_bytes(self) -> int:
+        """The largest valid step's bytes (`max_batch_size_tokens` in float32): the stream budgets' defaults."""
+        return self.max_batch_size_tokens * self.hidden_size * 4
+
+    @property
     def max_stream_bytes(self) -> int:
         """The largest request a front reads (a step of `max_batch_size_tokens` in float64, 4 x over, + 1 MiB)."""
         return 4 * self.max_batch_size_tokens * self.hidden_size * 8 + (1 << 20)

@@ -39,7 +39,6 @@ from corolla.server.front.stream_endpoint import (
     Connections,
     FrameConnection,
     StreamBudget,
-    StreamLease,
     StreamRpcs,
     check_hello,
     read_hello,
@@ -264,7 +263,7 @@ class DirectEndpoint:
         budget = self.handler.stream_budget
         idle_s = budget.limits.stream_idle_timeout_s or None
         return AcceptedStream(
-            context, SealedFrames(keys), StreamLease(budget, peer), idle_s, peer, pace=budget.limits.message_pace
+            context, SealedFrames(keys), budget.lease(peer), idle_s, peer, pace=budget.limits.message_pace
         )
 
     def ended(self, accepted: AcceptedStream | None) -> None:

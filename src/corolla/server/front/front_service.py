@@ -23,6 +23,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.core.span_core import CoreClient
+from corolla.server.core.stream_loans import StreamLender
 from corolla.server.front.connection_balance import ConnectionHandoff
 from corolla.server.front.direct_endpoint import DirectEndpoint
 from corolla.server.front.front_settings import FrontSettings
@@ -43,7 +44,10 @@ logger = get_logger(__name__)
 class FrontService:
     """One front (see the module docstring). `index`: the handler process it runs in (None: the core's process)."""
 
-    def __init__(self, settings: FrontSettings, core: CoreClient, metrics: ServerMetrics, *, index: int | None = None):
+    def __init__(
+        self, settings: FrontSettings, core: CoreClient, metrics: ServerMetrics, *, index: int | None = None,
+        stream_lender: StreamLender | None = None,
+    ):  # fmt: skip
         self.settings, self.index = settings, index
         self.handler = TransformerConnectionHandler(
             limits=settings.limits,
@@ -54,6 +58,7 @@ class FrontService:
             metrics=metrics,
             peer_limits=settings.peer_limits,
             peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),
+            stream_lender=stream_lender,  # a handler process's stream bytes are lent by the core (per server caps)
         )
         self.handler.handoff.enabled = settings.kv_handoff
         self.handler.prefix_trust = PrefixTrust(shared=settings.prefix_cache_shared)
@@ -144,7 +149,8 @@ def loop_selector(settings: FrontSettings) -> busy_poll.BusyPollSelector | None:
 async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, sock: socket.socket) -> None:
     link = await DeviceLink.open(sock)
     # sessions are admitted, steps run and pushes routed by the device process's core
-    front = FrontService(settings, RemoteCore(link), ForwardedMetrics(link), index=index)
+    core = RemoteCore(link)
+    front = FrontService(settings, core, ForwardedMetrics(link), index=index, stream_lender=core)
     p2p = await P2P.replicate(Multiaddr(daemon_listen_maddr))
     try:
         await front.start(p2p)

@@ -31,10 +31,12 @@ from corolla.protocol.metadata import (
 from corolla.server.core.limits import PeerLimits, SessionTimeouts, peer_key
 from corolla.server.core.refusals import BadRequest, RequestTimeout
 from corolla.server.core.span_core import CoreClient
+from corolla.server.core.stream_loans import StreamLender
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
 from corolla.server.front.inference_stream import InferenceStreams, SessionHandoff, SessionRegistry
+from corolla.server.front.lent_stream_budget import LentStreamBudget
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.front.stream_endpoint import StreamBudget
@@ -100,8 +102,10 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         metrics: ServerMetrics | None = None,
         peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
+        stream_lender: StreamLender | None = None,
     ):
         self.limits = limits
+        self.stream_lender = stream_lender  # a handler process's: its stream bytes are lent by the core
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.core = core  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -122,8 +126,11 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         """Sets this front's fair-use limits (before serving): its stream bytes, and the forwards' chunks (the core's
         own, sessions, forward slots and KV imports in flight, are set on the core: `SpanCore.configure`)."""
         self.peer_limits = peer_limits
-        step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
-        self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
+        stream_limits = peer_limits.with_stream_defaults(self.limits.step_bytes)
+        if self.stream_lender is None:  # unfinished streamed bytes: the one front's, or what the core lent this process
+            self.stream_budget = StreamBudget(stream_limits)
+        else:
+            self.stream_budget = LentStreamBudget(stream_limits, self.stream_lender)
 
     # ---- registration ---------------------------------------------------------------------------------------------
 

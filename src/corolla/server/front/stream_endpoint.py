@@ -44,7 +44,8 @@ from corolla.server.core.limits import (
     StreamStalled,
     StreamTooSlow,
 )
-from corolla.server.core.peer_bytes import ByteCap, PeerBytes
+from corolla.server.core.peer_bytes import PeerBytes
+from corolla.server.core.stream_loans import LoanPending, stream_caps
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
 from corolla.server.metrics import ServerMetrics
@@ -69,17 +70,17 @@ TRIM_DELAY_S = 0.5
 
 class StreamBudget(PeerBytes):
     """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only), and each
-    message within `max_stream_message_bytes`."""
+    message within `max_stream_message_bytes`. The front's own count (the only front: `--num_handlers` 1); a handler
+    process's spends what the core lent it (`lent_stream_budget.LentStreamBudget`)."""
 
     def __init__(self, limits: PeerLimits):
-        super().__init__(
-            "stream message",
-            "of unfinished requests",
-            ByteCap("max_stream_bytes_per_peer", limits.max_stream_bytes_per_peer, "peer_stream_bytes"),
-            ByteCap("max_stream_bytes_total", limits.max_stream_bytes_total, "stream_bytes_full"),
-        )
+        super().__init__("stream message", "of unfinished requests", *stream_caps(limits))
         self.limits = limits
         self._freed_since_trim = 0
+
+    def lease(self, peer: str) -> StreamLease:
+        """A new stream's lease of `peer`'s bytes in this budget."""
+        return StreamLease(self, peer)
 
     def charge(self, peer: str, nbytes: int) -> None:
         if nbytes <= 0:
@@ -782,6 +783,9 @@ class SocketPort:
                 )  # fmt: skip
                 received += conn.header_bytes + len(payload)
                 request = self._request(kind, payload)
+            except LoanPending as pending:  # (handler processes) the frame is taken again once the core answered
+                await asyncio.wait((pending.future,))
+                continue
             except Exception as e:
                 if self._input_failed(e):
                     return
@@ -835,11 +839,18 @@ class SocketPort:
                 return
             conn.stop_delivery()
             request = self._request(*frame)
+        except LoanPending as pending:  # (handler processes) the frame is taken again once the core answered
+            conn.stop_delivery()
+            pending.future.add_done_callback(self._loaned)
+            return
         except Exception as e:
             conn.stop_delivery()
             self._input_error(e)
             return
         order.client(request)
+
+    def _loaned(self, _: asyncio.Future[None]) -> None:
+        self.ready()
 
     def _input_error(self, error: BaseException) -> None:
         """The client's input failed (a refused frame, a stalled payload): its end, or the session's error."""

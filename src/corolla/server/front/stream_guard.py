@@ -34,7 +34,6 @@ from corolla.server.front.stream_endpoint import (
     PeerFrames,
     PeerStreamPort,
     StreamBudget,
-    StreamLease,
     drain_reply,
 )
 from corolla.utils.logging import get_logger
@@ -128,7 +127,7 @@ def guarded_stream_handler(
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-        lease = StreamLease(budget, peer_key(context))
+        lease = budget.lease(peer_key(context))
         conn = FrameConnection.take_over(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )
@@ -187,7 +186,7 @@ def steps_handler(
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
         peer = peer_key(context)
-        lease = StreamLease(budget, peer)
+        lease = budget.lease(peer)
         conn = FrameConnection.take_over(
             reader, writer, header_bytes=PeerFrames.header_bytes, parse_header=PeerFrames.parse_header
         )

@@ -543,6 +543,7 @@ class DeviceChannel:
         self.stream_names: list[str] = []
         self.sessions: dict[int, _Held] = {}
         self.imports: dict[int, tuple[str, int]] = {}  # the process's KV imports in flight: (peer, bytes) by handle
+        self.stream_loans: dict[str, int] = {}  # the stream bytes lent to the process, by peer (`core.stream_loans`)
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
         self._outbox: list[StepReply] = []  # step results not sent yet, from the intake and runtime threads
@@ -564,6 +565,7 @@ class DeviceChannel:
             "read_kv": (tuple[int, int], self._read_kv),
             "write_kv": (tuple[int, int, tuple[torch.Tensor, ...]], self._write_kv),
             "take_import": (tuple[str, int], self._take_import),
+            "lend_stream": (tuple[str, int], self._lend_stream),
         }  # fmt: skip
         self.notes: dict[str, tuple[Any, Callable[..., None]]] = {
             "push": (tuple[str, str | None, bytes], self._push_in),
@@ -572,6 +574,7 @@ class DeviceChannel:
             "prefix_probe": (tuple[int, int], self._prefix_probe),
             "ready": (tuple[int, str, tuple[str, ...]], self._ready),
             "give_import": (tuple[int], self._give_import),
+            "repay_stream": (tuple[str, int], self._repay_stream),
         }
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
@@ -724,6 +727,19 @@ class DeviceChannel:
         if held is not None:
             self.core.imports.give_back(*held)
 
+    def _repay_stream(self, peer: str, nbytes: int) -> None:
+        """The handler process gives back `nbytes` of `peer`'s stream loan (at most what it was lent)."""
+        nbytes = min(nbytes, self.stream_loans.get(peer, 0))
+        if nbytes <= 0:
+            return
+        left = self.stream_loans[peer] - nbytes
+        if left:
+            self.stream_loans[peer] = left
+        else:
+            del self.stream_loans[peer]
+        assert self.core.stream_loans is not None
+        self.core.stream_loans.give_back(peer, nbytes)
+
     def _ready(self, pid: int, listen_maddr: str, stream_names: tuple[str, ...]) -> None:
         """The handler process registered its handlers: where p2pd sends its streams, and their names."""
         self.pid, self.listen_maddr, self.stream_names = pid, listen_maddr, list(stream_names)
@@ -736,6 +752,8 @@ class DeviceChannel:
             task.cancel()
         for handle in list(self.imports):  # a handler process that died mid-import gives nothing back itself
             self._give_import(handle)
+        for peer, nbytes in list(self.stream_loans.items()):  # and nothing of what it was lent
+            self._repay_stream(peer, nbytes)
         for held in list(self.sessions.values()):
             held.close.set()
         holders = [h.task for h in self.sessions.values() if h.task is not None]
@@ -868,6 +886,17 @@ class DeviceChannel:
         handle = next(self._handles)
         self.imports[handle] = (peer, nbytes)
         return handle
+
+    async def _lend_stream(self, peer: str, nbytes: int) -> int:
+        """Lends the handler process `nbytes` more of `peer`'s stream bytes (the core's refusal goes back as is)."""
+        if nbytes <= 0:
+            raise wire.FrameError(f"a stream loan of {nbytes} bytes")
+        loans = self.core.stream_loans
+        if loans is None:
+            raise RuntimeError("this core lends no stream bytes (no handler processes)")
+        loans.take(peer, nbytes)
+        self.stream_loans[peer] = self.stream_loans.get(peer, 0) + nbytes
+        return nbytes
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -1,8 +1,8 @@
 """A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
 (`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames` frames), so the unchanged
 `TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
-batching stay with the device process's one `SpanCore` (its admission, push table, forward slots, KV imports in flight
-and drain). Each
+batching stay with the device process's one `SpanCore` (its admission, push table, forward slots, KV imports in flight,
+stream bytes lent and drain). Each
 call of the seam but a step is one CALL of the core's method by name with its arguments as tagged values
 (`DeviceLink.request`; what it may call: `device_channel.DeviceChannel.calls`), one-way ones a NOTE. This process
 keeps only its own streams: its sessions' push sinks (a push the core routes here: a "push" note) and their tickets
@@ -363,6 +363,14 @@ class RemoteCore:
             yield
         finally:
             self.link.note("give_import", handle)
+
+    async def borrow_stream(self, peer: str, nbytes: int) -> None:
+        """`nbytes` more of `peer`'s stream bytes lent to this process by the core ("lend_stream", one call a loan: the
+        core's refusal, past the stream caps, is raised here; `core.stream_loans`)."""
+        _typed(await self.link.request("lend_stream", peer, nbytes), int)
+
+    def repay_stream(self, peer: str, nbytes: int) -> None:
+        self.link.note("repay_stream", peer, nbytes)
 
     def _give_back_taken(self, call: asyncio.Future[object]) -> None:
         if not call.cancelled() and call.exception() is None and isinstance(handle := call.result(), int):

@@ -1,0 +1,84 @@
+"""A handler process's stream budget (`--num_handlers` N > 1): the bytes of its peers' unfinished streamed requests,
+spent from what the core lent this process for each peer (`core.stream_loans`), so that the caps hold per server, not
+per process. A message within the peer's loan is counted here, as the one front's `StreamBudget` counts it (no round
+trip); one past it borrows the shortfall from the core first (`LoanPending`: the stream takes the frame again once the
+core answered; its refusal is the stream's, reasons unchanged). Every `LOAN_REBALANCE_S` the process gives back what
+each peer did not use since the last time (the most it held meanwhile is kept: a peer streaming on keeps its loan)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.stream_loans import LOAN_REBALANCE_S, LoanPending, LoanShort, StreamLender
+from corolla.server.front.stream_endpoint import StreamBudget, StreamLease
+
+
+class LentLease(StreamLease):
+    """A stream's lease in a `LentStreamBudget`: a charge past the peer's loan starts a borrow and raises
+    `LoanPending`; the next charge (the same frame, taken again) raises the core's refusal if it came."""
+
+    budget: LentStreamBudget
+    pending: asyncio.Future[None] | None = None
+
+    def charge(self, nbytes: int) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.done() and not pending.cancelled() and pending.exception() is not None:
+            raise pending.exception()  # type: ignore[misc]  # (the core's refusal of this message)
+        try:
+            self.budget.charge(self.peer, nbytes)
+        except LoanShort as short:
+            self.pending = self.budget.borrow(self.peer, short.nbytes)
+            raise LoanPending(self.pending) from None
+        self.held += nbytes
+
+
+class LentStreamBudget(StreamBudget):
+    """`StreamBudget` whose per-peer bound is the peer's loan from the core (`lent`), the caps being the core's."""
+
+    def __init__(self, limits: PeerLimits, lender: StreamLender):
+        super().__init__(limits)
+        self.lender = lender
+        self.lent: dict[str, int] = {}  # bytes the core lent this process, by peer
+        self.peak: dict[str, int] = {}  # the most each peer held here since the last rebalance
+        self._rebalance: asyncio.TimerHandle | None = None
+
+    def lease(self, peer: str) -> LentLease:
+        return LentLease(self, peer)
+
+    def take(self, peer: str, nbytes: int) -> None:
+        held = self.per_peer.get(peer, 0) + nbytes
+        short = held - self.lent.get(peer, 0)
+        if short > 0:
+            raise LoanShort(short)
+        self.per_peer[peer] = held
+        self.total_bytes += nbytes
+        if held > self.peak.get(peer, 0):
+            self.peak[peer] = held
+
+    def borrow(self, peer: str, nbytes: int) -> asyncio.Future[None]:
+        """`nbytes` more of `peer`'s loan asked of the core; done (with the core's refusal, if any) once it answered."""
+        return asyncio.ensure_future(self._borrow(peer, nbytes))
+
+    async def _borrow(self, peer: str, nbytes: int) -> None:
+        await self.lender.borrow_stream(peer, nbytes)
+        self.lent[peer] = self.lent.get(peer, 0) + nbytes  # (before the stream waiting for it takes its frame again)
+        if self._rebalance is None:
+            self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)
+
+    def rebalance(self) -> None:
+        """Gives back each peer's loan above the most it held since the last rebalance (and above what it holds)."""
+        self._rebalance = None
+        for peer, lent in list(self.lent.items()):
+            held = self.per_peer.get(peer, 0)
+            keep = max(self.peak.pop(peer, 0), held)
+            if held:
+                self.peak[peer] = held
+            if lent > keep:
+                self.lender.repay_stream(peer, lent - keep)
+                if keep:
+                    self.lent[peer] = keep
+                else:
+                    del self.lent[peer]
+        if self.lent:
+            self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)

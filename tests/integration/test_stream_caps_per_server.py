@@ -1,0 +1,74 @@
+"""The stream byte caps (`max_stream_bytes_per_peer` / `max_stream_bytes_total`) of a server with handler processes
+are the server's: the core lends each process its peers' bytes (`core.stream_loans`), so a peer spreading stalled
+streams over the processes holds one cap's worth, not one per process (decision 0161), and the loans come back to
+the core once the streams are gone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hivemind.p2p import P2P
+
+from corolla.server.core.limits import MiB, PeerLimits
+from helpers.swarm import ClientThread, connected_clients, start_inprocess_server, wait_until
+from helpers.tiny_models import make_tiny_model
+
+NUM_BLOCKS = 2
+STREAM_IDLE_S = 5.0
+STREAMS = 6
+FORWARD = "TransformerConnectionHandler.rpc_forward_stream"
+
+pytestmark = [pytest.mark.timeout(120)]
+
+LIMITS = PeerLimits(
+    stream_idle_timeout_s=STREAM_IDLE_S,
+    min_stream_rate_kib_s=0,  # (the stalled streams end at the idle timeout only)
+    max_stream_message_bytes=8 * MiB,
+    max_stream_bytes_per_peer=10 * MiB,  # one 6 MiB message of a peer at a time, in all processes
+    max_stream_bytes_total=40 * MiB,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model_path = make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+    server = start_inprocess_server(
+        model_path, tmp_path_factory.mktemp("cache"), block_indices=(0, NUM_BLOCKS), num_handlers=2,
+        step_timeout_s=30.0, request_timeout_s=30.0, peer_limits=LIMITS,
+    )  # fmt: skip
+    yield server
+    server.shutdown()
+
+
+async def _stalled_stream(client: ClientThread, declared: int) -> bytes:
+    """Opens a forward stream, declares a message of `declared` bytes, sends 1 KiB of it and nothing more; returns all
+    the server said before it closed (its error)."""
+    _, reader, writer = await client.p2p.call_binary_stream_handler(client.peer_id, FORWARD)
+    writer.write(P2P.MESSAGE_MARKER + declared.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\0" * 1024)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+
+
+def test_a_peer_spreading_stalled_streams_over_handler_processes_holds_one_cap(server):
+    """6 streams of one peer at once, each declaring 6 MiB under a 10 MiB per-peer cap, land in both handler
+    processes (p2pd spreads them): one is held (until it stalls out), every other is refused at its header as the
+    one-process server refuses it. Counted in each process, one stream a process was held (2 of 6, or more)."""
+    with connected_clients(server, 1) as (attacker,):
+
+        async def flood() -> list[bytes]:
+            return list(await asyncio.gather(*(_stalled_stream(attacker, 6 * MiB) for _ in range(STREAMS))))
+
+        replies = attacker.call(flood(), 60)
+    held = [reply for reply in replies if b"stream_idle_timeout" in reply]
+    refused = [reply for reply in replies if b"max_stream_bytes_per_peer" in reply]
+    assert (len(held), len(refused)) == (1, STREAMS - 1), replies
+    assert all(reply[:1] == P2P.ERROR_MARKER for reply in replies)
+    loans = server.service.core.stream_loans
+    assert loans is not None
+    assert wait_until(lambda: loans.total_bytes == 0 and not loans.per_peer, 5)  # given back once unused
+    text = server.metrics.render().decode()
+    assert 'reason="peer_stream_bytes"' in text and 'reason="stream_stalled"' in text
