@@ -167,7 +167,6 @@ class SpanSession:
         )
         self.step_tokens = 0  # tokens the step in flight sends (a stall event names them: a decode step or a long one)
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
-        self.last_step_suspect = False  # the last response came after the step deadline
         self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
 
     async def open(self) -> None:
@@ -559,8 +558,8 @@ class SpanSession:
     async def next_response(
         self, stall_deadline_s: float | None = None, *, limit_bytes: int
     ) -> runtime_pb2.ExpertResponse:
-        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`), of
-        at most `limit_bytes` (what the request implies: `output_checks.reply_limit_bytes`; else ConnectionError).
+        """The next response within `request_timeout_s`, of at most `limit_bytes` (what the request implies:
+        `output_checks.reply_limit_bytes`; else ConnectionError).
         While waiting, pings the server every `liveness_check_period_s`, and once when the step deadline passes. A
         silent server that does not answer the ping fails the step (`HopStalled`, ConnectionError) when another
         server holds its blocks; when it is the only one, the client keeps waiting (its link may come back) up to
@@ -577,7 +576,6 @@ class SpanSession:
         ping_period_s = config.liveness_check_period_s or math.inf
         next_ping = started_s + ping_period_s
         move_at = math.inf  # when the span's late budget runs out during this step (the server answered pings)
-        self.last_step_suspect = False
         pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(
             self._stream.receive(limit_bytes)
         )
@@ -604,7 +602,7 @@ class SpanSession:
                     continue
                 checking_stall = now >= suspect_at
                 if checking_stall:
-                    self.last_step_suspect, suspect_at = True, math.inf
+                    suspect_at = math.inf
                 elif now >= next_ping:
                     next_ping = now + ping_period_s
                 else:
