@@ -27,6 +27,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
@@ -35,13 +36,30 @@ from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier, escape_probability
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier
 from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs
 
 SERVERS = {"server": 1e6, "replica1": 1.0, "replica2": 1.0}  # peer -> announced inference_rps (the server fastest)
 PROMPT_TOKENS = 8
+
+
+def escape_probability(lie_rate: float, steps: int, session_steps: Sequence[int], fraction: float) -> float:
+    """The chance that a server corrupting each of its steps with probability `lie_rate` is not caught within `steps`
+    of them when each of its sessions, of a length drawn uniformly from `session_steps`, is mirrored with probability
+    `fraction` (exact, by recursion over the steps left; a lie counts as caught at once: the hold of mirrored steps
+    for their request is left out). A session of L steps escapes with 1 - f (1 - (1 - q)^L), the last one cut at the
+    budget; sessions are independent."""
+    keep = 1.0 - lie_rate
+    escaped = [1.0] * (steps + 1)  # escaped[n]: the chance of escaping the next n steps, from a session's start
+    for n in range(1, steps + 1):
+        total = 0.0
+        for length in session_steps:
+            escaped_session = 1.0 - fraction * (1.0 - keep ** min(length, n))
+            total += escaped_session * (escaped[n - length] if length < n else 1.0)
+        escaped[n] = total / len(session_steps)
+    return escaped[steps]
 
 
 class ToySpan:

@@ -19,6 +19,7 @@ from safetensors.torch import save as save_tensors
 from tests.helpers.hostile_server import corrupt
 from tests.unit.test_client_distrust import Server
 
+from benchmarks.field.catch_rate import escape_probability
 from corolla.client import background_loop
 from corolla.client.routing.findings import Finding, decode_finding, encode_finding
 from corolla.client.session.inference_session import InferenceSession
@@ -30,7 +31,6 @@ from corolla.client.session.shadows import (
     Mirrored,
     Shadow,
     ShadowVerifier,
-    escape_probability,
 )
 from corolla.client.verification.finding_check import check_finding
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor

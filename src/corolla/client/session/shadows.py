@@ -21,13 +21,13 @@ prompt tuning: the span's slice of `[blocks, B|1, P, H]`, sent with the requests
 `rpc_inference` tensor where Petals takes them); a span session sent deep prompts with a step after position 0 is
 no longer mirrored (a Petals server adds a step's prompts to that step's first positions, a corolla server to
 positions [0, P): honest servers of both kinds would disagree, and no one-pass `rpc_forward` could decide). A server
-corrupting a share q of its steps,
-in sessions of L steps each shadowed with probability f, escapes N of its steps with probability about
-(1 - f (1 - (1 - q)^L))^(N / L) (`escape_probability`: exact for lengths drawn uniformly from a range); measured
+corrupting a share q of its steps, in sessions of L steps each shadowed with probability f, escapes N of its steps
+with probability about (1 - f (1 - (1 - q)^L))^(N / L) (`benchmarks.field.catch_rate.escape_probability`: exact for
+lengths drawn uniformly from a range); measured
 with this class (`python -m benchmarks.field.catch_rate`, 5,000 seeded careers, sessions of 17-257 steps): f = 0.75
 catches a 1%-liar within 1,000 of its steps in >= 99% (`DEFAULT_SHADOW_FRACTION`; benchmarks/RESULTS.md). Lower
 rates cost fewer rows (0.70: 6.7% fewer) for less margin: over those lengths a 1%-liar escapes with 0.36% at 0.75,
-0.64% at 0.70, 1.08% at 0.65 (`escape_probability`), and the measured rate's 95% bound must stay under 1%
+0.64% at 0.70, 1.08% at 0.65 (the same model), and the measured rate's 95% bound must stay under 1%
 (docs/decisions/0062). Longer sessions need more: sessions of 1,000 steps, every one (f > 0.99). The liar cannot tell which
 sessions are mirrored: the replica is another server, and the draw is the client's.
 
@@ -49,7 +49,6 @@ import concurrent.futures
 import random
 import threading
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -74,23 +73,6 @@ FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its shadows t
 NO_TENSOR, NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
 
 ShadowState = Literal["mirroring", "agreed", "caught", "referee_lied", "undecided", "failed", "dropped"]
-
-
-def escape_probability(lie_rate: float, steps: int, session_steps: Sequence[int], fraction: float) -> float:
-    """The chance that a server corrupting each of its steps with probability `lie_rate` is not caught within `steps`
-    of them when each of its sessions, of a length drawn uniformly from `session_steps`, is mirrored with probability
-    `fraction` (exact, by recursion over the steps left; a lie counts as caught at once: the hold of mirrored steps
-    for their request is left out). A session of L steps escapes with 1 - f (1 - (1 - q)^L), the last one cut at the
-    budget; sessions are independent."""
-    keep = 1.0 - lie_rate
-    escaped = [1.0] * (steps + 1)  # escaped[n]: the chance of escaping the next n steps, from a session's start
-    for n in range(1, steps + 1):
-        total = 0.0
-        for length in session_steps:
-            escaped_session = 1.0 - fraction * (1.0 - keep ** min(length, n))
-            total += escaped_session * (escaped[n - length] if length < n else 1.0)
-        escaped[n] = total / len(session_steps)
-    return escaped[steps]
 
 
 @dataclass
