@@ -3,6 +3,8 @@ that imports it, and a watch that tells when the client asked for the export (`c
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 from hivemind.proto import runtime_pb2
 
@@ -34,6 +36,7 @@ class Importer(FakeServer):
     def __init__(self, start: int, end: int, inference_rps: float = 100.0):
         super().__init__(start, end, inference_rps)
         self.imports = 0
+        self.import_delay_s = 0.0  # its answer to the import comes this late (it still answers pings)
 
     async def _serve(self, requests):
         iterator = requests.__aiter__()
@@ -47,6 +50,7 @@ class Importer(FakeServer):
         parts = [t for _ in range(header.num_messages) for t in (await anext(iterator)).tensors]
         caches = [deserialize_tensor(t) for t in parts]
         self.imports += 1
+        await asyncio.sleep(self.import_delay_s)
         yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(caches[0][:, :0])])
         async for request in iterator:
             if not request.tensors:
@@ -68,14 +72,16 @@ async def prepend(first, rest):
 
 
 class Drainer(FakeServer):
-    """Serves honestly, marks its answers draining from the 3rd step on, and exports `exported_cache(position)` in
-    `Importer`'s layout when the client asks for the session's cache."""
+    """Serves honestly, marks its answers draining (for `drain_s` more) from the 3rd step on, and exports
+    `exported_cache(position)` in `Importer`'s layout when the client asks for the session's cache."""
+
+    drain_s = 5.0
 
     async def _serve(self, requests):
         watch = ExportWatch()
 
         answers = 0
-        draining = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(5.0).to_dict()})
+        draining = encode_metadata({wire.DRAINING_KEY: wire.DrainNotice(self.drain_s).to_dict()})
         async for response in super()._serve(watch.steps(requests)):
             answers += 1
             yield runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=draining if answers >= 3 else b"")

@@ -10,7 +10,9 @@ Environment:
   but the true outputs pushed with one token more (as many as the push rules allow: the client's prefill was longer);
   `rewind`: the same, the true outputs pushed as a step from position 1 (the push rules allow it after a prefill);
   or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
-  `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris);
+  `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris); or
+  `slow_import`: a KV hand-off's import taken, then its answer (the session's first) held `COROLLA_HOSTILE_SLOW_S`
+  seconds while the server answers pings;
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
   switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes);
@@ -41,7 +43,10 @@ from typing import Any
 
 import torch
 
-MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "slow")
+MODES = (
+    "honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "slow",
+    "slow_import",
+)  # fmt: skip
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +123,7 @@ def install(
     from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
     from corolla.server import span_service
     from corolla.server.front.handler import TransformerConnectionHandler
-    from corolla.server.front.inference_stream import SessionSteps
+    from corolla.server.front.inference_stream import SessionHandoff, SessionSteps
     from corolla.server.server import Server
     from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 
@@ -210,6 +215,14 @@ def install(
 
     TransformerConnectionHandler.begin_step = begin_step
     SessionSteps._answer = _answer
+    original_import = SessionHandoff.import_kv
+
+    async def import_kv(self: Any, *args: Any, **kwargs: Any) -> None:
+        await original_import(self, *args, **kwargs)
+        if trigger.lie() == "slow_import":  # imported; the session's first answer waits (the loop stays free)
+            await asyncio.sleep(trigger.slow_s)
+
+    SessionHandoff.import_kv = import_kv
     # a handler process (`--num_handlers` > 1) starts from a forkserver, not from this process: its entry point
     # installs the lies there first (a function of this module by its importable name: the process pickles it)
     span_service.handler_main = importlib.import_module(__spec__.name).handler_main

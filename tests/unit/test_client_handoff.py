@@ -10,6 +10,7 @@ import time
 import torch
 
 from corolla.client.routing import sequence_manager
+from corolla.client.session import stalls
 from corolla.client.session.inference_session import InferenceSession
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
 from helpers.fake_handoff import AlwaysDraining, HonestDrainer, Importer
@@ -82,3 +83,29 @@ def test_a_server_that_drains_on_every_reply_does_not_make_every_token_read_the_
     assert len(records) == 8 and all(r.to_peer is None for r in records), records  # each hand-off failed: replays
     torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
     assert len(reads) <= 1, len(reads)
+
+
+def test_a_replacement_that_takes_the_import_and_stalls_its_answer_is_left_for_the_next(monkeypatch):
+    """B, announcing itself the fastest, takes the drained cache and answers the import 60 s late (answering pings):
+    the import's answer has a deadline (its bytes at the slow-link rate plus a decode step's), then the late budget,
+    then B is left (avoided, not banned) for D, which imports it; the outputs are the reference's. Before (decision
+    0162), the import's answer had no deadline: the hand-off waited for it until the draining server's deadline (here
+    120 s) ran out, then replayed."""
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)  # (8 s by default: the same rule, a shorter test)
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 8, HIDDEN)
+    drainer = HonestDrainer(0, 2, tokens, inference_rps=1e6)
+    drainer.drain_s = 120.0
+    servers = {"drainer": drainer, "C": FakeServer(2, 4), "B": Importer(0, 2, inference_rps=1e5), "D": Importer(0, 2)}
+    servers["B"].import_delay_s = 60.0
+    manager = FakeManager(servers, 4, max_wait_s=10, request_timeout_s=180.0)
+    with InferenceSession(manager, max_length=8) as session:
+        started = time.monotonic()
+        steps = [session.step(tokens[:, :4])] + [session.step(tokens[:, t : t + 1]) for t in range(4, 8)]
+        seconds = time.monotonic() - started
+        records = session.handoffs.records
+    assert len(records) == 1 and records[0].to_peer == "D", records
+    assert servers["B"].imports == 1 and servers["D"].imports == 1
+    assert "B" in manager.avoided_peers() and not manager.bans.banned_peers()
+    assert seconds < 30.0  # deadline (~1 s) + budget (2 s), far under B's 60 s
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)

@@ -229,7 +229,10 @@ async def _import(
     new: SpanSession, old: SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
 ) -> None:
     """Opens the replacement's session at `header.position` with the cache parts; its first (zero-token) answer
-    confirms the import. The new span session inherits the old one's history (for a later replay)."""
+    confirms the import, within the import's deadline (`StepClock.import_deadline_s`: its bytes at the slow-link rate
+    plus a decode step's deadline) under a step's rules (`SpanSession.next_response`: a silent server failed over, a
+    slow one left once the late budget is spent, `ServerTooSlow`, and avoided; then the next candidate or a replay).
+    The new span session inherits the old one's history (for a later replay)."""
     assert old.history is not None
     new.history = old.history
     new.position = header.position
@@ -239,8 +242,12 @@ async def _import(
         str(uuid.uuid4()), NONE, {wire.IMPORT_KEY: header.to_dict()},
     )  # fmt: skip
     new.started = True
+    new.step_tokens = 0
+    deadline_s = new.clock.import_deadline_s(header.total_bytes)
     await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
-    response = await new.next_response(limit_bytes=reply_limit_bytes(inputs.shape))
+    started_s = time.monotonic()  # (as `next_response` times it: from the last part sent)
+    response = await new.next_response(deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
     new.accept_reply(response, inputs, send_from, empty.dtype)
+    new.time_step(0, deadline_s, started_s, time.monotonic())  # (late: charged to the new span's budget)

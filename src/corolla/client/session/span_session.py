@@ -425,7 +425,7 @@ class SpanSession:
         response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
         result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
         # a late step's time says nothing of the server's speed: it is charged to the late budget instead
-        self._time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
+        self.time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
         return result
 
     async def probe(self, keys_until: int, like: torch.Tensor) -> int:
@@ -511,7 +511,7 @@ class SpanSession:
         except BaseException:
             stream.close()
             raise
-        self._time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
+        self.time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
         return result
 
     def _on_late(self, started_s: float, stall_deadline_s: float) -> None:
@@ -525,7 +525,7 @@ class SpanSession:
         peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
         return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
 
-    def _time_step(self, num_tokens: int, stall_deadline_s: float | None, started_s: float, answered_s: float) -> None:
+    def time_step(self, num_tokens: int, stall_deadline_s: float | None, started_s: float, answered_s: float) -> None:
         """After an answered step: its time feeds the clock, or, past its deadline, is charged to the late budget."""
         elapsed_s = answered_s - started_s
         if stall_deadline_s is not None and elapsed_s > stall_deadline_s:

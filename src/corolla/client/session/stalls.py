@@ -4,8 +4,9 @@ step's (at most `DECODE_MAX_TOKENS`): a multiple of the slowest recent step, or 
 before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced time. A long step's (a
 prompt, a replay on a replacement server, decision 0149): that multiple of what its tokens cost at the rate the server
 announces for prefills (`forward_rps`, else `inference_rps`), never under the slowest decode step measured on it nor
-under `LONG_STEP_MIN_S` plus what its bytes take over a slow link, and never past `STEP_MAX_S`. No step has no
-deadline: without any figure, `STEP_MAX_S`. The clock also keeps the span's late budget: seconds its steps ran past
+under `LONG_STEP_MIN_S` plus what its bytes take over a slow link, and never past `STEP_MAX_S`. A KV hand-off's
+import (its first reply, on the replacement server): its bytes over a slow link plus a decode step's deadline. No step
+has no deadline: without any figure, `STEP_MAX_S`. The clock also keeps the span's late budget: seconds its steps ran past
 their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has spent
 `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the
 slow server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
@@ -112,6 +113,12 @@ class StepClock:
             return max(floor_s, STEP_MAX_S)
         estimate_s = max(num_tokens * (self._token_s or 0.0), max(self._times_s, default=0.0))
         return max(floor_s, min(STEP_MAX_S, STALL_FACTOR * estimate_s))
+
+    def import_deadline_s(self, nbytes: int) -> float:
+        """A KV hand-off import's first reply (decision 0162): the import's `nbytes` at `SLOW_LINK_BYTES_PER_S` (the
+        server reads and writes them before it answers) plus a decode step's deadline (the reply is a zero-token
+        step's)."""
+        return nbytes / SLOW_LINK_BYTES_PER_S + self.deadline_s(0)
 
     def late_left_s(self, now_s: float) -> float:
         leaked_s = LATE_LEAK * max(0.0, now_s - self._late_at_s)

@@ -1,0 +1,98 @@
+"""A replacement server that takes a drained session's KV cache and then holds its answer to the import, through
+real processes (decision 0162): the session's server (honest, blocks 0:4) drains mid-generation; the client's view
+holds no other server, so the hand-off reads the records again and finds a `tests.helpers.hostile_server` in `slow`
+mode (it takes the import, then holds its answer 60 s; it answers pings and announces itself the fastest, so it is
+tried first) and an honest replica. The import's answer has a deadline (its bytes at the slow-link
+rate plus a decode step's); past it and the late budget the loris is left (avoided, not banned) and the replica
+imports the cache; the greedy output is local `transformers`'. On the old client the import's answer had no
+deadline: the hand-off waited the loris's 60 s (within the drain's 120 s) and moved the session there."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from tests.helpers.hostile_server import start_hostile_server
+from tests.helpers.swarm import Swarm
+from tests.helpers.tiny_models import hf_greedy, make_tiny_model
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.session import stalls
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = torch.tensor([[1, 8, 27, 64, 125, 3, 9, 81, 11, 2, 40, 17]])
+NEW_TOKENS = 8
+LORIS_DELAY_S = 60.0
+HONEST = ("--block_indices", "0:4", "--throughput", "1.0", "--drain_timeout_s", "120")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"), seed=7)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory):
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap()
+        yield swarm
+    finally:
+        swarm.close()
+
+
+def test_a_replacement_holding_the_imports_answer_is_left_for_the_replica(
+    swarm, model_path, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)  # (8 s by default: the same rule, a shorter test)
+    mode_file = tmp_path / "mode"
+    mode_file.write_text(f"slow_import 0 {LORIS_DELAY_S}")
+    serving = swarm.start_server(model_path, *HONEST)
+    joined: dict[str, str] = {}
+
+    class JoinThenDrain:
+        """At the 3rd generated token: a loris and an honest replica join, then the serving server drains."""
+
+        def __init__(self) -> None:
+            self.count = 0
+
+        def put(self, value) -> None:
+            self.count += 1
+            if self.count != 4:  # (the first put is the prompt)
+                return
+            loris = start_hostile_server(
+                swarm, model_path, "honest", "--block_indices", "0:4", attract=True, mode_file=mode_file, wait=False
+            )
+            replica = swarm.start_server(model_path, *HONEST, wait=False)
+            loris.wait_ready(150)
+            replica.wait_ready(150)
+            joined.update(loris=loris.peer_id, replica=replica.peer_id)
+            serving.signal(signal.SIGTERM)
+
+        def end(self) -> None:
+            pass
+
+    config = ClientConfig(
+        update_period_s=60.0, min_backoff_s=0.2, max_backoff_s=1.0, liveness_check_period_s=1.0, max_wait_s=30.0,
+        request_timeout_s=150.0, local_transport=False,
+        max_pinged=0,  # no RTTs: the announced speeds order the replacements (the loris first)
+    )  # fmt: skip
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        model.manager.wait_ready()
+        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
+            output = model.generate(
+                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session, streamer=JoinThenDrain()
+            )
+            (record,) = session.handoffs.records
+            route = [span.peer_id for span, _ in session.route]
+        avoided, banned = model.manager.avoided_peers(), model.manager.bans.banned_peers()
+    assert record.from_peer == serving.peer_id and record.to_peer == joined["replica"], record
+    assert record.seconds < LORIS_DELAY_S / 2  # the import's deadline (~1 s here) and the 2 s budget, not 60 s
+    assert route == [joined["replica"]]
+    assert joined["loris"] in avoided and not banned
+    assert output.tolist() == hf_greedy(model_path, PROMPT, NEW_TOKENS).tolist()
+    assert serving.wait(30) == 0
