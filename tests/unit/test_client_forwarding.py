@@ -3,12 +3,13 @@ ids, and when a span that may hold a pushed answer must be reopened."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 from hivemind.proto import runtime_pb2
 
-from corolla.client.session.forwarding import StepForwarding, push_chain, push_went_stale
+from corolla.client.session.forwarding import IDS_A_DRAW, StepForwarding, push_chain, push_went_stale
 from corolla.client.session.span_session import reply_flags
 from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_FROM_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import encode_metadata
@@ -93,3 +94,12 @@ def test_pushed_reply_flag():
         assert reply_flags(flagged)[2] is None
     assert not reply_flags(runtime_pb2.ExpertResponse())[1]
     assert not reply_flags(runtime_pb2.ExpertResponse(metadata=b"\xc1garbage"))[1]
+
+
+def test_step_ids_are_uuid4_strings_drawn_in_batches() -> None:
+    first, second = StepForwarding(enabled=True), StepForwarding(enabled=False)
+    ids = [first.take_step_id() for _ in range(3 * IDS_A_DRAW)] + [second.take_step_id() for _ in range(IDS_A_DRAW)]
+    for step_id in ids:
+        parsed = uuid.UUID(step_id)
+        assert str(parsed) == step_id and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    assert len(set(ids)) == len(ids)

@@ -137,3 +137,18 @@ def test_busy_poll_only_for_the_process_s_only_step_in_flight(monkeypatch):
     assert module._poll_s(ClientConfig()) == 0.0
     with pytest.raises(ValueError, match="busy_poll_ms"):
         ClientConfig(busy_poll_ms=-1)
+
+
+def test_steps_in_flight_counts_nested_and_failed_steps(monkeypatch):
+    from corolla.client.session import span_session as module
+
+    config = ClientConfig(busy_poll_ms=20)
+    monkeypatch.setattr(module, "_steps_in_flight", 0)
+    with module.steps_in_flight():
+        assert module._steps_in_flight == 1 and module._poll_s(config) == 0.02
+        with module.steps_in_flight():  # another session's step meanwhile: no polling
+            assert module._steps_in_flight == 2 and module._poll_s(config) == 0.0
+        with pytest.raises(RuntimeError), module.steps_in_flight():
+            raise RuntimeError("a failed step")
+        assert module._steps_in_flight == 1
+    assert module._steps_in_flight == 0

@@ -17,8 +17,6 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -75,17 +73,26 @@ _steps_in_flight = 0  # inference steps of this process running now (any session
 _steps_lock = threading.Lock()
 
 
-@contextmanager
-def steps_in_flight() -> Iterator[None]:
-    """Counts one inference step of this process as in flight while the block runs."""
-    global _steps_in_flight
-    with _steps_lock:
-        _steps_in_flight += 1
-    try:
-        yield
-    finally:
+class StepsInFlight:
+    """The context of `steps_in_flight` (a class, not a generator: no generator and context object a step)."""
+
+    def __enter__(self) -> None:
+        global _steps_in_flight
+        with _steps_lock:
+            _steps_in_flight += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _steps_in_flight
         with _steps_lock:
             _steps_in_flight -= 1
+
+
+_STEP_IN_FLIGHT = StepsInFlight()
+
+
+def steps_in_flight() -> StepsInFlight:
+    """Counts one inference step of this process as in flight while the `with` block runs."""
+    return _STEP_IN_FLIGHT
 
 
 def _poll_s(config: ClientConfig) -> float:
