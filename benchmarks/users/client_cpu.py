@@ -70,7 +70,7 @@ SPLIT_FUNCTIONS = (
     ("corolla.client.session.span_session", "", "read_output"),
     ("corolla.client.session.span_session", "", "reply_flags"),
     ("corolla.client.session.span_session", "SpanSession", "_record"),
-    ("corolla.client.session.span_session", "SpanSession", "_time_step"),
+    ("corolla.client.session.span_session", "SpanSession", "time_step"),
     ("corolla.client.transport.framed_socket", "FramedSocketStream", "exchange"),
     ("corolla.client.transport.framed_socket", "FramedSocketStream", "_parse_frame"),
     ("corolla.client.transport.p2p_stream", "P2PInferenceStream", "_request_frame"),
