@@ -6,6 +6,7 @@ its peers did not use while keeping a streaming peer's loan."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -84,3 +85,26 @@ def test_a_streaming_peer_keeps_its_loan_and_an_idle_one_gives_it_back():
         assert loans.total_bytes == 0 and budget.lent == {} and core.lent == {"a": 0, "b": 0}
 
     asyncio.run(go())
+
+
+def test_a_refused_loan_of_a_stream_that_ended_is_not_logged_as_a_lost_error():
+    """A peer that closes its stream while the core refuses its message's loan: nobody takes the refusal again, and
+    asyncio must not log it as a task exception never retrieved (an error and a traceback a hostile peer could
+    repeat at will)."""
+
+    async def ended() -> list[dict[str, object]]:
+        lost: list[dict[str, object]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: lost.append(context))
+        loans = stream_loans(LIMITS)
+        loans.take("a", 1000)
+        lease = LentStreamBudget(LIMITS, Core(loans)).lease("a")
+        with pytest.raises(LoanPending) as pending:
+            lease.charge(500)
+        future = pending.value.future
+        await asyncio.wait((future,))
+        lease.close()  # the stream ended: its frame is never taken again
+        del pending, future, lease
+        gc.collect()
+        return lost
+
+    assert asyncio.run(ended()) == []

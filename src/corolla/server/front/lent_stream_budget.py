@@ -58,7 +58,9 @@ class LentStreamBudget(StreamBudget):
 
     def borrow(self, peer: str, nbytes: int) -> asyncio.Future[None]:
         """`nbytes` more of `peer`'s loan asked of the core; done (with the core's refusal, if any) once it answered."""
-        return asyncio.ensure_future(self._borrow(peer, nbytes))
+        borrowed = asyncio.ensure_future(self._borrow(peer, nbytes))
+        borrowed.add_done_callback(_retrieved)  # a stream that ended meanwhile never takes the refusal again
+        return borrowed
 
     async def _borrow(self, peer: str, nbytes: int) -> None:
         await self.lender.borrow_stream(peer, nbytes)
@@ -82,3 +84,10 @@ class LentStreamBudget(StreamBudget):
                     del self.lent[peer]
         if self.lent:
             self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)
+
+
+def _retrieved(borrowed: asyncio.Future[None]) -> None:
+    """Marks a loan's refusal as seen: else asyncio logs it as an error lost with its traceback once the future is
+    collected (a peer that closes its stream past its loan could have that logged at will)."""
+    if not borrowed.cancelled():
+        borrowed.exception()
