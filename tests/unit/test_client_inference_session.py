@@ -3,6 +3,7 @@ duplicated tokens (Petals bug #587), rollback, hypo_ids, zero-token steps, deep 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -152,3 +153,40 @@ def test_steps_in_flight_counts_nested_and_failed_steps(monkeypatch):
             raise RuntimeError("a failed step")
         assert module._steps_in_flight == 1
     assert module._steps_in_flight == 0
+
+
+def test_a_forked_client_counts_only_its_own_steps_in_flight():
+    """A process forked while another thread's step was in flight (a pre-forking web server's worker) has no such
+    step: its first step is its only one (it may busy-poll), and the count's lock is free even if that thread held it
+    at the fork. Before, the child inherited the parent's count for good (it never busy-polled), and a fork inside
+    the lock left it held in the child (its first step hung)."""
+    from corolla.client.session import span_session as module
+
+    config = ClientConfig(busy_poll_ms=20)
+
+    def child(write_end: int) -> None:  # its count and poll as its first step sees them, then out without cleanup
+        try:
+            report = "the lock is held (a step would hang)"
+            if module._steps_lock.acquire(blocking=False):
+                module._steps_lock.release()
+                with module.steps_in_flight():
+                    report = f"{module._steps_in_flight} {module._poll_s(config)}"
+            os.write(write_end, report.encode())
+        finally:
+            os._exit(0)
+
+    reports = []
+    for hold_lock in (False, True):  # (True: the other thread inside `steps_in_flight`'s lock at the fork)
+        read_end, write_end = os.pipe()
+        with module.steps_in_flight():
+            if hold_lock:
+                with module._steps_lock:
+                    if (pid := os.fork()) == 0:
+                        child(write_end)
+            elif (pid := os.fork()) == 0:
+                child(write_end)
+            os.close(write_end)
+            with os.fdopen(read_end, "rb") as reader:
+                reports.append(reader.read().decode())
+            os.waitpid(pid, 0)
+    assert reports == ["1 0.02", "1 0.02"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import os
 import threading
 import time
 import uuid
@@ -88,6 +89,16 @@ class StepsInFlight:
 
 
 _STEP_IN_FLIGHT = StepsInFlight()
+
+
+def _forked() -> None:
+    """In a forked child (a pre-forking server's worker): no step of the parent's threads is in flight here, and the
+    lock is a fresh one (another thread may have held it at the fork)."""
+    global _steps_in_flight, _steps_lock
+    _steps_in_flight, _steps_lock = 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def steps_in_flight() -> StepsInFlight:
