@@ -51,19 +51,9 @@ def check_outputs(
     """Returns `outputs` if they have `expected_shape`, a wire dtype and only finite values, which stay finite cast
     to `dtype` where given (the client's, in which they go on: float32 1e6 is inf in a float16 client, and the next
     server, given inf, was blamed for it); BadServerOutput else."""
-    if tuple(outputs.shape) != tuple(expected_shape):
-        raise BadServerOutput(peer_id, f"{what} has shape {list(outputs.shape)}, expected {list(expected_shape)}")
-    if outputs.dtype not in WIRE_DTYPES:
-        raise BadServerOutput(peer_id, f"{what} has dtype {outputs.dtype}, expected one of {list(WIRE_DTYPES)}")
-    if outputs.numel() and not all_finite(outputs):
-        count = int((~torch.isfinite(outputs)).sum())
-        raise BadServerOutput(peer_id, f"{what} has {count} non-finite values (NaN/Inf)")
-    if dtype is not None:
-        try:
-            check_castable(outputs, dtype, name=what, finite_checked=True)
-        except ValueError as e:
-            raise BadServerOutput(peer_id, str(e)) from None
-    return outputs
+    _check_form(tuple(outputs.shape), outputs.dtype, expected_shape=expected_shape, peer_id=peer_id, what=what)
+    finite = not outputs.numel() or all_finite(outputs)
+    return _check_values(outputs, finite, peer_id=peer_id, what=what, dtype=dtype)
 
 
 def read_output(
@@ -87,17 +77,32 @@ def read_output(
             raise BadServerOutput(peer_id, f"undecodable {what}: {e}") from e
         return check_outputs(outputs, expected_shape=expected_shape, peer_id=peer_id, what=what, dtype=dtype)
     wire_dtype, shape, buffer = plain
+    _check_form(shape, wire_dtype, expected_shape=expected_shape, peer_id=peer_id, what=what)
+    if not buffer:  # no values (every itemsize is >= 1)
+        return torch.empty(shape, dtype=wire_dtype)
+    outputs = torch.frombuffer(bytearray(buffer), dtype=wire_dtype).view(shape)  # [*shape] writable, its own memory
+    return _check_values(outputs, bytes_finite(buffer, wire_dtype), peer_id=peer_id, what=what, dtype=dtype)
+
+
+def _check_form(
+    shape: tuple[int, ...], wire_dtype: torch.dtype, *, expected_shape: Sequence[int], peer_id: str, what: str
+) -> None:
+    """BadServerOutput unless an output's shape is `expected_shape` and its dtype a wire dtype."""
     if shape != tuple(expected_shape):
         raise BadServerOutput(peer_id, f"{what} has shape {list(shape)}, expected {list(expected_shape)}")
     if wire_dtype not in WIRE_DTYPES:
         raise BadServerOutput(peer_id, f"{what} has dtype {wire_dtype}, expected one of {list(WIRE_DTYPES)}")
-    if not buffer:  # no values (every itemsize is >= 1)
-        return torch.empty(shape, dtype=wire_dtype)
-    outputs = torch.frombuffer(bytearray(buffer), dtype=wire_dtype).view(shape)  # [*shape] writable, its own memory
-    if not bytes_finite(buffer, wire_dtype):
+
+
+def _check_values(
+    outputs: torch.Tensor, finite: bool, *, peer_id: str, what: str, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """`outputs` if `finite` (their values were checked, on the tensor or on its bytes) and they stay finite cast to
+    `dtype` where given; BadServerOutput else."""
+    if not finite:
         count = int((~torch.isfinite(outputs)).sum())
         raise BadServerOutput(peer_id, f"{what} has {count} non-finite values (NaN/Inf)")
-    if dtype is not None and dtype != wire_dtype:
+    if dtype is not None and dtype != outputs.dtype:
         try:
             check_castable(outputs, dtype, name=what, finite_checked=True)
         except ValueError as e:

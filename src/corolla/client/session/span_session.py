@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -351,10 +352,7 @@ class SpanSession:
         tensors, metadata, inputs, send_from = self._request_parts(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, extra, keys_until
         )
-        request = runtime_pb2.ExpertRequest(
-            uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=metadata
-        )
-        return request, inputs, send_from
+        return self._message(tensors, compression, metadata), inputs, send_from
 
     def build_payload(
         self,
@@ -375,10 +373,13 @@ class SpanSession:
         built = step_payload(self._uid_field, tensors, compression, metadata)
         if built is not None:
             return built[0], built[1], inputs, send_from
-        request = runtime_pb2.ExpertRequest(
+        return self._message(tensors, compression, metadata).SerializeToString(), None, inputs, send_from
+
+    def _message(self, tensors: Sequence[torch.Tensor], compression: int, metadata: bytes) -> runtime_pb2.ExpertRequest:
+        """A step's request as a message (the way of every request `step_request.step_payload` does not build)."""
+        return runtime_pb2.ExpertRequest(
             uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=metadata
         )
-        return request.SerializeToString(), None, inputs, send_from
 
     def accept_reply(
         self,
@@ -438,7 +439,7 @@ class SpanSession:
         self.started = True
         num_tokens = self.step_tokens = inputs.shape[1]
         started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.numel() * inputs.element_size())
+        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
         await self.send(request)
         response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
         result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
@@ -510,7 +511,7 @@ class SpanSession:
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
         num_tokens = self.step_tokens = inputs.shape[1]
         started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.numel() * inputs.element_size())
+        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
         # past its deadline and the span's late budget, the step may be left
         on_late = functools.partial(self._on_late, started_s, stall_deadline_s)
         late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
