@@ -6,6 +6,8 @@ the core once the streams are gone."""
 from __future__ import annotations
 
 import asyncio
+import re
+from typing import Any
 
 import pytest
 from hivemind.p2p import P2P
@@ -72,3 +74,47 @@ def test_a_peer_spreading_stalled_streams_over_handler_processes_holds_one_cap(s
     assert wait_until(lambda: loans.total_bytes == 0 and not loans.per_peer, 5)  # given back once unused
     text = server.metrics.render().decode()
     assert 'reason="peer_stream_bytes"' in text and 'reason="stream_stalled"' in text
+
+
+async def _whole_stream(client: ClientThread, nbytes: int) -> None:
+    """Opens a forward stream, sends one whole message of `nbytes` (not a request: answered with an error), ends its
+    input and reads until the server closed the stream (its bytes released: the lease closes before the stream)."""
+    _, reader, writer = await client.p2p.call_binary_stream_handler(client.peer_id, FORWARD)
+    try:
+        writer.write(P2P.MESSAGE_MARKER + nbytes.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\0" * nbytes)
+        await writer.drain()
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 30)
+    except ConnectionError:
+        pass  # (a refused message's stream may be cut while its payload is still sent: the metrics tell)
+    finally:
+        writer.close()
+
+
+def _rejected(server: Any, reason: str) -> float:
+    """`corolla_requests_rejected_total{reason=...}` in the server's metrics (every process's; 0 before the first)."""
+    found = re.search(
+        rf'corolla_requests_rejected_total{{reason="{reason}"}} ([0-9.]+)', server.metrics.render().decode()
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_peer_whose_streams_follow_each_other_over_handler_processes_is_never_refused(server):
+    """One peer's 6 MiB messages one after the other (10 MiB per-peer cap: it never holds two), each stream placed
+    by p2pd in either handler process: the loan the last one left idle in the other process is recalled before a
+    refusal (decision 0167). With 0161 alone, a stream that came to the other process within ~1 s of the last one's
+    end was refused with max_stream_bytes_per_peer although the server held none of the peer's bytes."""
+    loans = server.service.core.stream_loans
+    assert loans is not None
+    assert wait_until(lambda: loans.total_bytes == 0 and not loans.per_peer, 10)  # (the other test's streams gone)
+    refused_before = _rejected(server, "peer_stream_bytes")
+    with connected_clients(server, 1) as (peer,):
+
+        async def one_by_one() -> None:
+            for _ in range(STREAMS):
+                await _whole_stream(peer, 6 * MiB)
+
+        peer.call(one_by_one(), 90)
+    assert wait_until(lambda: loans.total_bytes == 0 and not loans.per_peer, 5)  # (every process's notes in)
+    assert _rejected(server, "peer_stream_bytes") == refused_before
+    assert loans.num_recalls >= 1  # (p2pd placed streams in both processes: a loan was recalled)

@@ -7,32 +7,40 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Callable
 
 import pytest
 
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
-from corolla.server.core.peer_bytes import PeerBytes
-from corolla.server.core.stream_loans import LoanPending, stream_loans
+from corolla.server.core.stream_loans import LoanPending, StreamLoans
 from corolla.server.front.lent_stream_budget import LentLease, LentStreamBudget
 
 LIMITS = PeerLimits(max_stream_message_bytes=600, max_stream_bytes_per_peer=1000, max_stream_bytes_total=1500)
 
 
 class Core:
-    """The core's side of one handler process's channel (as `device_channel` lends), counting its calls."""
+    """The core's side of one handler process's channel (as `device_channel` lends and recalls), counting its
+    calls."""
 
-    def __init__(self, loans: PeerBytes):
-        self.loans, self.lent, self.calls = loans, dict[str, int](), 0
+    def __init__(self, loans: StreamLoans):
+        self.loans, self.calls = loans, 0
+        self.give_back: Callable[[str, int, int], None] | None = None
 
     async def borrow_stream(self, peer: str, nbytes: int) -> None:
         self.calls += 1
         await asyncio.sleep(0)  # (a round trip)
-        self.loans.take(peer, nbytes)
-        self.lent[peer] = self.lent.get(peer, 0) + nbytes
+        await self.loans.lend(self, peer, nbytes)
 
     def repay_stream(self, peer: str, nbytes: int) -> None:
-        self.lent[peer] -= nbytes
-        self.loans.give_back(peer, nbytes)
+        self.loans.repay(self, peer, nbytes)
+
+    def answer_recalls(self, give_back: Callable[[str, int, int], None]) -> None:
+        self.give_back = give_back
+
+    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+        await asyncio.sleep(0)  # (the note there, the answer back)
+        assert self.give_back is not None
+        self.give_back(peer, peer_bytes, any_bytes)
 
 
 async def charged(lease: LentLease, nbytes: int) -> None:
@@ -47,7 +55,7 @@ async def charged(lease: LentLease, nbytes: int) -> None:
 
 def test_two_processes_hold_one_peer_to_one_cap_and_the_server_to_one_total():
     async def go() -> None:
-        loans = stream_loans(LIMITS)
+        loans = StreamLoans(LIMITS)
         one, two = (LentStreamBudget(LIMITS, Core(loans)) for _ in range(2))
         await charged(one.lease("a"), 600)
         with pytest.raises(PeerLimitExceeded, match="max_stream_bytes_per_peer") as refused:
@@ -66,7 +74,7 @@ def test_two_processes_hold_one_peer_to_one_cap_and_the_server_to_one_total():
 
 def test_a_streaming_peer_keeps_its_loan_and_an_idle_one_gives_it_back():
     async def go() -> None:
-        loans = stream_loans(LIMITS)
+        loans = StreamLoans(LIMITS)
         core = Core(loans)
         budget = LentStreamBudget(LIMITS, core)
         steps, idle = budget.lease("a"), budget.lease("b")
@@ -82,7 +90,55 @@ def test_a_streaming_peer_keeps_its_loan_and_an_idle_one_gives_it_back():
         steps.close()
         budget.rebalance()
         budget.rebalance()
-        assert loans.total_bytes == 0 and budget.lent == {} and core.lent == {"a": 0, "b": 0}
+        assert loans.total_bytes == 0 and budget.lent == {} and loans.holders == {core: {}}
+
+    asyncio.run(go())
+
+
+def test_a_loan_idle_in_one_process_is_recalled_before_another_process_is_refused():
+    """A peer's loan idle in one process (its stream ended, the rebalance not come yet) is taken back when another
+    process needs it: nothing refused while the server holds room (decision 0161 refused here for up to ~1 s)."""
+
+    async def go() -> None:
+        loans = StreamLoans(LIMITS)
+        one, two = (LentStreamBudget(LIMITS, Core(loans)) for _ in range(2))
+        done = one.lease("a")
+        await charged(done, 600)
+        done.close()  # a's stream in one ended: 600 of a lent there, none held
+        await charged(two.lease("a"), 600)  # the per-peer cap (1000) would refuse this without the recall
+        # one gave back its shortfall only (200 of its 400 idle stay lent there)
+        assert one.lent == {"a": 400} and two.lent == {"a": 600} and loans.per_peer == {"a": 1000}
+        idle = two.lease("b")
+        await charged(idle, 500)
+        idle.close()  # b's 500 idle in two: 1500 of 1500 lent, 600 held
+        await charged(one.lease("c"), 300)  # the total would refuse this without the recall
+        # each process was asked for the shortfall (300) and gave it from its idle loans, a's in one, b's in two
+        assert one.lent == {"a": 100, "c": 300} and two.lent == {"a": 600, "b": 200}
+        assert loans.total_bytes == 1200 and loans.num_recalls == 2
+
+    asyncio.run(go())
+
+
+def test_a_server_at_its_caps_still_refuses_after_the_recall_with_the_same_reasons():
+    """What a process holds is not recalled: a peer (or the server) at its cap is refused as before, and a borrow
+    in flight keeps its peer's loan."""
+
+    async def go() -> None:
+        loans = StreamLoans(LIMITS)
+        one, two = (LentStreamBudget(LIMITS, Core(loans)) for _ in range(2))
+        await charged(one.lease("a"), 600)
+        with pytest.raises(PeerLimitExceeded, match="max_stream_bytes_per_peer") as refused:
+            await charged(two.lease("a"), 600)
+        assert refused.value.reason == "peer_stream_bytes" and loans.num_recalls == 1
+        await charged(one.lease("b"), 600)
+        with pytest.raises(ServerLimitExceeded, match="max_stream_bytes_total") as full:
+            await charged(two.lease("c"), 400)
+        assert full.value.reason == "stream_bytes_full" and loans.num_recalls == 2
+        assert one.lent == {"a": 600, "b": 600} and loans.total_bytes == 1200
+        one.borrowing["a"] = 1  # (a borrow of a's in flight there)
+        one.per_peer["a"] = 0
+        one.recall("a", 600, 600)
+        assert one.lent["a"] == 600  # its shortfall counted that loan as spent
 
     asyncio.run(go())
 
@@ -95,7 +151,7 @@ def test_a_refused_loan_of_a_stream_that_ended_is_not_logged_as_a_lost_error():
     async def ended() -> list[dict[str, object]]:
         lost: list[dict[str, object]] = []
         asyncio.get_running_loop().set_exception_handler(lambda _, context: lost.append(context))
-        loans = stream_loans(LIMITS)
+        loans = StreamLoans(LIMITS)
         loans.take("a", 1000)
         lease = LentStreamBudget(LIMITS, Core(loans)).lease("a")
         with pytest.raises(LoanPending) as pending:

@@ -32,9 +32,8 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.import_budget import import_budget
 from corolla.server.core.limits import PeerLimits
-from corolla.server.core.peer_bytes import PeerBytes
 from corolla.server.core.refusals import Draining
-from corolla.server.core.stream_loans import stream_loans
+from corolla.server.core.stream_loans import StreamLoans
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
@@ -205,12 +204,12 @@ class SpanCore:
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
         self.imports = import_budget(peer_limits)  # every front's KV imports in flight, per peer and in all
         # with handler processes, the stream bytes lent to them (`lend_streams`); None: the one front counts its own
-        self.stream_loans: PeerBytes | None = None
+        self.stream_loans: StreamLoans | None = None
 
     def lend_streams(self, stream_limits: PeerLimits) -> None:
         """With handler processes: lends them their stream bytes under `stream_limits`' caps (with their stream
         defaults set, as every front's), so that the caps hold per server (`stream_loans`)."""
-        self.stream_loans = stream_loans(stream_limits)
+        self.stream_loans = StreamLoans(stream_limits)
 
     @property
     def num_open(self) -> int:

@@ -3,7 +3,8 @@ spent from what the core lent this process for each peer (`core.stream_loans`), 
 per process. A message within the peer's loan is counted here, as the one front's `StreamBudget` counts it (no round
 trip); one past it borrows the shortfall from the core first (`LoanPending`: the stream takes the frame again once the
 core answered; its refusal is the stream's, reasons unchanged). Every `LOAN_REBALANCE_S` the process gives back what
-each peer did not use since the last time (the most it held meanwhile is kept: a peer streaming on keeps its loan)."""
+each peer did not use since the last time (the most it held meanwhile is kept: a peer streaming on keeps its loan), and
+at once what the core recalls of what its peers do not hold (`recall`: the core needs it for another process)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ class LentStreamBudget(StreamBudget):
         self.lender = lender
         self.lent: dict[str, int] = {}  # bytes the core lent this process, by peer
         self.peak: dict[str, int] = {}  # the most each peer held here since the last rebalance
+        self.borrowing: dict[str, int] = {}  # loans asked of the core and not answered yet, by peer
         self._rebalance: asyncio.TimerHandle | None = None
+        lender.answer_recalls(self.recall)
 
     def lease(self, peer: str) -> LentLease:
         return LentLease(self, peer)
@@ -63,7 +66,14 @@ class LentStreamBudget(StreamBudget):
         return borrowed
 
     async def _borrow(self, peer: str, nbytes: int) -> None:
-        await self.lender.borrow_stream(peer, nbytes)
+        self.borrowing[peer] = self.borrowing.get(peer, 0) + 1
+        try:
+            await self.lender.borrow_stream(peer, nbytes)
+        finally:
+            if self.borrowing[peer] > 1:
+                self.borrowing[peer] -= 1
+            else:
+                del self.borrowing[peer]
         self.lent[peer] = self.lent.get(peer, 0) + nbytes  # (before the stream waiting for it takes its frame again)
         if self._rebalance is None:
             self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)
@@ -84,6 +94,29 @@ class LentStreamBudget(StreamBudget):
                     del self.lent[peer]
         if self.lent:
             self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)
+
+    def recall(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+        """The core needs loans back for another stream: gives back up to `peer_bytes` of `peer`'s loan it does not
+        hold, then what its other peers do not hold, up to `any_bytes` in all (`peer`'s counted), the largest idle
+        loans first. A peer whose loan is being borrowed keeps it (its shortfall counted it as spent)."""
+        given = self._give_idle(peer, peer_bytes)
+        for other in sorted(self.lent, key=lambda p: self.per_peer.get(p, 0) - self.lent[p]):
+            if given >= any_bytes:
+                break
+            given += self._give_idle(other, any_bytes - given)
+
+    def _give_idle(self, peer: str, most: int) -> int:
+        """Repays up to `most` of `peer`'s loan it does not hold (none while a borrow of `peer` is out); the bytes."""
+        lent = self.lent.get(peer, 0)
+        nbytes = min(most, lent - self.per_peer.get(peer, 0))
+        if nbytes <= 0 or peer in self.borrowing:
+            return 0
+        self.lender.repay_stream(peer, nbytes)
+        if lent > nbytes:
+            self.lent[peer] = lent - nbytes
+        else:
+            del self.lent[peer]
+        return nbytes
 
 
 def _retrieved(borrowed: asyncio.Future[None]) -> None:

@@ -47,6 +47,7 @@ from corolla.server.core.kv_handoff import check_handoff_frame
 from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
+from corolla.server.core.stream_loans import StreamLoans
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
@@ -543,7 +544,8 @@ class DeviceChannel:
         self.stream_names: list[str] = []
         self.sessions: dict[int, _Held] = {}
         self.imports: dict[int, tuple[str, int]] = {}  # the process's KV imports in flight: (peer, bytes) by handle
-        self.stream_loans: dict[str, int] = {}  # the stream bytes lent to the process, by peer (`core.stream_loans`)
+        self._recalls: dict[int, asyncio.Future[None]] = {}  # stream loans recalled and not answered yet, by id
+        self._recall_ids = iter(range(1, 1 << 32))
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
         self._outbox: list[StepReply] = []  # step results not sent yet, from the intake and runtime threads
@@ -575,6 +577,7 @@ class DeviceChannel:
             "ready": (tuple[int, str, tuple[str, ...]], self._ready),
             "give_import": (tuple[int], self._give_import),
             "repay_stream": (tuple[str, int], self._repay_stream),
+            "recalled": (tuple[int], self._recalled),
         }
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
@@ -729,16 +732,19 @@ class DeviceChannel:
 
     def _repay_stream(self, peer: str, nbytes: int) -> None:
         """The handler process gives back `nbytes` of `peer`'s stream loan (at most what it was lent)."""
-        nbytes = min(nbytes, self.stream_loans.get(peer, 0))
-        if nbytes <= 0:
-            return
-        left = self.stream_loans[peer] - nbytes
-        if left:
-            self.stream_loans[peer] = left
-        else:
-            del self.stream_loans[peer]
-        assert self.core.stream_loans is not None
-        self.core.stream_loans.give_back(peer, nbytes)
+        self._loans().repay(self, peer, nbytes)
+
+    def _recalled(self, recall: int) -> None:
+        """The handler process answered a recall (its repayments, sent before, are counted)."""
+        answered = self._recalls.pop(recall, None)
+        if answered is not None and not answered.done():
+            answered.set_result(None)
+
+    def _loans(self) -> StreamLoans:
+        loans = self.core.stream_loans
+        if loans is None:
+            raise RuntimeError("this core lends no stream bytes (no handler processes)")
+        return loans
 
     def _ready(self, pid: int, listen_maddr: str, stream_names: tuple[str, ...]) -> None:
         """The handler process registered its handlers: where p2pd sends its streams, and their names."""
@@ -752,8 +758,12 @@ class DeviceChannel:
             task.cancel()
         for handle in list(self.imports):  # a handler process that died mid-import gives nothing back itself
             self._give_import(handle)
-        for peer, nbytes in list(self.stream_loans.items()):  # and nothing of what it was lent
-            self._repay_stream(peer, nbytes)
+        if self.core.stream_loans is not None:  # and nothing of what it was lent
+            self.core.stream_loans.forget(self)
+        for answered in self._recalls.values():  # (what it held came back all the same)
+            if not answered.done():
+                answered.set_result(None)
+        self._recalls.clear()
         for held in list(self.sessions.values()):
             held.close.set()
         holders = [h.task for h in self.sessions.values() if h.task is not None]
@@ -891,12 +901,20 @@ class DeviceChannel:
         """Lends the handler process `nbytes` more of `peer`'s stream bytes (the core's refusal goes back as is)."""
         if nbytes <= 0:
             raise wire.FrameError(f"a stream loan of {nbytes} bytes")
-        loans = self.core.stream_loans
-        if loans is None:
-            raise RuntimeError("this core lends no stream bytes (no handler processes)")
-        loans.take(peer, nbytes)
-        self.stream_loans[peer] = self.stream_loans.get(peer, 0) + nbytes
+        await self._loans().lend(self, peer, nbytes)
         return nbytes
+
+    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+        """Asks the handler process back for idle stream loans (`stream_loans.LoanHolder`): a "recall_stream" note,
+        answered by its "recalled" after its repayments."""
+        recall = next(self._recall_ids)
+        answered = asyncio.get_running_loop().create_future()
+        self._recalls[recall] = answered
+        try:
+            self.send(wire.NOTE, 0, wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes)))
+            await answered
+        finally:
+            self._recalls.pop(recall, None)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
