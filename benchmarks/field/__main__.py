@@ -29,8 +29,8 @@ from benchmarks.wan.chain import free_port
 from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.session.stalls import DECODE_MAX_TOKENS
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
+from corolla.protocol.records import DECODE_MAX_TOKENS
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
 PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])

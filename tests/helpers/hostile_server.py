@@ -252,6 +252,12 @@ def install(
             return {"throughput": 1000.0, "inference_rps": 1e6, "forward_rps": 1e6, "network_rps": 1e6}
 
         Server.measure_throughput = measure_throughput
+        from corolla.server.core.step_rates import StepRates
+
+        def announced(self: Any) -> dict[str, float | None]:
+            return {"inference_rps": 1e6, "forward_rps": 1e6}  # a liar keeps its figures whatever its steps took
+
+        StepRates.announced = announced  # type: ignore[method-assign]
         from corolla.swarm.ping import PingAggregator
 
         original_to_dict = PingAggregator.to_dict

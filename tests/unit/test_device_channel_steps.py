@@ -33,6 +33,7 @@ from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.server.core.runtime import MAX_WATCHES, Runtime, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
+from corolla.server.core.step_rates import StepRates
 from corolla.server.handlers.device_channel import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend
 
@@ -322,17 +323,21 @@ async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
 
 
 class _Launched:
-    def __init__(self, results: list[object]) -> None:
+    def __init__(self, results: list[object], device_s: float | None = None) -> None:
         self.results = results
+        self.device_s = device_s
 
     def wait(self) -> list[object]:
         return self.results
 
 
-def test_a_launched_batch_of_units_is_handed_back_per_unit() -> None:
+def test_a_launched_batch_of_units_is_handed_back_per_unit_and_its_decode_rate_recorded() -> None:
     error = ValueError("closed")
-    pending = PendingUnits(_Launched([1, 2, error, 4]), [2, 0, 1])  # type: ignore[arg-type]
-    assert pending.wait() == [[1, 2], error, [4]]
+    rates = StepRates()
+    for _ in range(3):
+        pending = PendingUnits(_Launched([1, 2, error, 4], device_s=0.004), [2, 0, 1], rates, 4, 2)  # type: ignore[arg-type]
+        assert pending.wait() == [[1, 2], error, [4]]
+    assert rates.announced()["inference_rps"] == pytest.approx(2 / 0.004, rel=0.1)  # 2 blocks in 4 ms a step
 
 
 async def test_a_frames_steps_reach_the_executor_as_bytes_without_a_tensor(backend: SpanBackend) -> None:

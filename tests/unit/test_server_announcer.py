@@ -40,13 +40,13 @@ def records(monkeypatch):
     return fake
 
 
-def make_announcer(prefix: str, cache_left: list[int]) -> Announcer:
+def make_announcer(prefix: str, cache_left: list[int], **figures: float) -> Announcer:
     return Announcer(
         dht=None,
         dht_prefix=prefix,
         block_indices=range(2, 5),
         total_blocks=8,
-        server_info=ServerInfo(state=ServerState.JOINING, throughput=3.0),
+        server_info=ServerInfo(state=ServerState.JOINING, throughput=3.0, **figures),  # type: ignore[arg-type]
         model_info=ModelInfo(num_blocks=8),
         cache_tokens_left=lambda: cache_left[0],
         update_period_s=0.2,
@@ -153,6 +153,47 @@ async def test_load_fields_are_announced_and_bad_ones_left_out(records):
     extra = records.stored[-1][1][2]
     assert extra["sessions_active"] == 4 and extra["busy_fraction"] == 0.5
     ServerInfo.from_tuple(records.stored[-1][1])
+    await announcer.announce(ServerState.OFFLINE)
+
+
+async def test_measured_rates_replace_the_start_up_figures_which_stand_without_them(records):
+    """Each measured step rate given replaces the record's figure; a missing or bad one leaves the figure the server
+    started with (an `auto` server's start-up figure; none for `--throughput N`), and `throughput` never moves."""
+    measured: dict[str, float | None] = {}
+    # an auto server's start-up figures
+    announcer = make_announcer("model", [10], inference_rps=50.0, forward_rps=500.0)
+    announcer.rates = lambda: measured
+    announcer.start()
+    await asyncio.sleep(0.05)
+    extra = records.stored[-1][1][2]
+    assert (extra["inference_rps"], extra["forward_rps"]) == (50.0, 500.0)
+    measured.update(inference_rps=20.0, forward_rps=None)
+    await announcer.announce(ServerState.ONLINE)
+    throughput, extra = records.stored[-1][1][1:]
+    assert (throughput, extra["inference_rps"], extra["forward_rps"]) == (3.0, 20.0, 500.0)
+    measured.update(inference_rps=float("nan"), forward_rps=900.0)  # a bug must not make the record unreadable
+    await announcer.announce(ServerState.JOINING)
+    extra = records.stored[-1][1][2]
+    assert (extra["inference_rps"], extra["forward_rps"]) == (50.0, 900.0)
+    ServerInfo.from_tuple(records.stored[-1][1])
+    measured.clear()  # the measured steps expired: the start-up figures again
+    await announcer.announce(ServerState.ONLINE)
+    assert (records.stored[-1][1][2]["inference_rps"], records.stored[-1][1][2]["forward_rps"]) == (50.0, 500.0)
+    await announcer.announce(ServerState.OFFLINE)
+
+
+async def test_a_throughput_n_server_announces_measured_rates_and_none_without_them(records):
+    measured: dict[str, float | None] = {"inference_rps": 30.0, "forward_rps": 300.0}
+    announcer = make_announcer("model", [10])  # no start-up figures (`--throughput N`)
+    announcer.rates = lambda: measured
+    announcer.start()
+    await asyncio.sleep(0.05)
+    extra = records.stored[-1][1][2]
+    assert (extra["inference_rps"], extra["forward_rps"]) == (30.0, 300.0)
+    measured.clear()
+    await announcer.announce(ServerState.ONLINE)
+    extra = records.stored[-1][1][2]
+    assert extra["inference_rps"] is None and extra["forward_rps"] is None
     await announcer.announce(ServerState.OFFLINE)
 
 

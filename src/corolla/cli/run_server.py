@@ -76,7 +76,12 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--torch_dtype", default="auto", choices=TORCH_DTYPE_NAMES, help="block dtype")
     parser.add("--max_alloc_timeout", type=float, default=600, help="max seconds a session may wait for KV cache")
     parser.add("--revision", default=None, help="model revision on the Hub")
-    parser.add("--throughput", default="auto", help="tokens/s, or auto (measure once), eval (re-measure), dry_run")
+    parser.add(
+        "--throughput",
+        default="auto",
+        help="tokens/s for placement, or auto (measure once), eval (re-measure), dry_run; the step rates announced are "
+        "measured from the steps served either way",
+    )
     parser.add("--update_period", type=float, default=120, help="seconds between DHT announcements")
     parser.add("--expiration", type=float, default=None, help="TTL of DHT records (default max(2 x period, 3))")
     parser.add("--request_timeout", type=float, default=180, help="timeout of forward/backward and pushes")

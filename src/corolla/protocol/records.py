@@ -25,6 +25,12 @@ MAX_EXPIRATION_AHEAD_S = 24 * 3600.0
 MAX_INFO_STR_CHARS = 256  # public_name, version, torch_dtype, quant_type, each adapter's name, each next_pings peer
 MAX_ADAPTERS = 64
 MAX_NEXT_PINGS = 1024
+# what the step rates mean (`inference_rps`, `forward_rps`: tokens/s of one block): a step of at most this many tokens
+# is a decode step, timed as one (blocks / inference_rps, whatever its tokens); a longer one (a prompt, a replay) by its
+# tokens (tokens x blocks / forward_rps). Clients time steps so (client.session.stalls), servers measure them so
+# (server.core.step_rates)
+DECODE_MAX_TOKENS = 8
+RATE_FIELDS = ("inference_rps", "forward_rps")  # the step rates a server measures as it serves (decision 0165)
 # corolla's optional load fields: left out of the tuple when None, so a record without them is what Petals writes
 LOAD_FIELDS = ("sessions_active", "busy_fraction", "tokens_served", "num_moves", "moving_to")
 

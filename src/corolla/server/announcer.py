@@ -1,6 +1,7 @@
 """The server's DHT heartbeat: announces its `ServerInfo` for every block it holds (JOINING on start, ONLINE once
 its handlers answer, OFFLINE on shutdown), refreshed every `update_period_s` with `expiration_s`, with live
-`cache_tokens_left`, `next_pings` and load fields, plus the `_petals.models` record unless the prefix starts with `_`.
+`cache_tokens_left`, `next_pings`, load fields and step rates (`inference_rps`, `forward_rps` as measured from the
+steps it served, decision 0165), plus the `_petals.models` record unless the prefix starts with `_`.
 While ONLINE it also re-announces early (no new pings) when its free cache moved much since its last record
 (`swarm.early_announce`, rate-bounded), so that clients do not route onto room it no longer has."""
 
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
+from corolla.protocol.records import LOAD_FIELDS, RATE_FIELDS, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm import records_io
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S, EarlyAnnounce
@@ -44,6 +45,7 @@ class Announcer:
         cache_tokens_left: Callable[[], int],
         update_period_s: float,
         load: Callable[[], Mapping[str, Any]] | None = None,
+        rates: Callable[[], Mapping[str, float | None]] | None = None,
         expiration_s: float,
         p2p: Any = None,
         local_peer_id: str | None = None,
@@ -60,6 +62,11 @@ class Announcer:
         self.model_info = model_info
         self.cache_tokens_left = cache_tokens_left
         self.load = load  # the server's load fields (`protocol.records.LOAD_FIELDS`), read at each announcement
+        # the step rates measured from the steps it served (`server.core.step_rates`), read at each announcement: each
+        # one given replaces the record's figure; where none is given, the figure it started with (start-up's, or
+        # none with `--throughput N`) stands
+        self.rates = rates
+        self._startup_rates = {name: getattr(server_info, name) for name in RATE_FIELDS}
         self.update_period_s = update_period_s
         self.expiration_s = expiration_s
         self.p2p = p2p
@@ -197,6 +204,8 @@ class Announcer:
         self._cache_capacity = max(self._cache_capacity, self.server_info.cache_tokens_left)
         if self.load is not None:
             self._apply_load(self.load())
+        if self.rates is not None:
+            self._apply_rates(self.rates())
         if state != ServerState.OFFLINE:
             if ping:
                 await self._ping_next_servers()
@@ -234,6 +243,17 @@ class Announcer:
             except (TypeError, ValueError) as e:
                 logger.warning(f"announcer.bad_load_field(name={name}): {e}")
                 setattr(self.server_info, name, previous)
+
+    def _apply_rates(self, rates: Mapping[str, float | None]) -> None:
+        """Puts each measured rate on the record (a missing or bad one: the start-up figure, or none)."""
+        for name in RATE_FIELDS:
+            value = rates.get(name)
+            setattr(self.server_info, name, self._startup_rates[name] if value is None else float(value))
+            try:
+                self.server_info.__post_init__()
+            except (TypeError, ValueError) as e:
+                logger.warning(f"announcer.bad_rate(name={name}): {e}")
+                setattr(self.server_info, name, self._startup_rates[name])
 
     async def _ping_next_servers(self) -> None:
         if self.p2p is None or not self.next_uids:

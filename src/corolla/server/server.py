@@ -345,6 +345,9 @@ class Server:
             model_info=self._model_info(),
             cache_tokens_left=self._cache_tokens_left,
             load=lambda: self.seat.load_fields(self.service) if self.seat else {},
+            # the test-only slowdown announces the slower device's figures (`slowed_throughput`): its steps' own
+            # times are this device's, so they do not replace them
+            rates=self._step_rates if block_delay_s() is None else None,
             update_period_s=c.update_period_s,
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
@@ -430,6 +433,12 @@ class Server:
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
+
+    def _step_rates(self) -> dict[str, float | None]:
+        """The step rates the span's engine measured from the steps it served (`server.core.step_rates`; none before
+        it serves): announced in place of the start-up figures, which stay for placement (`throughput`)."""
+        service = self.service
+        return {} if service is None else service.executor.rates.announced()
 
     def _cache_tokens_left(self) -> int:
         """Announced cache_tokens_left (K or V of one token in one block): the whole budget until serving, then the

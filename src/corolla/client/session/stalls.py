@@ -18,9 +18,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from corolla.protocol.records import DECODE_MAX_TOKENS
+
 STALL_FACTOR = 4.0  # a step this many times slower than the span's slowest recent step is suspect
 STALL_MIN_S = 1.0  # never suspect sooner: a busy CPU, a GC pause or a batch on the server can take this long
-DECODE_MAX_TOKENS = 8  # steps sending more tokens (prefills, replays) are timed by their tokens, not by decode steps
 STEP_TIMES_KEPT = 16  # recent step times a deadline is derived from
 LATE_BUDGET_S = 8.0  # a span's steps may run this long past their deadlines (net of the leak) before it is moved
 LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a server late 10% of the time is kept
@@ -30,7 +31,7 @@ SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes thi
 # server behind a busy queue meets (its own figures come from an idle device)
 LONG_STEP_MIN_S = 4.0
 SLOW_LINK_BYTES_PER_S = 1e6  # 8 Mbit/s: a slow home uplink, which the client's tensors cross on top of the compute
-# No step's deadline is longer (bytes aside): a server announcing a tiny rate (or none, `--throughput N` servers) may
+# No step's deadline is longer (bytes aside): a server announcing a tiny rate (or none: before its first steps) may
 # not hold a step for `request_timeout_s` (minutes); with the late budget, a step waits at most this + `LATE_BUDGET_S`
 # where another server holds the blocks
 STEP_MAX_S = 60.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
 from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, SHADOW_LEAD_AFTER_S, Runtime, Task
+from corolla.server.core.step_rates import StepRates
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
@@ -125,6 +127,7 @@ class EngineExecutor:
         self._merge_key = ("engine", id(engine))
         self._shadow_merge_key = ("engine_shadow", id(engine))  # shadow steps that cannot ride (`step_task`)
         self.inference_tokens = 0  # tokens of every inference batch run (in the runtime thread; the metrics read it)
+        self.rates = StepRates()  # the decode and prefill rates its batches ran at (the announcer reads them)
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
         # every step of this batch would wait for
@@ -307,14 +310,19 @@ class EngineExecutor:
     def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
         requests, sizes = _requests(tasks)
         self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
-        return regroup(execute_steps(self.engine, requests), sizes)
+        started = time.perf_counter()
+        results = execute_steps(self.engine, requests)  # (its outputs are on the CPU: the device's work is done)
+        self.rates.record_batch(requests, time.perf_counter() - started)
+        return regroup(results, sizes)
 
     def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
         requests, sizes = _requests(tasks)
         pending = launch_steps(self.engine, requests)
-        if pending is not None:  # (else the executor runs them: counted there)
-            self.inference_tokens += pending.rows
-        return None if pending is None else PendingUnits(pending, sizes)
+        if pending is None:  # (the executor runs them: counted there)
+            return None
+        self.inference_tokens += pending.rows
+        # a launched forward holds decode steps of one layer range (`SpanEngine.can_launch`)
+        return PendingUnits(pending, sizes, self.rates, len(requests), requests[0].session.num_layers)
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
@@ -528,18 +536,24 @@ def regroup(results: Sequence[StepResult], sizes: UnitSizes | None) -> list[Step
 
 
 class PendingUnits:
-    """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`)."""
+    """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`) and
+    records the forward's decode rate (`StepRates.record_decode`: its steps over its blocks in its device seconds)."""
 
-    def __init__(self, pending: PendingSteps, sizes: UnitSizes | None):
+    def __init__(self, pending: PendingSteps, sizes: UnitSizes | None, rates: StepRates, steps: int, blocks: int):
         self._pending = pending
         self._sizes = sizes
+        self._rates, self._steps, self._blocks = rates, steps, blocks
 
     @property
     def device_s(self) -> float | None:
         return self._pending.device_s
 
     def wait(self) -> list[StepResult | list[StepResult]]:
-        return regroup(self._pending.wait(), self._sizes)
+        results = self._pending.wait()
+        device_s = self._pending.device_s
+        if device_s is not None:  # the forward's own seconds on the device
+            self._rates.record_decode(self._steps, self._blocks, device_s)
+        return regroup(results, self._sizes)
 
 
 _UNIT_TYPES = frozenset({StepRequest, StepGroup})  # (exact types: neither has subclasses)

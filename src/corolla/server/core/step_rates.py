@@ -1,0 +1,127 @@
+"""The step rates a server announces, measured from the steps it serves (decision 0165): `inference_rps` from decode
+steps (1 to `DECODE_MAX_TOKENS` tokens: a step's blocks over the seconds its batch took on the device, which is what
+one session's step waited, however many others rode that forward) and `forward_rps` from long steps (prompts,
+replays: a step's tokens x blocks over its batch's seconds), both per block, Petals' units and the meaning clients
+give them (`client.session.stalls` times a decode step by blocks / `inference_rps` and a long step by its tokens x
+blocks / `forward_rps`; routes price a block by 1 / `inference_rps`). So a server is timed and routed by what it does
+now, not by nothing (`--throughput N`) nor only by a start-up figure from an idle device.
+
+Each rate is a quantile over the steps of the last `WINDOW_S` (weighted by steps: a merged batch of 64 counts as 64
+steps that waited as long): `SLOW_QUANTILE` of the steps ran at least as fast as the figure. A burst of slow steps
+moves it only once it is over a quarter of the window's steps, a burst of fast ones only once it is three quarters;
+old steps are forgotten, so a figure that got the server routed around expires with them (`announced` gives None
+again: the start-up figure, or none, stands) instead of holding forever. Samples are counted in log-spaced bins
+(`BINS_PER_OCTAVE`, rounded down: the figure errs slow by under 9%) in time buckets, so memory and the cost of an
+announcement do not grow with the step rate.
+
+`record_batch` runs in the device thread once per batch; `announced` in the announcer's loop (a lock between)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from corolla.engine.step_request import StepRequest
+from corolla.protocol.records import DECODE_MAX_TOKENS
+
+WINDOW_S = 300.0  # steps older than this no longer count (5 announcements at Petals' default 60 s update period)
+BUCKET_S = 30.0  # the window's granularity: a step is forgotten between WINDOW_S and WINDOW_S + BUCKET_S after it ran
+SLOW_QUANTILE = 0.25  # the announced rate is this quantile of the steps' rates: 3 in 4 steps ran at least as fast
+MIN_STEPS = 3  # a rate with fewer steps in the window is not announced (None)
+BINS_PER_OCTAVE = 8  # rate bins 2**(1/8) (9%) wide
+# rates outside are not binned (a clock that went backwards, a batch timed at ~0 s): the records' figures must be
+# finite and positive, and no block runs a billion tokens a second
+MIN_RATE = 1e-6
+MAX_RATE = 1e9
+
+
+class RateWindow:
+    """Steps' rates of one kind over the last `window_s`: per time bucket, the weight (steps) in each rate bin."""
+
+    def __init__(self, window_s: float = WINDOW_S, bucket_s: float = BUCKET_S):
+        self.bucket_s = bucket_s
+        self.num_buckets = max(1, math.ceil(window_s / bucket_s))
+        self._buckets: deque[tuple[int, dict[int, int]]] = deque()  # (bucket index, rate bin -> steps), oldest first
+
+    def add(self, rate: float, steps: int, now_s: float) -> None:
+        if not MIN_RATE <= rate <= MAX_RATE or steps <= 0:
+            return
+        index = int(now_s // self.bucket_s)
+        if not self._buckets or self._buckets[-1][0] != index:
+            self._buckets.append((index, {}))
+            self._forget(index)
+        bins = self._buckets[-1][1]
+        key = math.floor(math.log2(rate) * BINS_PER_OCTAVE)
+        bins[key] = bins.get(key, 0) + steps
+
+    def quantile(self, q: float, now_s: float, min_steps: int = MIN_STEPS) -> float | None:
+        """The rate (the lower edge of its bin) that a share `q` of the window's steps ran under or at; None with
+        fewer than `min_steps` steps in the window."""
+        self._forget(int(now_s // self.bucket_s))
+        merged: dict[int, int] = {}
+        for _, bins in self._buckets:
+            for key, steps in bins.items():
+                merged[key] = merged.get(key, 0) + steps
+        total = sum(merged.values())
+        if total < max(min_steps, 1):
+            return None
+        seen = 0
+        for key in sorted(merged):
+            seen += merged[key]
+            if seen >= q * total:
+                return float(2.0 ** (key / BINS_PER_OCTAVE))
+        return None  # (unreachable: q <= 1)
+
+    def _forget(self, index: int) -> None:
+        while self._buckets and self._buckets[0][0] <= index - self.num_buckets:
+            self._buckets.popleft()
+
+
+class StepRates:
+    """The live `inference_rps` and `forward_rps` of one span's engine (see the module docstring)."""
+
+    def __init__(self, window_s: float = WINDOW_S, bucket_s: float = BUCKET_S):
+        self._decode = RateWindow(window_s, bucket_s)
+        self._prefill = RateWindow(window_s, bucket_s)
+        self._lock = threading.Lock()
+
+    def record_decode(self, steps: int, blocks: int, seconds: float) -> None:
+        """A batch of `steps` decode steps over `blocks` blocks that took `seconds` (a launched forward's)."""
+        if seconds > 0:
+            with self._lock:
+                self._decode.add(blocks / seconds, steps, time.monotonic())
+
+    def record_batch(self, requests: Sequence[StepRequest], seconds: float) -> None:
+        """A batch of step requests that ran for `seconds` (each waited for all of it: the runtime answers a batch
+        at its end): a prefill sample per long step (more than `DECODE_MAX_TOKENS` tokens: its tokens x blocks over
+        the batch's seconds), else one decode sample for its steps of 1 to `DECODE_MAX_TOKENS` tokens (a client
+        times them all as decode steps). Decode steps that waited for a long step say nothing of decode: not counted;
+        zero-token steps (probes) compute nothing: not counted."""
+        if seconds <= 0 or not requests:
+            return
+        tokens = [request.num_tokens for request in requests]  # (one pass: this runs per batch in the device thread)
+        now_s = time.monotonic()
+        if max(tokens) > DECODE_MAX_TOKENS:
+            with self._lock:
+                for request, num_tokens in zip(requests, tokens, strict=True):
+                    if num_tokens > DECODE_MAX_TOKENS:
+                        self._prefill.add(num_tokens * request.session.num_layers / seconds, 1, now_s)
+            return
+        decode_steps = len(tokens) - tokens.count(0)
+        if decode_steps:
+            # the first step's blocks: a batch's sessions cover the same blocks unless clients entered mid-span (their
+            # forwards then run one after another, and the figure errs slow or fast by that share)
+            with self._lock:
+                self._decode.add(requests[0].session.num_layers / seconds, decode_steps, now_s)
+
+    def announced(self) -> dict[str, float | None]:
+        """`{"inference_rps": ..., "forward_rps": ...}` now (None: too few steps in the window)."""
+        now_s = time.monotonic()
+        with self._lock:
+            return {
+                "inference_rps": self._decode.quantile(SLOW_QUANTILE, now_s),
+                "forward_rps": self._prefill.quantile(SLOW_QUANTILE, now_s),
+            }
