@@ -237,26 +237,11 @@ class TaskQueue:
     def push(self, task: Task, *, notify: bool = True) -> None:
         """Queues `task`; `notify=False` leaves waking the consumer to a later `wake()` (the runtime wakes it once
         per event-loop iteration, so the steps submitted in one iteration are popped together)."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("The runtime is stopped; it accepts no new tasks")
-            self._seq += 1
-            task.seq = self._seq
-            self._steps += task.steps
-            if not task.lead_after:
-                self._led_pushed_s = task.submitted_at
-            if self._watches:
-                self._count_back(task)
-            # (`sort_key`'s tuple and the task, built at once: a push per decode step)
-            heapq.heappush(
-                self._heap, (task.priority, task.ranks_at or task.lead_after or task.submitted_at, task.seq, task)
-            )
-            if notify and self._steps >= self._wanted:
-                self.num_wakeups += 1
-                self._cond.notify()
+        self.push_many((task,), notify=notify)
 
-    def push_many(self, tasks: list[Task]) -> None:
-        """Queues `tasks` in order under one hold of the lock, then wakes the consumer once (all or none queued)."""
+    def push_many(self, tasks: Sequence[Task], *, notify: bool = True) -> None:
+        """Queues `tasks` in order under one hold of the lock, then wakes the consumer once (all or none queued),
+        unless `notify` is False (`push`)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
@@ -269,9 +254,10 @@ class TaskQueue:
                     self._led_pushed_s = task.submitted_at
                 if self._watches:
                     self._count_back(task)
-                heapq.heappush(heap, (*task.sort_key, task))
+                # (`sort_key`'s tuple and the task, built at once: a push per decode step)
+                heapq.heappush(heap, (task.priority, task.ranks_at or task.lead_after or task.submitted_at, seq, task))
             self._seq, self._steps = seq, steps
-            if steps >= self._wanted:
+            if notify and steps >= self._wanted:
                 self.num_wakeups += 1
                 self._cond.notify()
 
