@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from corolla.cli.run_dht import INITIAL_PEER_PREFIX, build_parser, config_from_args
+from corolla.cli.run_dht import build_parser, config_from_args
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, run_in_dht, shutdown_dht
+from corolla.swarm.local import DHT_PEER_PREFIX
 
 START_TIMEOUT_S = 60.0  # generous: four processes import torch at once on a loaded 2-core machine
 EXIT_TIMEOUT_S = 10.0
@@ -134,7 +135,7 @@ def procs():
 
 
 def start_dht_node(proc: Proc) -> tuple[Proc, list[str], set[int]]:
-    maddrs = proc.wait_for_lines(INITIAL_PEER_PREFIX, START_TIMEOUT_S)
+    maddrs = proc.wait_for_lines(DHT_PEER_PREFIX, START_TIMEOUT_S)
     family = descendants(proc.popen.pid)
     assert any(comm(pid) == "p2pd" for pid in family), "the DHT's p2pd should run under corolla-dht"
     return proc, maddrs, family

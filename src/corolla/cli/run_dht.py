@@ -24,6 +24,7 @@ from corolla.swarm.dht import (
     run_in_dht,
     shutdown_dht,
 )
+from corolla.swarm.local import DHT_PEER_PREFIX
 from corolla.swarm.membership import SwarmKey, load_swarm_key
 from corolla.swarm.reachability import attach_reachability_protocol
 from corolla.utils.interrupts import event_wait
@@ -31,7 +32,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger("corolla.cli.run_dht")  # not __name__: it is "__main__" under `python -m`
 
-INITIAL_PEER_PREFIX = "corolla-dht: initial peer: "
 REFRESH_TIMEOUT_S = 30.0
 
 
@@ -140,7 +140,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         maddrs = get_visible_maddrs(dht)
         for maddr in maddrs:
-            print(f"{INITIAL_PEER_PREFIX}{maddr}", flush=True)
+            print(f"{DHT_PEER_PREFIX}{maddr}", flush=True)
         print(f"corolla-dht: to join this swarm, pass --initial_peers {' '.join(maddrs)}", flush=True)
         if config.is_public:
             attach_reachability_protocol(dht)

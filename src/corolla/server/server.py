@@ -39,6 +39,7 @@ from corolla.server.span_service import SpanService
 from corolla.server.swarm_seat import SwarmSeat
 from corolla.server.throughput import get_server_throughput
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs, shutdown_dht
+from corolla.swarm.local import ready_line
 from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability, validate_reachability
 from corolla.utils import busy_poll
@@ -48,7 +49,6 @@ from corolla.utils.long_lived import freeze_long_lived, thaw_long_lived
 
 logger = get_logger(__name__)
 
-READY_PREFIX = "corolla-server: ready"
 MAX_CONSECUTIVE_FAILURES = 5
 DRAIN_POLL_S = 0.02
 
@@ -406,11 +406,7 @@ class Server:
             self.metrics.blocks_served(len(block_indices))
             self.metrics.set_cache(0, executor.max_size_bytes)
             await announcer.announce(ServerState.ONLINE)
-            print(
-                f"{READY_PREFIX} peer_id={self.peer_id} blocks={block_indices.start}:{block_indices.stop} "
-                f"initial_peers={' '.join(self.join_maddrs)}",
-                flush=True,
-            )
+            print(ready_line(str(self.peer_id), block_indices.start, block_indices.stop, self.join_maddrs), flush=True)
             logger.info(
                 f"server.online(blocks={block_indices.start}:{block_indices.stop}, "
                 f"throughput={announcer.server_info.throughput:.1f}, join={' '.join(self.join_maddrs)})"

@@ -21,6 +21,12 @@ SERVER_READY_PREFIX = "corolla-server: ready"
 _READY_RE = re.compile(r"peer_id=(\S+) blocks=(\d+):(\d+) initial_peers=(.+)$")
 
 
+def ready_line(peer_id: str, start_block: int, end_block: int, initial_peers: Sequence[str]) -> str:
+    """The line a server prints once it serves its blocks (`ServerProcess.wait_ready` parses it)."""
+    peers = " ".join(initial_peers)
+    return f"{SERVER_READY_PREFIX} peer_id={peer_id} blocks={start_block}:{end_block} initial_peers={peers}"
+
+
 @dataclass(frozen=True)
 class LocalSwarmConfig:
     """How children are started: flags for every server (before each call's own), extra environment, where their
