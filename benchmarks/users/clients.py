@@ -187,10 +187,10 @@ class CorollaStream:
         prefix: str,
         timeout_s: float,
     ):
+        from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
         from corolla.client.config import ClientConfig
         from corolla.client.routing.sequence_manager import RemoteSequenceManager
         from corolla.client.session.forwarding import StepForwarding
-        from corolla.client.session.inference_session import DUMMY, DUMMY_INT64
         from corolla.client.session.span_session import SpanSession, steps_in_flight
         from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
         from corolla.protocol.uids import make_uid
@@ -211,7 +211,7 @@ class CorollaStream:
             self.manager, RemoteSpanInfo(peer_id_b58, 0, num_blocks, info), max_length
         )
         self.forwarding = StepForwarding(config.server_forwarding)  # InferenceSession's step ids (next_step_id)
-        self._dummy, self._dummy_int64, self._steps_in_flight = DUMMY, DUMMY_INT64, steps_in_flight
+        self._dummy, self._dummy_int64, self._steps_in_flight = NO_PROMPTS, NO_HYPO_IDS, steps_in_flight
 
     async def open(self) -> CorollaStream:
         await self.session.open()

@@ -21,11 +21,11 @@ from tests.unit.test_client_distrust import Server
 
 from benchmarks.field.catch_rate import escape_probability
 from corolla.client import background_loop
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.routing.findings import Finding, decode_finding, encode_finding
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.shadows import (
     DEFAULT_SHADOW_FRACTION,
-    NO_TENSOR,
     SHADOW_BATCH_ROWS,
     SHADOW_CHUNK_TOKENS,
     Mirrored,
@@ -434,7 +434,7 @@ def test_the_inputs_replayed_are_rebuilt_as_the_replica_holds_them() -> None:
         first = 0 if index == 0 else max(0, end - rng.choice([0, 0, 1, 3, 16]))  # rollbacks now and then
         length = 5 if index == 0 else rng.choice([1, 1, 2, 16])
         hypo_ids = torch.randint(0, 3, (3,), generator=generator) if index and rng.random() < 0.2 else None
-        step = Mirrored(torch.randn(3, length, HIDDEN, generator=generator), NO_TENSOR, first, hypo_ids)
+        step = Mirrored(torch.randn(3, length, HIDDEN, generator=generator), NO_PROMPTS, first, hypo_ids)
         if hypo_ids is not None:
             expected[:, :first] = expected[hypo_ids, :first]
         expected[:, first : first + length] = step.inputs

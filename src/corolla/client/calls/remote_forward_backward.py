@@ -34,6 +34,8 @@ from corolla.protocol.records import RemoteSpanInfo
 
 _NONE = runtime_pb2.CompressionType.NONE
 _FLOAT16 = runtime_pb2.CompressionType.FLOAT16
+# Petals' dummies: what a request carries for no deep prompts, and a step for no beam reordering (hypo_ids)
+NO_PROMPTS, NO_HYPO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
 # the serialized form of each empty tensor kind sent so far (every decode step sends two: no deep prompts, no
 # hypo_ids); keyed by everything serialize_tensor writes for an empty tensor
 _EMPTY_TENSORS: dict[tuple[torch.dtype, tuple[int, ...], bool], runtime_pb2.Tensor] = {}

@@ -20,6 +20,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, reply_limit_bytes
+from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.span_session import SpanSession
 from corolla.protocol import handoff as wire
@@ -179,7 +180,7 @@ def _empty_step(old: SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.
     """A zero-token step's tensors `[B, 0, H]` (+ dummies), its args structure and the empty inputs."""
     assert old.history is not None
     empty = old.history[:, :0]  # [B, 0, H]
-    tensors, structure = pack_args_kwargs(empty, torch.empty(0), torch.empty(0, dtype=torch.int64))
+    tensors, structure = pack_args_kwargs(empty, NO_PROMPTS, NO_HYPO_IDS)
     return [serialize_tensor(t, NONE) for t in tensors], structure, empty
 
 
@@ -238,7 +239,7 @@ async def _import(
     new.position = header.position
     empty = old.history[:, :0]  # [B, 0, H]
     request, inputs, send_from = new.build_request(
-        empty, header.position, header.position, torch.empty(0), torch.empty(0, dtype=torch.int64),
+        empty, header.position, header.position, NO_PROMPTS, NO_HYPO_IDS,
         str(uuid.uuid4()), NONE, {wire.IMPORT_KEY: header.to_dict()},
     )  # fmt: skip
     new.started = True

@@ -18,6 +18,7 @@ import torch
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -34,9 +35,6 @@ from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-DUMMY = torch.empty(0)
-DUMMY_INT64 = torch.empty(0, dtype=torch.int64)
 
 
 class InferenceSession:
@@ -242,7 +240,7 @@ class InferenceSession:
                     hidden_from,
                     position=position,
                     prompts=span_prompts,
-                    hypo_ids=DUMMY_INT64,
+                    hypo_ids=NO_HYPO_IDS,
                     step_id=step_id,
                     extra=self.forwarding.request_extra(spans, span_index, position, step_id, allowed=False),
                 )
@@ -306,7 +304,7 @@ class InferenceSession:
                     hidden_from,
                     position=position,
                     prompts=span_prompts,
-                    hypo_ids=hypo_ids if hypo_ids is not None else DUMMY_INT64,
+                    hypo_ids=hypo_ids if hypo_ids is not None else NO_HYPO_IDS,
                     step_id=step_id,
                     extra=self.forwarding.request_extra(self._spans, index, position, step_id, allowed=may_forward),
                 )
@@ -362,7 +360,7 @@ class InferenceSession:
         cache is behind) needs the prompts of position 0."""
         source = self._zero_prompts if min(span_session.position, position) == 0 else prompts
         if source is None:
-            return DUMMY
+            return NO_PROMPTS
         return source[span_session.span.start - self.start : span_session.span.end - self.start]
 
     async def _replace_spans(

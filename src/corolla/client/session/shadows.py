@@ -55,6 +55,7 @@ from typing import Literal
 import torch
 
 from corolla.client import background_loop
+from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.span_session import SpanSession
@@ -70,7 +71,6 @@ SHADOW_CHUNK_TOKENS = 64  # the most tokens (x batch) of one shadow step: a repl
 SHADOW_BATCH_ROWS = 16  # mirrored positions (x batch) sent to the replica together (module docstring)
 MAX_SHADOW_LAG_STEPS = 4096  # mirrored steps a slow replica may have queued; past it the shadow is given up
 FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its shadows to catch up (the rest is not checked)
-NO_TENSOR, NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
 
 ShadowState = Literal["mirroring", "agreed", "caught", "referee_lied", "undecided", "failed", "dropped"]
 
@@ -202,11 +202,11 @@ class Shadow:
             self.prompts = self.prompts[:, step.hypo_ids]  # row i now holds row hypo_ids[i]'s prompted states
         if step.first == 0:
             self.prompts = step.prompts
-        self.replayed.append(Mirrored(step.inputs, NO_TENSOR, step.first, step.hypo_ids))  # (not its outputs)
+        self.replayed.append(Mirrored(step.inputs, NO_PROMPTS, step.first, step.hypo_ids))  # (not its outputs)
         self.replayed_positions += step.inputs.shape[1]
         self.sent_length = step.first + step.inputs.shape[1]
         if self.replayed_positions > 2 * self.sent_length + SHADOW_CHUNK_TOKENS:
-            self.replayed = [Mirrored(self.replayed_inputs(), NO_TENSOR, 0)]
+            self.replayed = [Mirrored(self.replayed_inputs(), NO_PROMPTS, 0)]
             self.replayed_positions = self.sent_length
 
     def replayed_inputs(self) -> torch.Tensor:
@@ -375,7 +375,7 @@ class ShadowVerifier:
         session = shadow.session
         batch, length, _ = step.inputs.shape
         chunk = max(1, SHADOW_CHUNK_TOKENS // batch)
-        prompts = NO_TENSOR if step.prompts is None else step.prompts
+        prompts = NO_PROMPTS if step.prompts is None else step.prompts
         outputs = []
         start = 0
         while start < length:
@@ -385,8 +385,8 @@ class ShadowVerifier:
             extra = {SHADOW_KEY: True} if session.position == 0 and position == 0 else {}
             out, _ = await session.step(
                 step.inputs[:, start:end], position, position=position,
-                prompts=prompts if first_chunk else NO_TENSOR,
-                hypo_ids=step.hypo_ids if step.hypo_ids is not None and first_chunk else NO_IDS,
+                prompts=prompts if first_chunk else NO_PROMPTS,
+                hypo_ids=step.hypo_ids if step.hypo_ids is not None and first_chunk else NO_HYPO_IDS,
                 step_id=str(uuid.uuid4()), extra=extra,
             )  # fmt: skip
             outputs.append(out)

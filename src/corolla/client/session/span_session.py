@@ -27,7 +27,12 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, read_output, reply_limit_bytes
-from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
+from corolla.client.calls.remote_forward_backward import (
+    NO_HYPO_IDS,
+    NO_PROMPTS,
+    open_socket_stream,
+    serialize_activations,
+)
 from corolla.client.calls.retries import PushedReplyRejected, ServerTooSlow, has_alternative
 from corolla.client.calls.step_request import step_payload, uid_field
 from corolla.client.config import ClientConfig
@@ -69,7 +74,6 @@ def _packed_tuples(value: Any) -> Any:
 # `args_structure` of (inputs, prompts, hypo_ids) as three distinct tensors: ((b"__T0", b"__T1", b"__T2"), {})
 _STEP_ARGS_STRUCTURE = _packed_tuples(pack_args_kwargs(torch.empty(0), torch.empty(0), torch.empty(0))[1])
 
-_NO_TENSOR, _NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)  # a probe's prompts and hypo_ids
 
 _steps_in_flight = 0  # inference steps of this process running now (any session, any thread)
 _steps_lock = threading.Lock()
@@ -455,7 +459,7 @@ class SpanSession:
         compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
         empty = like[:, :0]  # [B, 0, H]
         request, _, _ = self.build_request(
-            empty, 0, 0, _NO_TENSOR, _NO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
+            empty, 0, 0, NO_PROMPTS, NO_HYPO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
         )
         self.started = True
         self.step_tokens = 0

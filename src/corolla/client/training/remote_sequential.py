@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from corolla.client import background_loop
-from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
 from corolla.client.calls.retries import RetryBudget
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.inference_session import DUMMY, InferenceSession
+from corolla.client.session.inference_session import InferenceSession
 from corolla.client.verification.step_verifier import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -33,7 +33,7 @@ async def _retry(budget: RetryBudget, peer_id: str | None, error: Exception, blo
 
 
 def _prompt_slice(prompts: torch.Tensor, span: RemoteSpanInfo, start: int) -> torch.Tensor:
-    return prompts[span.start - start : span.end - start] if prompts.numel() else DUMMY
+    return prompts[span.start - start : span.end - start] if prompts.numel() else NO_PROMPTS
 
 
 async def sequential_forward(
@@ -188,7 +188,7 @@ class RemoteSequential(nn.Module):
         if self.active_session is not None:
             return self.active_session.step(inputs, prompts)
         if prompts is None:
-            prompts = DUMMY.to(inputs.dtype)
+            prompts = NO_PROMPTS.to(inputs.dtype)
         elif prompts.ndim != 4 or prompts.shape[0] != len(self) or prompts.shape[1] not in (1, inputs.shape[0]):
             raise ValueError(
                 f"deep prompts must be [num_blocks={len(self)}, batch or 1, prefix, hidden], got {list(prompts.shape)}"

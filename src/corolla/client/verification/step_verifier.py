@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from corolla.client.calls.output_checks import BadServerOutput, comparison_rtol, relative_error
-from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteSpanInfo
@@ -26,7 +26,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 LONE_TRUST_STEPS = 64  # verified outputs in a row that agreed with other servers: trusted when no other is left
-DUMMY = torch.empty(0)
 
 
 class UnverifiableOutput(ConnectionError):
@@ -70,7 +69,7 @@ class StepVerifier:
         return error <= rtol, error
 
     async def verify(
-        self, span: RemoteSpanInfo, inputs: torch.Tensor, outputs: torch.Tensor, *, prompts: torch.Tensor = DUMMY
+        self, span: RemoteSpanInfo, inputs: torch.Tensor, outputs: torch.Tensor, *, prompts: torch.Tensor = NO_PROMPTS
     ) -> None:
         """`inputs` [B, n, H]: the span's inputs for positions [0, n); `outputs` [B, m, H] (as the server sent them):
         its claimed outputs for positions [n - m, n)."""
@@ -90,7 +89,7 @@ class StepVerifier:
         grad_inputs: torch.Tensor,
         grad_prompts: torch.Tensor | None,
         *,
-        prompts: torch.Tensor = DUMMY,
+        prompts: torch.Tensor = NO_PROMPTS,
     ) -> None:
         """A training step's backward: the gradients wrt inputs [B, T, H] and deep prompts (or None) claimed by the
         span's server for `inputs` and `grad_outputs` [B, T, H]; each is compared on its own."""

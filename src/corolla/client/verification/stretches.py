@@ -18,15 +18,13 @@ from typing import Literal
 import torch
 
 from corolla.client.calls.output_checks import comparison_rtol
-from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-NO_PROMPTS = torch.empty(0)  # Petals' dummy: a stretch without deep prompts
 
 
 def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
