@@ -76,6 +76,8 @@ class Drainer(FakeServer):
     `exported_cache(position)` in `Importer`'s layout when the client asks for the session's cache."""
 
     drain_s = 5.0
+    header_delay_s = 0.0  # its export's header comes this late (it still answers pings: a stalling exporter)
+    parts_delay_s = 0.0  # and its parts this long after the header
 
     async def _serve(self, requests):
         watch = ExportWatch()
@@ -94,7 +96,9 @@ class Drainer(FakeServer):
             position=position, batch_size=1, start_block=self.start, end_block=self.end, num_messages=1,
             total_bytes=wire.message_bytes(cache),
         )  # fmt: skip
+        await asyncio.sleep(self.header_delay_s)
         yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))
+        await asyncio.sleep(self.parts_delay_s)
         yield runtime_pb2.ExpertResponse(tensors=cache)
 
     def exported_cache(self, position: int) -> list[torch.Tensor]:

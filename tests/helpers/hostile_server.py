@@ -12,7 +12,8 @@ Environment:
   or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
   `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris); or
   `slow_import`: a KV hand-off's import taken, then its answer (the session's first) held `COROLLA_HOSTILE_SLOW_S`
-  seconds while the server answers pings;
+  seconds while the server answers pings; or `slow_export`: a draining server's KV export (its header, then its
+  parts) held `COROLLA_HOSTILE_SLOW_S` seconds while it answers pings;
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
   switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes);
@@ -45,7 +46,7 @@ import torch
 
 MODES = (
     "honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "slow",
-    "slow_import",
+    "slow_import", "slow_export",
 )  # fmt: skip
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -223,6 +224,17 @@ def install(
             await asyncio.sleep(trigger.slow_s)
 
     SessionHandoff.import_kv = import_kv
+    original_export = SessionHandoff.export
+
+    async def export(self: Any, *args: Any, **kwargs: Any) -> Any:
+        held = trigger.lie() == "slow_export"  # the cache read as usual; its first message waits (the loop stays free)
+        async for response in original_export(self, *args, **kwargs):
+            if held:
+                await asyncio.sleep(trigger.slow_s)
+                held = False
+            yield response
+
+    SessionHandoff.export = export
     # a handler process (`--num_handlers` > 1) starts from a forkserver, not from this process: its entry point
     # installs the lies there first (a function of this module by its importable name: the process pickles it)
     span_service.handler_main = importlib.import_module(__spec__.name).handler_main

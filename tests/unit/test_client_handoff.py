@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from corolla.client.routing import sequence_manager
@@ -105,4 +106,28 @@ def test_a_replacement_that_takes_the_import_and_stalls_its_answer_is_left_for_t
     assert len(records) == 1 and records[0].to_peer == "D", records
     assert servers["B"].imports == 1 and servers["D"].imports == 1
     assert "B" in manager.avoided_peers() and not manager.bans.banned_peers()
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stalls_at", ["header", "parts"])
+def test_a_draining_server_that_stalls_its_export_is_left_for_a_replay(monkeypatch, stalls_at):
+    """The draining server, announcing 60 s left, holds its export's header (or its parts) 120 s while it answers
+    pings: the export has a step's deadline (its header a zero-token step's, its parts the bytes at the slow-link rate
+    plus that), then the late budget, then the hand-off fails and the span's history is replayed on D; the outputs are
+    the reference's. Before (decision 0168), the export had no deadline of its own: the hand-off waited the notice's
+    60 s (at most `request_timeout_s`, + `connect_timeout_s`), then replayed."""
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)  # (8 s by default: the same rule, a shorter test)
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 8, HIDDEN)
+    drainer = HonestDrainer(0, 2, tokens, inference_rps=1e6)
+    drainer.drain_s = 60.0
+    setattr(drainer, f"{stalls_at}_delay_s", 120.0)
+    servers = {"drainer": drainer, "C": FakeServer(2, 4), "D": Importer(0, 2)}
+    manager = FakeManager(servers, 4, max_wait_s=10, request_timeout_s=180.0)
+    with InferenceSession(manager, max_length=8) as session:
+        steps = [session.step(tokens[:, :4])] + [session.step(tokens[:, t : t + 1]) for t in range(4, 8)]
+        records = session.handoffs.records
+    assert len(records) == 1 and records[0].to_peer is None and "ServerTooSlow" in str(records[0].error), records
+    assert records[0].seconds < 30.0, records  # the step deadline (~1 s) + the late budget (2 s); before: 60 s
+    assert servers["D"].imports == 0 and "drainer" in manager.avoided_peers() and not manager.bans.banned_peers()
     torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)

@@ -188,12 +188,18 @@ async def _export(
     manager: RemoteSequenceManager, old: SpanSession
 ) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
-    (position, batch, blocks, byte counts, `kv_handoff_max_bytes`)."""
+    (position, batch, blocks, byte counts, `kv_handoff_max_bytes`). The export has a step's deadline (decision 0168):
+    its header a zero-token step's (`StepClock.deadline_s(0)`), its parts, all of them, the bytes the header announces
+    at the slow-link rate plus that (`StepClock.handoff_deadline_s`), both from the request; past it a step's rules
+    (`SpanSession.next_response`: silent, failed over; slow, waited for until the span's late budget is spent, then
+    `ServerTooSlow`): the hand-off fails and the span is replayed elsewhere."""
     tensors, structure, empty = _empty_step(old)
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)
+    old.step_tokens = 0  # (a zero-token step, as its stall events tell)
     await old.send(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
-    first = await old.next_response(limit_bytes=REPLY_OVERHEAD_BYTES)  # metadata only
+    sent_s = time.monotonic()
+    first = await _export_reply(old, sent_s + old.clock.deadline_s(0), REPLY_OVERHEAD_BYTES)  # metadata only
     try:
         raw = decode_metadata(first.metadata).get(wire.KV_HEADER_KEY) if first.metadata else None
     except ValueError as e:
@@ -211,9 +217,10 @@ async def _export(
     if header.total_bytes > max_bytes:
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
     max_parts = header.max_parts  # an empty part is a few bytes on the wire and a Python object here
+    due_s = sent_s + old.clock.handoff_deadline_s(header.total_bytes)
     messages, received, parts = [], 0, 0
     for _ in range(header.num_messages):
-        response = await old.next_response(limit_bytes=wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
+        response = await _export_reply(old, due_s, wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
         received += wire.message_bytes(response.tensors)
         parts += len(response.tensors)
         if received > header.total_bytes:
@@ -226,11 +233,22 @@ async def _export(
     return header, messages
 
 
+async def _export_reply(old: SpanSession, due_s: float, limit_bytes: int) -> runtime_pb2.ExpertResponse:
+    """The draining server's next export message, due at `due_s` (`time.monotonic`): waited for under a step's rules
+    with what is left until then, its time past it charged to the span's late budget (a server that sends each part
+    just past the deadline spends one budget in all, not one a part)."""
+    started_s = time.monotonic()
+    deadline_s = max(0.0, due_s - started_s)
+    response = await old.next_response(deadline_s, limit_bytes=limit_bytes)
+    old.time_step(0, deadline_s, started_s, time.monotonic())
+    return response
+
+
 async def _import(
     new: SpanSession, old: SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
 ) -> None:
     """Opens the replacement's session at `header.position` with the cache parts; its first (zero-token) answer
-    confirms the import, within the import's deadline (`StepClock.import_deadline_s`: its bytes at the slow-link rate
+    confirms the import, within the import's deadline (`StepClock.handoff_deadline_s`: its bytes at the slow-link rate
     plus a decode step's deadline) under a step's rules (`SpanSession.next_response`: a silent server failed over, a
     slow one left once the late budget is spent, `ServerTooSlow`, and avoided; then the next candidate or a replay).
     The new span session inherits the old one's history (for a later replay)."""
@@ -244,7 +262,7 @@ async def _import(
     )  # fmt: skip
     new.started = True
     new.step_tokens = 0
-    deadline_s = new.clock.import_deadline_s(header.total_bytes)
+    deadline_s = new.clock.handoff_deadline_s(header.total_bytes)
     await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))

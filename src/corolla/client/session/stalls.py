@@ -5,7 +5,8 @@ before any was measured, never under `STALL_MIN_S` and never past that multiple 
 prompt, a replay on a replacement server, decision 0149): that multiple of what its tokens cost at the rate the server
 announces for prefills (`forward_rps`, else `inference_rps`), never under the slowest decode step measured on it nor
 under `LONG_STEP_MIN_S` plus what its bytes take over a slow link, and never past `STEP_MAX_S`. A KV hand-off's
-import (its first reply, on the replacement server): its bytes over a slow link plus a decode step's deadline. No step
+import (its first reply, on the replacement server) and export (the draining server's header and parts): its bytes
+over a slow link plus a decode step's deadline. No step
 has no deadline: without any figure, `STEP_MAX_S`. The clock also keeps the span's late budget: seconds its steps ran past
 their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has spent
 `LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the
@@ -115,9 +116,10 @@ class StepClock:
         estimate_s = max(num_tokens * (self._token_s or 0.0), max(self._times_s, default=0.0))
         return max(floor_s, min(STEP_MAX_S, STALL_FACTOR * estimate_s))
 
-    def import_deadline_s(self, nbytes: int) -> float:
-        """A KV hand-off import's first reply (decision 0162): the import's `nbytes` at `SLOW_LINK_BYTES_PER_S` (the
-        server reads and writes them before it answers) plus a decode step's deadline (the reply is a zero-token
+    def handoff_deadline_s(self, nbytes: int) -> float:
+        """A KV hand-off of `nbytes`, either side: the import's first reply on the replacement server (decision
+        0162: it reads and writes the bytes before it answers), the draining server's whole export (0168: it sends
+        them): the bytes at `SLOW_LINK_BYTES_PER_S` plus a decode step's deadline (the exchange is a zero-token
         step's)."""
         return nbytes / SLOW_LINK_BYTES_PER_S + self.deadline_s(0)
 
