@@ -1,16 +1,20 @@
-"""`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--slow_s 20] [--new_tokens 48]` (inside
+"""`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--slow_s 20] [--lorises 1,3,7] [--new_tokens 48]` (inside
 `../shared/tools/loopback-only`): the demo model on a chain of 3 spans (the middle one with a replica), each server
 behind a `benchmarks.wan_emulator` proxy that it announces (`--announce_maddrs`), one greedy generation per fault:
 the only server of the first span stalls for `stall_s`, the only server of the last span drops its link for `drop_s`
 (connections reset, new dials unanswered), the middle span's server in use is partitioned from every peer that dials
 it (its own DHT connections stay up), or answers every step `slow_s` late while it answers pings (`slow`: a loris),
 or holds the prompt (a 16-token long step) `slow_s` from the start (`slow_prompt`; against a fault-free run of the
-same prompt). The middle span's servers run as `tests.helpers.hostile_server`, honest until the fault (a test helper,
-run from the repository root as the churn soak's liar is); the first announces absurd speeds (1e6 tokens/s a block),
+same prompt), or (`lorises`, run last, once per K of `--lorises`, ascending) K servers of the middle span, all
+announcing absurd speeds, answer every step `slow_s` late from the fault on while they answer pings, beside its one
+honest replica (identities are free: K is the attacker's choice; the swarm gains lorises between the runs). The middle
+span's servers run as `tests.helpers.hostile_server`, honest until the fault (a test helper, run from the repository
+root as the churn soak's liar is); the first (and every added loris) announces absurd speeds (1e6 tokens/s a block),
 so routes go through it. Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run,
 the extra delay of the affected tokens (p99 and max, beyond the fault-free median step; `slow_prompt`: the time to
 the first token beyond the fault-free one), the time per token (p50, p99) and to the first token of the run and of
-the fault-free one, the moves (`stall_events` with action `moved`), what the client did, and targets."""
+the fault-free one, the moves (`stall_events` with action `moved`), what the client did, and targets; a generation
+that failed (`NoHonestServerError`) is reported as such."""
 
 from __future__ import annotations
 
@@ -32,12 +36,15 @@ from corolla.client.session.inference_session import InferenceSession
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import DECODE_MAX_TOKENS
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+from corolla.utils.errors import NoHonestServerError
 
 PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])
 LONG_PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7, 3, 9, 81, 11, 2, 40, 17, 5, 60, 23]])  # more than 8 tokens
 FAULT_AT = 12  # tokens out before the fault
 LINK = LinkConfig(delay_ms=10.0)  # every link: 10 ms each way
 SLOW_TARGET_S = 12.0  # a loris's extra delay: its step deadline (1 s at these steps) + the late budget (8 s) + slack
+# K lorises of one span beside an honest replica: what one costs (above), whatever K, and the replay on the replica
+LORISES_TARGET_S = SLOW_TARGET_S
 # a prompt loris announcing absurd speeds: the long step's floor (4 s, `stalls.LONG_STEP_MIN_S`) + the budget + slack
 SLOW_PROMPT_TARGET_S = 14.0
 LORIS_MODULE = "tests.helpers.hostile_server"  # the middle span's servers: honest until the `slow` fault
@@ -115,7 +122,8 @@ def _report(
     ]  # fmt: skip
     # a loris is left within its step deadline + the late budget (decision 0144): ~9 s at the default budgets
     target_s = {
-        "partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S), "slow_prompt": min(fault_s, SLOW_PROMPT_TARGET_S)
+        "partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S), "slow_prompt": min(fault_s, SLOW_PROMPT_TARGET_S),
+        "lorises": min(fault_s, LORISES_TARGET_S),
     }.get(name, fault_s + 2.0)  # fmt: skip
     gaps, clean_gaps = clock.gaps_s(), clean_clock.gaps_s()
     return {
@@ -135,9 +143,12 @@ def main() -> None:
     p.add_argument("--stall_s", type=float, default=5.0)
     p.add_argument("--drop_s", type=float, default=30.0)
     p.add_argument("--slow_s", type=float, default=20.0, help="the loris's delay a step (under request_timeout_s)")
+    p.add_argument("--lorises", default="1,3,7", help="`lorises`: how many lorises of the middle span, per run")
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--model_dir", default=None)
-    p.add_argument("--scenarios", default="stall,drop,partition,slow,slow_prompt", help="which faults, comma-separated")
+    p.add_argument(
+        "--scenarios", default="stall,drop,partition,slow,slow_prompt,lorises", help="which faults, comma-separated"
+    )
     args = p.parse_args()
     model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
     from transformers import AutoConfig
@@ -145,29 +156,37 @@ def main() -> None:
     num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers
     third = num_blocks // 3
     spans = [(0, third), (third, 2 * third), (third, 2 * third), (2 * third, num_blocks)]
+    chosen = args.scenarios.split(",")
     with tempfile.TemporaryDirectory(prefix="corolla-field-") as work, ProxyThread() as wan:
         server_args = ("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0", "--no_local_socket",
                        "--update_period", "10", "--cache_dir", str(Path(work) / "cache"))  # fmt: skip
         swarm = LocalSwarm(LocalSwarmConfig(server_args=server_args, startup_timeout_s=300.0, log_dir=Path(work)))
+        proxies: list[WanProxy] = []
+        mode_files: list[Path] = []  # each server's switch (the middle span's honour it)
+
+        def start(block_range: tuple[int, int], attract: bool) -> None:
+            """One more server of `block_range` behind its own WAN proxy (the middle span's: a hostile server, honest
+            until its mode file says otherwise; `attract`: announcing absurd speeds)."""
+            port, mode_file = free_port(), Path(work) / f"mode{len(mode_files)}"
+            proxies.append(proxy := wan.add(port, LINK))
+            mode_files.append(mode_file)
+            middle = block_range[0] == third
+            mode_file.write_text("honest")
+            env = {
+                "COROLLA_HOSTILE_MODE_FILE": str(mode_file),
+                "COROLLA_HOSTILE_ATTRACT": "1" if attract else "0",
+                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+            }
+            swarm.start_server(
+                model_dir, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                "--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy.port}", block_indices=block_range, wait=False,
+                module=LORIS_MODULE if middle else "corolla.cli.run_server", env=env if middle else None,
+            )  # fmt: skip
+
         with swarm:
             swarm.start_bootstrap()
-            proxies: list[WanProxy] = []
-            mode_files = [Path(work) / f"mode{i}" for i in range(len(spans))]  # the loris's switch (middle span's)
-            for index, ((start, end), mode_file) in enumerate(zip(spans, mode_files, strict=True)):
-                port = free_port()
-                proxies.append(proxy := wan.add(port, LINK))
-                middle = start == third
-                mode_file.write_text("honest")
-                env = {
-                    "COROLLA_HOSTILE_MODE_FILE": str(mode_file),
-                    "COROLLA_HOSTILE_ATTRACT": "1" if index == 1 else "0",  # routes go through the first one
-                    "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
-                }
-                swarm.start_server(
-                    model_dir, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}",
-                    "--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy.port}", block_indices=(start, end), wait=False,
-                    module=LORIS_MODULE if middle else "corolla.cli.run_server", env=env if middle else None,
-                )  # fmt: skip
+            for index, block_range in enumerate(spans):
+                start(block_range, attract=index == 1)  # routes go through the first of the middle span
             swarm.wait_servers_ready()
             proxy_of = {server.peer_id: proxy for server, proxy in zip(swarm.servers, proxies, strict=True)}
             mode_file_of = {server.peer_id: path for server, path in zip(swarm.servers, mode_files, strict=True)}
@@ -185,17 +204,21 @@ def main() -> None:
                     lambda s: mode_file_of[_peer_of_block(s, third)].write_text(f"slow 0 {args.slow_s}"),
                 ),
             }
-            for name, (fault_s, action) in scenarios.items():
-                if name not in args.scenarios.split(","):
-                    continue
-                clock = TokenClock(FAULT_AT, action)
-                got = _generate(peers, model_dir, args.new_tokens, clock)
-                print(json.dumps(_report(name, fault_s, clean, got, clock, base_s, clean_clock)), flush=True)
+
+            def heal() -> None:
                 for proxy in proxies:
                     wan.heal(proxy)
                 for mode_file in mode_files:
                     mode_file.write_text("honest")
-            if "slow_prompt" in args.scenarios.split(","):  # the loris holds long steps only, from the prompt on
+
+            for name, (fault_s, action) in scenarios.items():
+                if name not in chosen:
+                    continue
+                clock = TokenClock(FAULT_AT, action)
+                got = _generate(peers, model_dir, args.new_tokens, clock)
+                print(json.dumps(_report(name, fault_s, clean, got, clock, base_s, clean_clock)), flush=True)
+                heal()
+            if "slow_prompt" in chosen:  # the loris holds long steps only, from the prompt on
                 long_clock = TokenClock(None)
                 long_clean = _generate(peers, model_dir, args.new_tokens, long_clock, LONG_PROMPT)
                 mode_files[1].write_text(f"slow 0 {args.slow_s} {DECODE_MAX_TOKENS + 1}")
@@ -203,7 +226,28 @@ def main() -> None:
                 got = _generate(peers, model_dir, args.new_tokens, clock, LONG_PROMPT)
                 report = _report("slow_prompt", args.slow_s, long_clean, got, clock, base_s, long_clock)
                 print(json.dumps(report), flush=True)
-                mode_files[1].write_text("honest")
+                heal()
+            if "lorises" in chosen:  # last: the swarm gains lorises (attracting, honest until the fault) between runs
+                lorises = [mode_files[1]]
+                for count in sorted({int(k) for k in args.lorises.split(",")}):
+                    while len(lorises) < count:
+                        start((third, 2 * third), attract=True)
+                        lorises.append(mode_files[-1])
+                    swarm.wait_servers_ready()
+
+                    def turn_slow(_: Any, lorises: list[Path] = lorises) -> None:
+                        for mode_file in lorises:
+                            mode_file.write_text(f"slow 0 {args.slow_s}")
+
+                    clock = TokenClock(FAULT_AT, turn_slow)
+                    try:
+                        got = _generate(peers, model_dir, args.new_tokens, clock)
+                        report = {"lorises": count, **_report("lorises", args.slow_s, clean, got, clock, base_s,
+                                                              clean_clock)}  # fmt: skip
+                    except NoHonestServerError as e:  # the walk outlasted `max_wait_s`: the generation failed
+                        report = {"scenario": "lorises", "lorises": count, "failed": f"{type(e).__name__}: {e}"[:300]}
+                    print(json.dumps(report), flush=True)
+                    heal()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Environment:
   parts) held `COROLLA_HOSTILE_SLOW_S` seconds while it answers pings;
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
-  switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes);
+  switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes; an
+  omitted field is the environment's, not an earlier line's);
 - `COROLLA_HOSTILE_RATE`: the share of answers (after the first `AFTER`) that lie, drawn at random (default 1: all);
 - `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
   (what a liar would do to get traffic).
@@ -65,6 +66,7 @@ class _Trigger:
     ):
         self.mode, self.after, self.count, self.mode_file = mode, after, 0, mode_file
         self.slow_s, self.slow_min_tokens = slow  # `slow`: how late, and from how many tokens a step
+        self._slow_given = slow  # what a mode file's line that omits them means (not the last line's values)
         self.rate, self.rng = rate, random.Random(4321)
         self._seen: str | None = None
         self._lock = threading.Lock()
@@ -84,6 +86,7 @@ class _Trigger:
                         int(parts[1:2][0] if parts[1:] else 0),
                         0,
                     )
+                    self.slow_s, self.slow_min_tokens = self._slow_given
                     if len(parts) > 2:
                         self.slow_s = float(parts[2])
                     if len(parts) > 3:
