@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 import threading
 
@@ -17,8 +18,9 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.session import span_session, stalls
+from corolla.client.session import replacement_race, span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
+from corolla.client.session.replacement_race import TRIAL_TOKENS, race_candidates
 from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s, announced_token_s
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.protocol import local_stream as ls
@@ -235,10 +237,12 @@ def test_a_loris_holding_a_prompt_loses_it_to_another_server(small_long_step_flo
     assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
 
 
-def test_a_replay_held_by_a_loris_moves_on(small_long_step_floor):
-    """A turns slow at token 12 and the session moves (a decode step's rule) to B, a loris too: B holds the replay of
-    the 13 positions (a long step) until its deadline plus the budget, and the session moves on to C. Every position
-    is computed once on C, the outputs are the reference's."""
+def test_a_loris_racing_for_the_replay_loses_it(small_long_step_floor):
+    """A turns slow at token 12 and the session moves (a decode step's rule); the replacement is raced between B, a
+    loris too, and C (decision 0163): each is sent the span's first 8 positions, C answers first and is sent the rest
+    (positions 8-12), B is closed without being waited for. Before 0163 the usual routing chose B (it announces more
+    speed), which held the 13-position replay until its deadline plus the budget before C got it. Every position is
+    computed once on C, the outputs are the reference's."""
     torch.manual_seed(5)
     servers = {
         "A": FakeServer(0, 4, inference_rps=1000.0),
@@ -257,14 +261,102 @@ def test_a_replay_held_by_a_loris_moves_on(small_long_step_floor):
         assert [span.peer_id for span, _ in session.route] == ["C"]
         events = list(session.stall_events)
     torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
-    # C's first step is the replay B held (the old client waited it out, then moved at the next decode step: 14)
-    assert (
-        servers["C"].requests[0][1] == 13 and _served_tokens(servers["C"]) == 16 and servers["C"].final_lengths == [16]
-    )
-    moved = [(e.peer_id, e.num_tokens) for e in events if e.action == "moved"]
-    assert moved == [("A", 1), ("B", 13)], events
-    assert all(e.detected_after_s < LORIS_DELAY_S for e in events)
-    assert not manager.bans.is_banned("A") and not manager.bans.is_banned("B")
+    assert [tokens for _, tokens in servers["C"].requests[:2]] == [TRIAL_TOKENS, 13 - TRIAL_TOKENS]
+    assert _served_tokens(servers["C"]) == 16 and servers["C"].final_lengths == [16]
+    assert [(e.peer_id, e.num_tokens) for e in events if e.action == "moved"] == [("A", 1)], events
+    # closed when C won (a loaded machine may pass B's 0.2 s deadline first: a `slow` event, within the budget)
+    assert not [e for e in events if e.peer_id == "B" and e.action != "slow"], events
+    assert not manager.bans.is_banned("B") and "B" not in manager.avoided_peers()
+
+
+@pytest.mark.parametrize("lorises", [1, 3, 7, 12])
+def test_many_lorises_cost_one_move(small_long_step_floor, lorises: int):
+    """K servers announcing the best figures (identities cost nothing: K is the attacker's choice) answer pings and
+    hold every step from token 12, beside one honest server H that announces less. The session pays the first
+    loris's deadline plus the late budget, then races the span among the others and H (decision 0163), 8 at once and
+    8 more each round (0.2 s here) while none answered: one move whatever K. The old client re-planned by the announced figures after each move and walked the lorises in turn,
+    each holding the replay its deadline plus the budget: K moves. Outputs are the reference's, every position is
+    computed once on H, only the loris moved off is avoided, none is banned."""
+    torch.manual_seed(7)
+    servers = {f"L{i}": FakeServer(0, 4, inference_rps=1000.0) for i in range(lorises)}
+    servers["H"] = FakeServer(0, 4)
+    manager = _manager(servers)
+    tokens = torch.randn(1, 16, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=16) as session:
+        for t in range(16):
+            if t == 12:
+                for name in servers:
+                    servers[name].delay_s = LORIS_DELAY_S if name != "H" else 0.0
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == ["H"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    moved = [e for e in events if e.action == "moved"]
+    assert len(moved) == 1 and moved[0].peer_id.startswith("L") and moved[0].num_tokens == 1, events
+    # a lone candidate gets the whole replay (no race); raced, H is sent the first 8 positions, then the rest
+    first = [13] if lorises == 1 else [TRIAL_TOKENS, 13 - TRIAL_TOKENS]
+    assert [tokens for _, tokens in servers["H"].requests[: len(first)]] == first
+    assert _served_tokens(servers["H"]) == 16 and servers["H"].final_lengths == [16]
+    assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
+
+
+class HonestLast(random.Random):
+    """Shuffles H behind every loris: the worst order a race can draw."""
+
+    def shuffle(self, x: list) -> None:  # type: ignore[override]
+        x.sort(key=lambda span: span.peer_id == "H")
+
+
+def test_lorises_beyond_the_race_width_join_by_rounds(small_long_step_floor, monkeypatch: pytest.MonkeyPatch):
+    """More lorises than a round's width (2 here, 7 lorises): while no racer answered, 2 more join every round
+    (0.2 s here), those already racing kept, so H, drawn last, races after 3 rounds, before any loris's deadline plus
+    budget (1.2 s): one move. Races of a fixed width, each lost only once its lorises were moved off, would cost a
+    move per loris raced."""
+    monkeypatch.setattr(replacement_race, "RACE_WIDTH", 2)
+    torch.manual_seed(8)
+    servers = {f"L{i}": FakeServer(0, 4, inference_rps=1000.0) for i in range(7)}
+    servers["H"] = FakeServer(0, 4)
+    manager = _manager(servers)
+    manager.rng = HonestLast(0)
+    tokens = torch.randn(1, 16, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=16) as session:
+        for t in range(16):
+            if t == 12:
+                for name in servers:
+                    servers[name].delay_s = LORIS_DELAY_S if name != "H" else 0.0
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == ["H"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert len([e for e in events if e.action == "moved"]) == 1, events
+    raced = [name for name, server in servers.items() if name != "H" and len(server.requests) == 1]
+    assert len(raced) == 6  # every loris but the one moved off was sent its trial (and closed unanswered)
+    assert _served_tokens(servers["H"]) == 16 and servers["H"].final_lengths == [16]
+
+
+def test_race_candidates_measured_first_announced_figures_ignored(monkeypatch: pytest.MonkeyPatch):
+    """Who races for a span: servers covering it alone, not banned, avoided or the one left; those this client saw
+    answer a step within its deadline first (not since avoided), at most RACE_MAX, as spans of exactly the blocks
+    (no waiting)."""
+    monkeypatch.setattr(replacement_race, "RACE_MAX", 8)
+    servers = {f"L{i}": FakeServer(0, 4, inference_rps=1e6) for i in range(12)}
+    servers.update(H=FakeServer(0, 4, inference_rps=1.0), P=FakeServer(1, 3), W=FakeServer(0, 4), X=FakeServer(0, 4))
+    manager = _manager(servers)
+    manager.note_on_time("H")
+    manager.note_on_time("W")
+    manager.avoid("W", 60.0)  # avoided since: neither a candidate nor measured any more
+    manager.on_request_failure("X")  # banned
+    rng = random.Random(0)
+    for _ in range(20):
+        candidates = race_candidates(manager, "L0", (1, 3), rng)
+        assert candidates[0].peer_id == "H" and len(candidates) == 8
+        assert {"L0", "W", "X"}.isdisjoint(s.peer_id for s in candidates)
+        assert all((s.start, s.end) == (1, 3) for s in candidates)
+    assert "W" not in manager.answered_on_time()
+    seen = {s.peer_id for _ in range(50) for s in race_candidates(manager, "L0", (1, 3), rng)}
+    assert "P" in seen and len(seen) > 8  # the rest in random order, not by figures
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["within_its_deadline", "late_within_the_budget"])

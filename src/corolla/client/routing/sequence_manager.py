@@ -105,6 +105,8 @@ class RemoteSequenceManager:
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
+        # servers seen answering a step within its deadline, not avoided or failed since: raced first (decision 0163)
+        self._on_time: set[str] = set()
         self._links_down: dict[str, int] = {}  # servers some session knocks on (`link_down`) -> how many sessions
         self._read_started_at = -math.inf  # time.monotonic() at the start of the last read of the records
         self._drain_reads: dict[str, float] = {}  # draining server -> when its drain first asked for a read
@@ -313,6 +315,7 @@ class RemoteSequenceManager:
         if peer_id not in self.client_rtts_s:
             self._unmeasured_suspect_until = time.monotonic() + self.config.update_period_s
             self.request_update()
+        self._on_time.discard(peer_id)
         duration_s = self.bans.ban(peer_id)
         if duration_s:
             logger.info("routing.ban(peer=...%s, duration_s=%.0f)", peer_id[-6:], duration_s)
@@ -363,7 +366,20 @@ class RemoteSequenceManager:
                 return False
             self._avoid_until[peer_id] = max(self._avoid_until.get(peer_id, 0.0), time.monotonic() + duration_s)
             self._spans = [span for span in self._spans if span.peer_id != peer_id]
+            self._on_time.discard(peer_id)
         return True
+
+    def note_on_time(self, peer_id: str) -> None:
+        """`peer_id` answered a step of this client within the step's deadline (`client.session.stalls`): what the
+        client measured, not what the server announced (`answered_on_time`)."""
+        with self._lock:
+            self._on_time.add(peer_id)
+
+    def answered_on_time(self) -> set[str]:
+        """Servers seen answering a step within its deadline and not avoided or failed since: a replacement race
+        tries them first (`client.session.replacement_race`)."""
+        with self._lock:
+            return set(self._on_time)
 
     def on_cache_refusal(self, peer_id: str) -> None:
         """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (`avoid`) and re-read the records now

@@ -24,6 +24,7 @@ from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
+from corolla.client.session.replacement_race import TRIAL_TOKENS, race, race_candidates, round_s
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
@@ -285,6 +286,11 @@ class InferenceSession:
                     continue
             try:
                 if span_session is None or span_session is pending_replacement:
+                    # moved off a loris (decision 0163): raced among the span's servers, unless fewer than two hold it
+                    if span_session is not None and span_session.too_slow and may_forward:
+                        if await self._race_replacement(index, span_session, budget, hidden, hidden_from):
+                            pending_replacement = None
+                            continue
                     waited_s = 0.0 if budget.failing_since_s is None else time.monotonic() - budget.failing_since_s
                     await self._replace_spans(index, block, span_session, waited_s=waited_s)
                     pending_replacement = None
@@ -355,6 +361,70 @@ class InferenceSession:
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]
 
+    async def _race_replacement(
+        self, index: int, failed: SpanSession, budget: RetryBudget, hidden: torch.Tensor, hidden_from: int
+    ) -> bool:
+        """Replaces `failed` (left for slowness; no deep prompts or beam reordering in this session) by the winner
+        of a race among the servers that hold its blocks alone (`client.session.replacement_race`): each is sent the
+        span's first positions (of its history, then of this step's `hidden` [B, *, H], the span's inputs from
+        `hidden_from`), the first to answer takes the session (its next step sends the rest). False (nothing done)
+        where fewer than two such servers are in the view or the span's history is not all known; RaceLost where
+        every racer failed (each blamed, banned or avoided as its failure called for)."""
+        blocks = (failed.span.start, failed.span.end)
+        history = failed.history if self._position > 0 else hidden[:, :0]
+        if history is None or history.shape[1] < self._position:
+            return False
+        candidates = race_candidates(self.manager, failed.span.peer_id, blocks, self.manager.rng)
+        if len(candidates) < 2:
+            return False
+        await failed.close(drain=False)
+        history = history[:, : self._position].clone()  # [B, position, H]
+        new = hidden[:, self._position - hidden_from :]  # [B, T, H]: this step's positions
+        first = torch.cat([history[:, :TRIAL_TOKENS], new[:, : max(0, TRIAL_TOKENS - history.shape[1])]], dim=1)
+        upstream = self._spans[index - 1].span.peer_id if index > 0 else None
+        step_id = self.forwarding.take_step_id()
+
+        async def trial(racer: SpanSession) -> None:
+            try:
+                await racer.open()
+            except Exception as e:  # the server we could not reach: the retry budget blames it
+                raise SpanUnreachable(racer.span.peer_id, e) from e
+            racer.history, racer.upstream_peer = history, upstream
+            await racer.step(first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id)
+            # the trial's reply wrote its positions; the next step sends the rest (from the history's end at most)
+            racer.history = history
+
+        async def lost(racer: SpanSession, error: Exception) -> None:
+            await asyncio.to_thread(budget.on_failure, error, racer.span.peer_id, blocks)
+
+        racers = [self._new_span_session(span) for span in candidates]
+        winner, _ = await race(racers, trial, lost, round_s=round_s(first.nbytes))
+        self._spans[index] = winner
+        self._link_upstream(index, 1)
+        self.manager.note_routed([winner.span])
+        self.manager.on_request_success(winner.span.peer_id)
+        if winner.last_outputs is not None:
+            self.shadows.after_step(winner, winner.last_outputs, 0)
+        logger.info(
+            "inference_session.race_won(blocks=%d:%d, peer=...%s, candidates=%d, trial_tokens=%d)",
+            *blocks, winner.span.peer_id[-6:], len(racers), winner.position,
+        )  # fmt: skip
+        return True
+
+    def _new_span_session(self, span: RemoteSpanInfo) -> SpanSession:
+        """A session for `span` sharing this session's stall events and (where its server takes them) prefix keys."""
+        session = SpanSession(self.manager, span, self.max_length)
+        session.stall_events = self.stall_events
+        if self.prefix is not None and speaks_prefix_keys(span.server_info):
+            session.prefix = self.prefix
+        return session
+
+    def _link_upstream(self, index: int, count: int) -> None:
+        """After `_spans[index : index + count]` were replaced: each span's upstream is the previous span's server."""
+        chain = self._spans[max(0, index - 1) : index + count + 1]
+        for previous, following in zip(chain, chain[1:], strict=False):
+            following.upstream_peer = previous.span.peer_id
+
     def _prompts_for(self, span_session: SpanSession, prompts: torch.Tensor | None, position: int) -> torch.Tensor:
         """Deep prompts for a span's request of a step at `position`; a request replaying from position 0 (the span's
         cache is behind) needs the prompts of position 0."""
@@ -397,11 +467,7 @@ class InferenceSession:
         new_sessions: list[SpanSession] = []
         try:
             for span in route:
-                session = SpanSession(self.manager, span, self.max_length)
-                session.stall_events = self.stall_events
-                if self.prefix is not None and speaks_prefix_keys(span.server_info):
-                    session.prefix = self.prefix
-                new_sessions.append(session)
+                new_sessions.append(session := self._new_span_session(span))
                 try:
                     await session.open()
                 except Exception as e:  # the server we could not reach: the retry budget blames it
@@ -415,9 +481,7 @@ class InferenceSession:
         if failed is not None and failed.history is not None:
             new_sessions[0].history = failed.history[:, : self._position]
         self._spans[index : index + 1 if failed is not None else index] = new_sessions
-        chain = self._spans[max(0, index - 1) : index + len(new_sessions) + 1]
-        for previous, following in zip(chain, chain[1:], strict=False):
-            following.upstream_peer = previous.span.peer_id
+        self._link_upstream(index, len(new_sessions))
         logger.debug(
             "inference_session.route(blocks=%d:%d) %s",
             block, end,

@@ -191,6 +191,7 @@ class SpanSession:
         self.step_tokens = 0  # tokens the step in flight sends (a stall event names them: a decode step or a long one)
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
         self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
+        self._noted_on_time = False  # told the manager its server answered a step within its deadline
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -555,6 +556,9 @@ class SpanSession:
             self.clock.charge_late(elapsed_s - stall_deadline_s, answered_s)
         else:
             self.clock.record(num_tokens, elapsed_s)
+            if not self._noted_on_time:  # once a session: a replacement race tries such servers first (0163)
+                self._noted_on_time = True
+                self.manager.note_on_time(self.span.peer_id)
 
     def _move_off(self, waited_s: float, stall_deadline_s: float) -> None:
         """The span's late budget ran out while another server holds its blocks: records the move, avoids the server
