@@ -9,6 +9,9 @@ Environment:
   sent once that push is in (the next server runs the pushed copy before the client's own); `overpush`: the same,
   but the true outputs pushed with one token more (as many as the push rules allow: the client's prefill was longer);
   `rewind`: the same, the true outputs pushed as a step from position 1 (the push rules allow it after a prefill);
+  `pushfirst`: true answers, true pushes, each reply sent once its push is in (the next server always runs the
+  pushed copy first); `flag`: NaN in its answer to a step pushed to it (flagged `corolla.pushed` from the step's
+  start, as every such answer is), true answers to the client's own steps;
   or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
   `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris); or
   `slow_import`: a KV hand-off's import taken, then its answer (the session's first) held `COROLLA_HOSTILE_SLOW_S`
@@ -46,8 +49,8 @@ from typing import Any
 import torch
 
 MODES = (
-    "honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "slow",
-    "slow_import", "slow_export",
+    "honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "pushfirst",
+    "flag", "slow", "slow_import", "slow_export",
 )  # fmt: skip
 TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -189,8 +192,10 @@ def install(
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
         lie = lies.pop(id(inputs), "honest")
+        if lie == "flag":  # a lie only where its reply says it answers a push: the push may be blamed instead
+            lie = "nan" if metadata.pushed else "honest"
         if (
-            lie in ("equivocate", "overpush", "rewind")
+            lie in ("equivocate", "overpush", "rewind", "pushfirst")
             and metadata.next_servers
             and hit is None
             and not metadata.pushed
@@ -211,9 +216,13 @@ def install(
         response, _ = streams.step_reply(steps.session, inputs, output)  # the true outputs, for the client
         steps.session.record_output(metadata, response.tensors[0])
         true = deserialize_tensor(response.tensors[0])  # [B, T, H]
-        pushed = corrupt(true, "garbage", generator) if lie == "equivocate" else torch.cat([true, true[:, -1:]], 1)
-        if lie == "rewind":  # the true outputs, at the earliest start the push rules may allow
-            pushed, metadata = true, dataclasses.replace(metadata, start_from_position=1)
+        pushed = true  # `pushfirst`: as answered
+        if lie == "equivocate":
+            pushed = corrupt(true, "garbage", generator)
+        elif lie == "overpush":
+            pushed = torch.cat([true, true[:, -1:]], 1)
+        elif lie == "rewind":  # the true outputs, at the earliest start the push rules may allow
+            metadata = dataclasses.replace(metadata, start_from_position=1)
         push = asyncio.ensure_future(streams._push_outputs(request, serialize_tensor(pushed), metadata))
         push.add_done_callback(lambda _: port.reply(response))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from corolla.protocol.metadata import MAX_ID_CHARS
+from corolla.protocol.records import ServerInfo
 
 NEXT_STEP_KEY = "corolla.next_step_id"  # metadata key of a direct step: the step_id of the client's next step
 
@@ -26,3 +27,10 @@ PUSHED_REPLY_KEY = "corolla.pushed"  # response metadata: this reply answers a s
 # response metadata beside it: the position the pushed step started at (the client checks it is its own step's: a push
 # within the push rules may start earlier than the client's copy, decision 0154)
 PUSHED_FROM_KEY = "corolla.pushed_from"
+
+
+def flags_pushed_replies(info: ServerInfo) -> bool:
+    """Whether a server says which of its replies answer pushed steps (`corolla.pushed`): corolla servers, which also
+    announce their load (`tokens_served` always); a stock Petals server's record has no load fields, and its answer
+    to a pushed copy looks like one to the client's own (decision 0169)."""
+    return info.tokens_served is not None

@@ -1,5 +1,6 @@
 """What a client checks in every server's outputs before using them or sending them downstream (finite, the shape
-asked for, a floating dtype a server may use), and the numeric tolerance when two servers' outputs are compared."""
+asked for, a floating dtype a server may use; within the range of the dtype the next server announces), and the
+numeric tolerance when two servers' outputs are compared."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from collections.abc import Sequence
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.models.config import DTYPE_NAMES
 from corolla.protocol.codecs import check_castable, deserialize_tensor, plain_record
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.protocol.records import RemoteSpanInfo, ServerInfo
 from corolla.utils.finite import all_finite, bytes_finite
 
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what servers compute and send activations in
@@ -38,6 +40,32 @@ class BadServerOutput(ConnectionError):
     def __init__(self, peer_id: str, message: str, *, taints_history: bool = False):
         self.peer_id, self.taints_history = peer_id, taints_history
         super().__init__(f"server ...{peer_id[-6:]}: {message}")
+
+
+class InputsOutOfRange(ConnectionError):
+    """A span's inputs (the previous span's outputs, legal in the client's dtype, or the client's own) hold values
+    beyond the finite range of the dtype the span's server announces (float16: +-65504), which it would refuse, and
+    the refusal, a failed request, got it banned (decision 0170). Nobody is at fault and nothing was sent: the server
+    is left out of routes for a while (`retries.RANGE_AVOID_S`) and the span re-routed."""
+
+    def __init__(self, peer_id: str, message: str):
+        self.peer_id = peer_id
+        super().__init__(f"server ...{peer_id[-6:]}: {message}")
+
+
+def announced_dtype(info: ServerInfo) -> torch.dtype | None:
+    """The dtype a server announces its blocks compute in (`torch_dtype`: bfloat16, float16 or float32, as corolla
+    and Petals servers write it); None for none or another name (nothing is checked against it then)."""
+    return DTYPE_NAMES.get(info.torch_dtype) if info.torch_dtype is not None else None
+
+
+def check_fits(tensor: torch.Tensor, dtype: torch.dtype, *, peer_id: str, what: str) -> None:
+    """InputsOutOfRange where finite `tensor` would not stay finite cast to `dtype`, as the server announcing it
+    casts its inputs (`codecs.check_castable`: a pass over the values only where `dtype`'s range is narrower)."""
+    try:
+        check_castable(tensor, dtype, name=what, finite_checked=True)
+    except ValueError as e:
+        raise InputsOutOfRange(peer_id, str(e)) from None
 
 
 def check_outputs(

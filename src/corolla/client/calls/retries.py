@@ -5,14 +5,15 @@ failure of the only server of some block is not banned (a ban would hide the one
 is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read again at once (a replica that joined
 since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
 while, re-reads the records and re-routes at once (`swarm.cache_refusals`). Nor is one that answered pings but ran too slow to keep a session: the
-span session has set it aside (`ServerTooSlow`), and the call re-routes at once."""
+span session has set it aside (`ServerTooSlow`), and the call re-routes at once. Nor one whose announced dtype cannot
+hold the span's inputs (`InputsOutOfRange`: nothing was sent to it): it is avoided for `RANGE_AVOID_S`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.swarm.route_planning import covers, find_missing_blocks
@@ -22,6 +23,8 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 SOLE_SERVER_RETRY_S = 1.0  # retry period while the only server of a block is unreachable (a link down, not a liar)
+# a server whose announced dtype cannot hold a span's inputs is left out of routes this long (decision 0170)
+RANGE_AVOID_S = 60.0
 
 
 class ServerTooSlow(ConnectionError):
@@ -39,12 +42,13 @@ class PushedReplyRejected(ConnectionError):
     server flagged it as the answer to the copy of the step pushed to it by the previous span's server, and the client
     had named it to receive that push: the
     push, not the server, may be at fault (an upstream may push other outputs than it answers the client, within the
-    push rules: up to the client's biggest step, decision 0154). Neither is blamed; the session forwards no more
-    (`forwarding.StepForwarding`) and the span is replayed from the client's own inputs. A server that flags its own
-    lie so gets that one replay: with no push, its next lie is its own."""
+    push rules: up to the client's biggest step, decision 0154). Neither is blamed; the span is replayed from the
+    client's own inputs, and the client names neither `upstream` nor `peer_id` for pushes for a while
+    (`routing.push_suspects`, decision 0169): a server that flags its own lie so gets one replay a period, and with
+    no push its next lie is its own."""
 
-    def __init__(self, peer_id: str, message: str):
-        self.peer_id = peer_id
+    def __init__(self, peer_id: str, upstream: str | None, message: str):
+        self.peer_id, self.upstream = peer_id, upstream
         super().__init__(message)
 
 
@@ -106,7 +110,10 @@ class RetryBudget:
         if refused and peer_id is not None:  # avoided for a while, not banned: it failed nothing
             self.manager.on_cache_refusal(peer_id)
         too_slow = isinstance(error, ServerTooSlow)  # avoided by the span session already: it failed nothing
-        unblamed = too_slow or isinstance(error, PushedReplyRejected)  # (the push's fault, maybe)
+        # inputs its dtype cannot hold were not sent to it: routed around where another server holds its blocks
+        out_of_range = isinstance(error, InputsOutOfRange)
+        routed_around = out_of_range and peer_id is not None and self.manager.avoid(peer_id, RANGE_AVOID_S)
+        unblamed = too_slow or out_of_range or isinstance(error, PushedReplyRejected)  # (the push's fault, maybe)
         banned = refused or unblamed or blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
@@ -126,8 +133,8 @@ class RetryBudget:
         delay_s = config.retry_delay_s(self.attempt - 1)
         if refused:
             delay_s = reroute_delay_s(self.cache_refusals, delay_s)
-        if unblamed:  # another server holds its blocks (it was checked), or the span is replayed as it is: no wait
-            delay_s = 0.0
+        if unblamed and (routed_around or not out_of_range):  # another server holds its blocks (it was checked),
+            delay_s = 0.0  # or the span is replayed as it is: no wait (else the usual pace: no server fits now)
         self.kept_sole_server = not banned and peer_id is not None
         if self.kept_sole_server:
             delay_s = min(delay_s, SOLE_SERVER_RETRY_S)

@@ -21,6 +21,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.client.routing.bans import BanList
 from corolla.client.routing.finding_store import FindingStore
+from corolla.client.routing.push_suspects import PushSuspects
 from corolla.client.transport.direct_transport import DirectOffers, connection_ips, dialable
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
@@ -89,6 +90,7 @@ class RemoteSequenceManager:
         for peer_id in self.findings.liars():
             self.bans.ban_liar(peer_id)
         self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
+        self.push_suspects = PushSuspects()  # pushes whose answers failed the checks: not named for a while (0169)
         self.rng = random.Random()
         self.policy = policy
         self.routed = RoutedLoad()  # sessions this client routed lately, by peer (time.monotonic())

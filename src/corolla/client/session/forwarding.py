@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from corolla.client.routing.push_suspects import PushSuspects
 from corolla.client.session.span_session import SpanSession
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 
@@ -31,23 +32,27 @@ def _start(span: SpanSession, position: int) -> int:
     return min(span.position, position)
 
 
-def can_push(source: SpanSession, target: SpanSession, position: int) -> bool:
-    """Whether `source`'s outputs for a step at `position` are exactly `target`'s next request."""
+def can_push(source: SpanSession, target: SpanSession, position: int, suspects: PushSuspects | None = None) -> bool:
+    """Whether `source`'s outputs for a step at `position` are exactly `target`'s next request, and the client may
+    name that push now (`suspects`: not after an answer to one of theirs failed the checks, decision 0169)."""
     return (
         source.span.end == target.span.start
         and source.accepts_pushes  # not the source session's first request (see the module docstring)
         and target.accepts_pushes
         and target.declared_upstream == source.span.peer_id
         and _start(source, position) == _start(target, position)
+        and (suspects is None or suspects.may_push(source.span.peer_id, target.span.peer_id))
     )
 
 
-def push_chain(spans: Sequence[SpanSession], index: int, position: int) -> list[SpanSession]:
+def push_chain(
+    spans: Sequence[SpanSession], index: int, position: int, suspects: PushSuspects | None = None
+) -> list[SpanSession]:
     """The spans after `spans[index]` that this step's outputs reach by push, in order (maybe none)."""
     chain: list[SpanSession] = []
     source = spans[index]
     for target in spans[index + 1 :]:
-        if not can_push(source, target, position):
+        if not can_push(source, target, position, suspects):
             break
         chain.append(target)
         source = target
@@ -73,8 +78,9 @@ def random_ids() -> Iterator[str]:
 class StepForwarding:
     """Step ids and the forwarding metadata of one `InferenceSession`."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, suspects: PushSuspects | None = None):
         self.enabled = enabled
+        self.suspects = suspects  # the client's pushes not to name for now (its sequence manager's)
         self._ids = random_ids()
         self._next_step_id = next(self._ids)
 
@@ -91,7 +97,7 @@ class StepForwarding:
         if not self.enabled:
             return {}
         extra: dict[str, Any] = {NEXT_STEP_KEY: self._next_step_id}
-        chain = push_chain(spans, index, position) if allowed else []
+        chain = push_chain(spans, index, position, self.suspects) if allowed else []
         if chain:
             extra["next_servers"] = [[s.span.peer_id, s.session_id, s.span.start, s.span.end] for s in chain]
             for target in chain:

@@ -67,7 +67,9 @@ class InferenceSession:
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over socket streams (no client-loop hop)
         # step ids, next_servers; none in a client that verifies (its checks would blame a push's target for it)
-        self.forwarding = StepForwarding(manager.config.server_forwarding and not manager.config.verifies)
+        self.forwarding = StepForwarding(
+            manager.config.server_forwarding and not manager.config.verifies, manager.push_suspects
+        )
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog(manager, max_length)  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
@@ -332,8 +334,12 @@ class InferenceSession:
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
                 if isinstance(e, SpanUnreachable):
                     failed = e.peer_id
-                if isinstance(e, PushedReplyRejected):  # a push may have caused it: none from now on (0154)
-                    self.forwarding.enabled = False
+                if isinstance(e, PushedReplyRejected) and e.upstream is not None:  # the push or its target lied
+                    suspended_s = self.manager.push_suspects.rejected(e.upstream, e.peer_id)
+                    logger.info(
+                        "inference_session.push_suspended(upstream=...%s, target=...%s, pair_s=%.0f)",
+                        e.upstream[-6:], e.peer_id[-6:], suspended_s,
+                    )  # fmt: skip
                 if isinstance(e, BadServerOutput) and e.taints_history:
                     for later in self._spans[index + 1 :]:  # they may hold states built from its earlier lies
                         later.position = 0

@@ -26,7 +26,14 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import REPLY_OVERHEAD_BYTES, BadServerOutput, read_output, reply_limit_bytes
+from corolla.client.calls.output_checks import (
+    REPLY_OVERHEAD_BYTES,
+    BadServerOutput,
+    announced_dtype,
+    check_fits,
+    read_output,
+    reply_limit_bytes,
+)
 from corolla.client.calls.remote_forward_backward import (
     NO_HYPO_IDS,
     NO_PROMPTS,
@@ -51,7 +58,7 @@ from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
-from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY
+from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY, flags_pushed_replies
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -182,8 +189,13 @@ class SpanSession:
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
         self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
+        self.flags_pushes = flags_pushed_replies(span.server_info)  # it says which replies answer pushes (0169)
         # this span's recent step times: the deadline of a step's silence, and its late budget
         info = span.server_info
+        # its inputs must stay finite cast to it (None: not checked): float16 (+-65504) is the one wire dtype whose
+        # range legal activations reach; float32 values past bfloat16's range (the top 0.4% of float32's) are a
+        # liar's alone, and checking them cost a reduction (~6 us) a step of every bfloat16 span of a float32 client
+        self.input_range_dtype = torch.float16 if announced_dtype(info) is torch.float16 else None
         self.clock = StepClock(
             announced_step_s(span.length, info.inference_rps),
             announced_token_s(span.length, info.forward_rps, info.inference_rps),
@@ -313,6 +325,9 @@ class SpanSession:
         metadata, its inputs, their start)."""
         send_from = min(self.position, position)
         inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
+        if self.input_range_dtype is not None:  # values its server would refuse and be banned for: not sent (0170)
+            check_fits(inputs, self.input_range_dtype, peer_id=self.span.peer_id, what="inputs")
+            check_fits(prompts, self.input_range_dtype, peer_id=self.span.peer_id, what="prompts")
         keys = None
         if self.prefix is not None:
             keys = self.prefix.keys(send_from, send_from + inputs.shape[1] if keys_until is None else keys_until)
@@ -398,12 +413,14 @@ class SpanSession:
     ) -> tuple[torch.Tensor, int]:
         """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
         server, or PushedReplyRejected where the server answered the copy of step `step_id` the client named it to
-        receive by push), records the inputs (`values`: their bytes as sent, where known) as the server's cache
-        contents; returns (outputs, first position)."""
+        receive by push, or cannot say whether it did), records the inputs (`values`: their bytes as sent, where
+        known) as the server's cache contents; returns (outputs, first position)."""
         peer_id = self.span.peer_id
         drain_notice, pushed, pushed_from = reply_flags(response)
         expected = self.expected_push  # (step id, start) of a push the client named this span to receive
-        push_named = pushed and expected is not None and step_id is not None and expected[0] == step_id
+        # the answer to that push, as its server says, or may be where it cannot say (a stock Petals server)
+        may_answer_push = pushed or not self.flags_pushes
+        push_named = may_answer_push and expected is not None and step_id is not None and expected[0] == step_id
         try:
             if len(response.tensors) != 1:
                 raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
@@ -414,7 +431,8 @@ class SpanSession:
             )
         except BadServerOutput as e:
             if push_named:
-                raise PushedReplyRejected(peer_id, f"{e} (the answer to the copy pushed to it)") from e
+                message = f"{e} (the answer to the copy pushed to it)"
+                raise PushedReplyRejected(peer_id, self.declared_upstream, message) from e
             raise
         self._record(inputs, send_from, values)
         self.drain_notice, self.last_reply_pushed = drain_notice, pushed

@@ -1,0 +1,75 @@
+"""`PushSuspects`: the client's memory of pushes whose answers failed its checks (decision 0169).
+
+A reply that a server flags as the answer to the copy of a step pushed to it by the previous span's server, and that
+fails the client's checks, blames nobody (`retries.PushedReplyRejected`, decision 0154): the upstream may have
+pushed other outputs than it answered, or the server may lie and flag its lie. One of the two lies (an honest pair
+never fails so), and the client cannot tell which. Without a memory, a server that flags its lies got one replay
+instead of a ban in every session. Here, after such a failure of a push from `upstream` into `target`:
+- the pair is not pushed through for `PUSH_SUSPECT_S * 2**(n - 1)` seconds after its n-th failure (capped at
+  `PUSH_SUSPECT_MAX_S`): a liar costs each partner's pair a replay at geometrically rarer times;
+- neither server is pushed into or out of, with any partner, for `PUSH_SUSPECT_S` (not lengthened): a liar costs the
+  client at most one replay a period whatever its partners; with no push, its next lie is its own, and banned.
+Framing: an honest server loses pushes (latency, never a ban, never a route) for `PUSH_SUSPECT_S` a failure it is
+part of, and a liar can make it part of one only as its partner, whose pair's suspension then doubles each time.
+The memory is the client process's (one `RemoteSequenceManager`), bounded to `MAX_PAIRS` pairs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+PUSH_SUSPECT_S = 60.0  # a failure's suspension of both servers, and of the pair after its first failure
+PUSH_SUSPECT_MAX_S = 24 * 3600.0  # the longest a pair's suspension grows to
+MAX_PAIRS = 4096  # pairs remembered (the least recently failed forgotten first)
+
+
+class PushSuspects:
+    """Thread-safe: which pushes (upstream peer -> target peer) the client leaves out of its `next_servers`."""
+
+    def __init__(
+        self,
+        base_s: float = PUSH_SUSPECT_S,
+        max_s: float = PUSH_SUSPECT_MAX_S,
+        max_pairs: int = MAX_PAIRS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.base_s, self.max_s, self.max_pairs, self._clock = base_s, max_s, max_pairs, clock
+        self._pairs: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()  # -> (failures, until)
+        self._servers: dict[str, float] = {}  # peer -> until (time.monotonic())
+        self._lock = threading.Lock()
+
+    def rejected(self, upstream: str, target: str) -> float:
+        """Records that `target`'s answer to a push from `upstream` failed the checks; returns the pair's suspension
+        in seconds."""
+        with self._lock:
+            now = self._clock()
+            failures = self._pairs.pop((upstream, target), (0, 0.0))[0] + 1
+            duration_s = min(self.max_s, self.base_s * 2.0 ** (failures - 1))
+            self._pairs[(upstream, target)] = (failures, now + duration_s)
+            while len(self._pairs) > self.max_pairs:
+                self._pairs.popitem(last=False)
+            for peer in [peer for peer, until in self._servers.items() if until <= now]:
+                del self._servers[peer]
+            for peer in (upstream, target):
+                self._servers[peer] = max(self._servers.get(peer, 0.0), now + self.base_s)
+            return duration_s
+
+    def may_push(self, upstream: str, target: str) -> bool:
+        """Whether the client may name `target` to receive a push from `upstream` now."""
+        with self._lock:
+            if not self._pairs:
+                return True
+            now = self._clock()
+            pair = self._pairs.get((upstream, target))
+            return (
+                (pair is None or pair[1] <= now)
+                and self._servers.get(upstream, 0.0) <= now
+                and self._servers.get(target, 0.0) <= now
+            )
+
+    def failures(self, upstream: str, target: str) -> int:
+        """How many answers to pushes from `upstream` into `target` failed the checks (while remembered)."""
+        with self._lock:
+            return self._pairs.get((upstream, target), (0, 0.0))[0]

@@ -1,0 +1,79 @@
+"""A float16 server after a span whose outputs it cannot hold (real servers, decision 0170): a tiny llama whose
+block 1 writes hidden states ~1e6 into the residual (legal in float32, past float16's +-65504), served 0:2 in float32
+and 2:4 twice, once in float16 (announced fastest, so routes go through it; CPU float16 allowed by the test) and
+once in float32. The float16 server
+refused the float32 client's inputs (`check_castable`) and the client banned it for the refusal; now the client does
+not send it what it cannot hold, routes around it, and bans nobody."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.tiny_models import hf_greedy, make_tiny_model
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.server import startup_checks
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
+NEW_TOKENS = 6
+SCALE = 1e6  # block 1's MLP output weights: its outputs (the residual after it) reach ~1e6
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("models"), seed=7)
+    (weights_file,) = path.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["model.layers.1.mlp.down_proj.weight"] *= SCALE
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path
+
+
+def _float16_on_cpu(original):
+    """`startup_checks.resolve_dtype` that lets a CPU server run float16 (refused there as slow: this server computes
+    nothing, its every input is past its range)."""
+
+    def resolve(model_config, requested, device):
+        return torch.float16 if requested == "float16" else original(model_config, requested, device)
+
+    return resolve
+
+
+@pytest.fixture(scope="module")
+def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    patch = pytest.MonkeyPatch()
+    patch.setattr(startup_checks, "resolve_dtype", _float16_on_cpu(startup_checks.resolve_dtype))
+    try:
+        swarm.start_bootstrap()
+        spans = [
+            (model_path, "0:2"),
+            (model_path, "2:4", {"torch_dtype": "float16", "throughput": 1000.0}),
+            (model_path, "2:4"),
+        ]
+        with inprocess_servers(
+            spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers, update_period_s=2.0
+        ) as servers:
+            swarm.narrow = servers[1]
+            yield swarm
+    finally:
+        swarm.close()
+        patch.undo()
+
+
+def test_outputs_a_float16_server_cannot_hold_are_routed_around_and_ban_nobody(swarm, model_path):
+    expected = hf_greedy(model_path, PROMPT, NEW_TOKENS)
+    config = ClientConfig(update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, max_wait_s=20.0, max_pinged=0)
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        model.manager.wait_ready()
+        output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        banned, avoided = model.manager.bans.banned_peers(), model.manager.avoided_peers()
+    assert output.tolist() == expected.tolist()
+    assert not banned  # before: the float16 server, for refusing inputs past its range
+    assert swarm.narrow.peer_id in avoided  # the route went through it, and the client went around it
