@@ -103,8 +103,12 @@ def test_a_replacement_that_takes_the_import_and_stalls_its_answer_is_left_for_t
     with InferenceSession(manager, max_length=8) as session:
         steps = [session.step(tokens[:, :4])] + [session.step(tokens[:, t : t + 1]) for t in range(4, 8)]
         records = session.handoffs.records
+        moved = [(e.peer_id, e.action) for e in session.stall_events]
     assert len(records) == 1 and records[0].to_peer == "D", records
     assert servers["B"].imports == 1 and servers["D"].imports == 1
+    # the replacement's stall is the session's (contracts: `stall_events` lists them all; a hand-off's span sessions
+    # kept their own list before, so a session never told its caller about the move)
+    assert ("B", "moved") in moved, moved
     assert "B" in manager.avoided_peers() and not manager.bans.banned_peers()
     torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
 

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,9 @@ class HandoffLog:
 
     manager: RemoteSequenceManager
     max_length: int  # the session's: a replacement must hold it
+    # the session's one way to make a span session (`InferenceSession._new_span_session`): a replacement shares its
+    # stall events and prefix keys as any other span of the chain does
+    new_span_session: Callable[[RemoteSpanInfo], SpanSession]
     records: list[HandoffRecord] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)  # span session ids already handed off or given up
 
@@ -154,7 +158,7 @@ async def _move(log: HandoffLog, old: SpanSession) -> tuple[SpanSession, int]:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
     if old.history is None or old.history.shape[1] != old.position:
         raise HandoffFailed("the span's history does not match its position")
-    first = SpanSession(log.manager, candidates[0], log.max_length)
+    first = log.new_span_session(candidates[0])
     opening = asyncio.ensure_future(first.open())  # connect to the replacement while the cache is exported
     try:
         header, messages = await _export(log.manager, old)
@@ -165,7 +169,7 @@ async def _move(log: HandoffLog, old: SpanSession) -> tuple[SpanSession, int]:
         raise
     errors = []
     for span in candidates:
-        new = first if span is candidates[0] else SpanSession(log.manager, span, log.max_length)
+        new = first if span is candidates[0] else log.new_span_session(span)
         try:
             await (opening if new is first else new.open())
             await _import(new, old, header, messages)

@@ -71,7 +71,8 @@ class InferenceSession:
             manager.config.server_forwarding and not manager.config.verifies, manager.push_suspects
         )
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
-        self.handoffs = HandoffLog(manager, max_length)  # spans moved off draining servers with their KV cache
+        # spans moved off draining servers with their KV cache
+        self.handoffs = HandoffLog(manager, max_length, self._new_span_session)
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
