@@ -24,7 +24,9 @@ from corolla.client.session.replacement_race import TRIAL_TOKENS, race_candidate
 from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s, announced_token_s
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.protocol import local_stream as ls
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.swarm.route_planning import proven_where_they_cover
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, record_of, reference
 
 REQUEST_TIMEOUT_S = 20.0
 LORIS_DELAY_S = REQUEST_TIMEOUT_S - 2.0  # every step answered just under the timeout
@@ -299,6 +301,52 @@ def test_many_lorises_cost_one_move(small_long_step_floor, lorises: int):
     assert [tokens for _, tokens in servers["H"].requests[: len(first)]] == first
     assert _served_tokens(servers["H"]) == 16 and servers["H"].final_lengths == [16]
     assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
+
+
+def test_after_a_loris_new_sessions_start_on_servers_seen_on_time(small_long_step_floor):
+    """Three lorises (the best figures) and H; a first session is held from token 4, moves, and the race gives it to
+    H. The client's next session, started right after while the lorises still hold steps, is planned over the servers
+    it saw answer on time where they cover the blocks (for `SLOW_AVOID_S`, decision 0163): it starts on H, no loris
+    gets a request, nothing stalls. Before, its route followed the announced figures to a loris that was not avoided
+    (one more deadline plus budget, and a race)."""
+    torch.manual_seed(9)
+    servers = {f"L{i}": FakeServer(0, 4, inference_rps=1000.0) for i in range(3)}
+    servers["H"] = FakeServer(0, 4)
+    manager = _manager(servers)
+    tokens = torch.randn(1, 8, HIDDEN)
+    with InferenceSession(manager, max_length=8) as session:
+        for t in range(8):
+            if t == 4:
+                for name in servers:
+                    servers[name].delay_s = LORIS_DELAY_S if name != "H" else 0.0
+            session.step(tokens[:, t : t + 1])
+        assert [span.peer_id for span, _ in session.route] == ["H"]
+    asked = {name: len(server.requests) for name, server in servers.items()}
+    outputs = []
+    with InferenceSession(manager, max_length=8) as session:
+        outputs = [session.step(tokens[:, :3])] + [session.step(tokens[:, t : t + 1]) for t in range(3, 8)]
+        assert [span.peer_id for span, _ in session.route] == ["H"]
+        assert session.stall_events == []
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert all(len(server.requests) == asked[name] for name, server in servers.items() if name != "H")
+
+
+def test_proven_where_they_cover():
+    """The planning set while a loris is suspected: servers seen on time, and the others only where those do not
+    cover their blocks."""
+
+    def span(peer: str, start: int, end: int) -> RemoteSpanInfo:
+        return RemoteSpanInfo(peer, start, end, record_of(start, end, 100.0))
+
+    spans = [span("A", 0, 4), span("B", 0, 2), span("C", 2, 6), span("D", 4, 8), span("E", 6, 8)]
+    kept = proven_where_they_cover(spans, {"A", "E"})
+    assert [s.peer_id for s in kept] == [
+        "A",
+        "C",
+        "D",
+        "E",
+    ]  # B's 0:2 is A's; no server seen on time holds 4:6 (C's, D's)
+    assert [s.peer_id for s in proven_where_they_cover(spans, set())] == ["A", "B", "C", "D", "E"]
 
 
 class HonestLast(random.Random):

@@ -8,7 +8,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -196,3 +196,10 @@ def make_max_throughput_route(
         route.append(RemoteSpanInfo(span.peer_id, block, min(span.end, end), span.server_info))
         block = min(span.end, end)
     return route
+
+
+def proven_where_they_cover(spans: Sequence[RemoteSpanInfo], proven: Collection[str]) -> list[RemoteSpanInfo]:
+    """`spans` less those whose server is not in `proven` where the spans of `proven` servers cover its blocks
+    (a client that caught a loris plans over the servers it saw answer on time where it can, decision 0163)."""
+    kept = [span for span in spans if span.peer_id in proven]
+    return [span for span in spans if span.peer_id in proven or not covers(kept, span.start, span.end)]

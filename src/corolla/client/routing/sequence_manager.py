@@ -37,7 +37,7 @@ from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swa
 from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode, SwarmPolicy
 from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
-from corolla.swarm.route_planning import covers
+from corolla.swarm.route_planning import covers, proven_where_they_cover
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
 from corolla.utils.interrupts import event_wait
@@ -100,6 +100,9 @@ class RemoteSequenceManager:
         # until then (time.monotonic()), servers this client never measured count as unreachable when routing: one of
         # them failed (decision 0137)
         self._unmeasured_suspect_until = 0.0
+        # until then, a server this client never saw answer a step on time is left out of routes where servers it saw
+        # do cover its blocks: a loris was caught (decision 0163)
+        self._unproven_suspect_until = 0.0
         self._ready = threading.Event()
         self._update_requested = threading.Event()
         self._attempted = threading.Event()  # set after the first update attempt, failed or not
@@ -284,6 +287,8 @@ class RemoteSequenceManager:
         now = time.monotonic()
         if now < self._unmeasured_suspect_until:  # made-up records may be among them: measured servers first
             rtts = {**{span.peer_id: math.inf for span in spans}, **rtts}
+        if now < self._unproven_suspect_until:  # lorises may be among them: servers seen on time first
+            spans = proven_where_they_cover(spans, self.answered_on_time())
         route = self.policy.choose_route(
             spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
             client_load=self.routed.load(now), waited_s=waited_s, rng=self.rng,
@@ -370,6 +375,13 @@ class RemoteSequenceManager:
             self._spans = [span for span in self._spans if span.peer_id != peer_id]
             self._on_time.discard(peer_id)
         return True
+
+    def suspect_unproven(self, duration_s: float) -> None:
+        """A server that answered pings held a step past its deadline and the late budget (a loris, or an overloaded
+        server): for `duration_s`, routes leave out every server this client never saw answer a step within its
+        deadline where servers it saw do cover its blocks (announced figures are free; what the client measured is
+        not), so that its next sessions do not start on the loris's peers (decision 0163)."""
+        self._unproven_suspect_until = max(self._unproven_suspect_until, time.monotonic() + duration_s)
 
     def note_on_time(self, peer_id: str) -> None:
         """`peer_id` answered a step of this client within the step's deadline (`client.session.stalls`): what the

@@ -591,6 +591,7 @@ class SpanSession:
             SLOW_AVOID_S,
         )  # fmt: skip
         self.manager.avoid(peer_id, SLOW_AVOID_S)  # replacement chains are planned without it
+        self.manager.suspect_unproven(SLOW_AVOID_S)  # and new sessions' chains over servers seen on time (0163)
         raise ServerTooSlow(
             peer_id, f"server ...{peer_id[-6:]} answers pings but its steps ran past their deadlines (last one "
             f"{waited_s:.1f} s, deadline {stall_deadline_s:.2f} s) while another server holds its blocks",
