@@ -78,6 +78,7 @@ class Drainer(FakeServer):
     drain_s = 5.0
     header_delay_s = 0.0  # its export's header comes this late (it still answers pings: a stalling exporter)
     parts_delay_s = 0.0  # and its parts this long after the header
+    extra_bytes = 0  # its header announces this many bytes more than its parts hold (a drainer buying time)
 
     async def _serve(self, requests):
         watch = ExportWatch()
@@ -94,7 +95,7 @@ class Drainer(FakeServer):
         cache = [serialize_tensor(t) for t in self.exported_cache(position)]
         header = wire.KvHeader(
             position=position, batch_size=1, start_block=self.start, end_block=self.end, num_messages=1,
-            total_bytes=wire.message_bytes(cache),
+            total_bytes=wire.message_bytes(cache) + self.extra_bytes,
         )  # fmt: skip
         await asyncio.sleep(self.header_delay_s)
         yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))

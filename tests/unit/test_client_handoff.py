@@ -113,18 +113,22 @@ def test_a_replacement_that_takes_the_import_and_stalls_its_answer_is_left_for_t
     torch.testing.assert_close(torch.cat(steps, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("stalls_at", ["header", "parts"])
-def test_a_draining_server_that_stalls_its_export_is_left_for_a_replay(monkeypatch, stalls_at):
+@pytest.mark.parametrize(("stalls_at", "extra_bytes"), [("header", 0), ("parts", 0), ("parts", 512 << 20)])
+def test_a_draining_server_that_stalls_its_export_is_left_for_a_replay(monkeypatch, stalls_at, extra_bytes):
     """The draining server, announcing 60 s left, holds its export's header (or its parts) 120 s while it answers
-    pings: the export has a step's deadline (its header a zero-token step's, its parts the bytes at the slow-link rate
-    plus that), then the late budget, then the hand-off fails and the span's history is replayed on D; the outputs are
-    the reference's. Before (decision 0168), the export had no deadline of its own: the hand-off waited the notice's
-    60 s (at most `request_timeout_s`, + `connect_timeout_s`), then replayed."""
+    pings: the export has a step's deadline (its header a zero-token step's, each part message the bytes before it
+    plus a full message's at the slow-link rate plus that), then the late budget, then the hand-off fails and the
+    span's history is replayed on D; the outputs are the reference's. Before (decision 0168), the export had no
+    deadline of its own: the hand-off waited the notice's 60 s (at most `request_timeout_s`, + `connect_timeout_s`),
+    then replayed; and a header announcing 512 MiB it never sends (under the 1 GiB `kv_handoff_max_bytes`) bought
+    the parts those bytes' 537 s at the slow-link rate, the notice's 60 s again, until each message's deadline
+    counted the bytes that came."""
     monkeypatch.setattr(stalls, "LATE_BUDGET_S", 2.0)  # (8 s by default: the same rule, a shorter test)
     torch.manual_seed(0)
     tokens = torch.randn(1, 8, HIDDEN)
     drainer = HonestDrainer(0, 2, tokens, inference_rps=1e6)
     drainer.drain_s = 60.0
+    drainer.extra_bytes = extra_bytes
     setattr(drainer, f"{stalls_at}_delay_s", 120.0)
     servers = {"drainer": drainer, "C": FakeServer(2, 4), "D": Importer(0, 2)}
     manager = FakeManager(servers, 4, max_wait_s=10, request_timeout_s=180.0)

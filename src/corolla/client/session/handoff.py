@@ -193,8 +193,9 @@ async def _export(
 ) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
     (position, batch, blocks, byte counts, `kv_handoff_max_bytes`). The export has a step's deadline (decision 0168):
-    its header a zero-token step's (`StepClock.deadline_s(0)`), its parts, all of them, the bytes the header announces
-    at the slow-link rate plus that (`StepClock.handoff_deadline_s`), both from the request; past it a step's rules
+    its header a zero-token step's (`StepClock.deadline_s(0)`), each part message the bytes received before it plus a
+    full message's (at most the header's count) at the slow-link rate plus that (`StepClock.handoff_deadline_s`), both
+    from the request, so a header that announces more bytes than come buys no time; past it a step's rules
     (`SpanSession.next_response`: silent, failed over; slow, waited for until the span's late budget is spent, then
     `ServerTooSlow`): the hand-off fails and the span is replayed elsewhere."""
     tensors, structure, empty = _empty_step(old)
@@ -221,9 +222,11 @@ async def _export(
     if header.total_bytes > max_bytes:
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
     max_parts = header.max_parts  # an empty part is a few bytes on the wire and a Python object here
-    due_s = sent_s + old.clock.handoff_deadline_s(header.total_bytes)
     messages, received, parts = [], 0, 0
     for _ in range(header.num_messages):
+        # due once the bytes received so far and this message's (at most a full one) could have come at the slow-link
+        # rate: the header's count alone is the drainer's word (up to `kv_handoff_max_bytes`, 1 GiB: ~18 min)
+        due_s = sent_s + old.clock.handoff_deadline_s(min(header.total_bytes, received + wire.MAX_MESSAGE_BYTES))
         response = await _export_reply(old, due_s, wire.MAX_MESSAGE_BYTES + REPLY_OVERHEAD_BYTES)
         received += wire.message_bytes(response.tensors)
         parts += len(response.tensors)
