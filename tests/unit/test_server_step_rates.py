@@ -1,8 +1,9 @@
 """The step rates a server announces from the steps it served (`server.core.step_rates`, decision 0165): decode
-batches give `inference_rps` (blocks over the batch's seconds, weighted by its steps), long steps `forward_rps`
-(tokens x blocks over their batch's seconds); the announced figure is the quantile 3 in 4 steps beat, so a burst of
-slow steps under a quarter of the window (or of fast ones under three quarters) leaves it; old steps are forgotten
-(None again); too few steps give None; bins round it down by under 9%."""
+batches give `inference_rps` (each step's blocks over the batch's seconds, weighted by its blocks), long steps
+`forward_rps` (tokens x blocks over their batch's seconds); the announced figure is the quantile 3 in 4 block-steps
+beat, so a burst of slow steps under a quarter of the window (or of fast ones under three quarters) leaves it, and
+many steps over few blocks weigh their blocks; old steps are forgotten (None again); too few steps give None; bins
+round it down by under 9%."""
 
 from __future__ import annotations
 
@@ -80,3 +81,41 @@ def test_short_steps_count_as_decode_steps_and_zero_tokens_not_at_all() -> None:
     assert rates.announced()["inference_rps"] is None  # one step counted: too few
     rates.record_decode(2, 2, 0.02)  # a launched forward of 2 steps
     assert rates.announced()["inference_rps"] == pytest.approx(2 / 0.02, rel=0.1)
+
+
+def test_each_decode_step_is_timed_over_its_own_blocks() -> None:
+    """A batch whose first step entered at the span's last block (1 of 8; its forward runs beside the others'): each
+    step's rate is its own blocks over the batch's seconds. Before (0165 as landed), the first step's blocks were
+    every step's: 3 steps over 8 blocks in 10 ms announced 100 blocks/s, 8x slow."""
+    rates = StepRates()
+    rates.record_batch(
+        [_request(1, blocks=1), _request(1, blocks=8), _request(1, blocks=8), _request(1, blocks=8)], 0.01
+    )
+    figure = rates.announced()["inference_rps"]
+    assert figure is not None and 800 / 1.1 < figure <= 800
+
+
+def test_many_one_block_steps_weigh_their_blocks_not_their_count() -> None:
+    """One client's lone one-block steps (mostly per-step overhead: 2 ms for 1 block, 500 blocks/s), twice as many
+    as the honest steps over 8 blocks (8 ms, 1,000 blocks/s): they weigh 60 block-steps against 240, under a quarter,
+    so the server is not priced at their rate (routes weigh 1 / inference_rps). Before, weighted by steps, 60 of 90
+    steps set the figure at 500: a client steered an honest server's routing price up 2x with steps of its own."""
+    rates = StepRates()
+    for _ in range(30):
+        rates.record_batch([_request(1, blocks=8)], 0.008)
+    for _ in range(60):
+        rates.record_batch([_request(1, blocks=1)], 0.002)
+    figure = rates.announced()["inference_rps"]
+    assert figure is not None and 1000 / 1.1 < figure <= 1000
+    for _ in range(60):  # as many block-steps as the honest ones: over a quarter, the figure is theirs
+        rates.record_batch([_request(1, blocks=1)], 0.002)
+    assert rates.announced()["inference_rps"] == pytest.approx(500, rel=0.1)
+
+
+def test_too_few_steps_counts_steps_not_blocks() -> None:
+    rates = StepRates()
+    rates.record_batch([_request(1, blocks=32)], 0.01)
+    rates.record_batch([_request(1, blocks=32)], 0.01)
+    assert rates.announced()["inference_rps"] is None  # 2 steps (64 block-steps)
+    rates.record_decode(1, 32, 0.01)
+    assert rates.announced()["inference_rps"] is not None

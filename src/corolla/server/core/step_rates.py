@@ -6,9 +6,12 @@ give them (`client.session.stalls` times a decode step by blocks / `inference_rp
 blocks / `forward_rps`; routes price a block by 1 / `inference_rps`). So a server is timed and routed by what it does
 now, not by nothing (`--throughput N`) nor only by a start-up figure from an idle device.
 
-Each rate is a quantile over the steps of the last `WINDOW_S` (weighted by steps: a merged batch of 64 counts as 64
-steps that waited as long): `SLOW_QUANTILE` of the steps ran at least as fast as the figure. A burst of slow steps
-moves it only once it is over a quarter of the window's steps, a burst of fast ones only once it is three quarters;
+Each rate is a quantile over the block-steps of the last `WINDOW_S` (a step over n blocks weighs n, at its own blocks'
+rate: a merged batch of 64 steps counts as 64 that waited as long): `SLOW_QUANTILE` of the block-steps ran at least as
+fast as the figure. A step over few blocks is mostly per-step overhead, not per-block time: by its weight, one
+client's many one-block steps (a session entering at the span's last block, or a client steering the figure) move it
+no more than the blocks they ran, not by their count. A burst of slow steps moves it only once it is over a quarter of
+the window's block-steps, a burst of fast ones only once it is three quarters;
 old steps are forgotten, so a figure that got the server routed around expires with them (`announced` gives None
 again: the start-up figure, or none, stands) instead of holding forever. Samples are counted in log-spaced bins
 (`BINS_PER_OCTAVE`, rounded down: the figure errs slow by under 9%) in time buckets, so memory and the cost of an
@@ -39,35 +42,40 @@ MAX_RATE = 1e9
 
 
 class RateWindow:
-    """Steps' rates of one kind over the last `window_s`: per time bucket, the weight (steps) in each rate bin."""
+    """Steps' rates of one kind over the last `window_s`: per time bucket, the weight (block-steps) in each rate bin
+    and the steps."""
 
     def __init__(self, window_s: float = WINDOW_S, bucket_s: float = BUCKET_S):
         self.bucket_s = bucket_s
         self.num_buckets = max(1, math.ceil(window_s / bucket_s))
-        self._buckets: deque[tuple[int, dict[int, int]]] = deque()  # (bucket index, rate bin -> steps), oldest first
+        # (bucket index, rate bin -> block-steps, [steps]), oldest first
+        self._buckets: deque[tuple[int, dict[int, int], list[int]]] = deque()
 
-    def add(self, rate: float, steps: int, now_s: float) -> None:
-        if not MIN_RATE <= rate <= MAX_RATE or steps <= 0:
+    def add(self, rate: float, steps: int, now_s: float, blocks: int = 1) -> None:
+        """`steps` steps over `blocks` blocks each ran at `rate` (block-steps/s of one step: weighed `steps x
+        blocks`)."""
+        if not MIN_RATE <= rate <= MAX_RATE or steps <= 0 or blocks <= 0:
             return
         index = int(now_s // self.bucket_s)
         if not self._buckets or self._buckets[-1][0] != index:
-            self._buckets.append((index, {}))
+            self._buckets.append((index, {}, [0]))
             self._forget(index)
-        bins = self._buckets[-1][1]
+        _, bins, counted = self._buckets[-1]
         key = math.floor(math.log2(rate) * BINS_PER_OCTAVE)
-        bins[key] = bins.get(key, 0) + steps
+        bins[key] = bins.get(key, 0) + steps * blocks
+        counted[0] += steps
 
     def quantile(self, q: float, now_s: float, min_steps: int = MIN_STEPS) -> float | None:
-        """The rate (the lower edge of its bin) that a share `q` of the window's steps ran under or at; None with
-        fewer than `min_steps` steps in the window."""
+        """The rate (the lower edge of its bin) that a share `q` of the window's block-steps ran under or at; None
+        with fewer than `min_steps` steps in the window."""
         self._forget(int(now_s // self.bucket_s))
         merged: dict[int, int] = {}
-        for _, bins in self._buckets:
-            for key, steps in bins.items():
-                merged[key] = merged.get(key, 0) + steps
-        total = sum(merged.values())
-        if total < max(min_steps, 1):
+        for _, bins, _ in self._buckets:
+            for key, weight in bins.items():
+                merged[key] = merged.get(key, 0) + weight
+        if sum(counted[0] for _, _, counted in self._buckets) < max(min_steps, 1):
             return None
+        total = sum(merged.values())
         seen = 0
         for key in sorted(merged):
             seen += merged[key]
@@ -92,14 +100,15 @@ class StepRates:
         """A batch of `steps` decode steps over `blocks` blocks that took `seconds` (a launched forward's)."""
         if seconds > 0:
             with self._lock:
-                self._decode.add(blocks / seconds, steps, time.monotonic())
+                self._decode.add(blocks / seconds, steps, time.monotonic(), blocks)
 
     def record_batch(self, requests: Sequence[StepRequest], seconds: float) -> None:
         """A batch of step requests that ran for `seconds` (each waited for all of it: the runtime answers a batch
         at its end): a prefill sample per long step (more than `DECODE_MAX_TOKENS` tokens: its tokens x blocks over
-        the batch's seconds), else one decode sample for its steps of 1 to `DECODE_MAX_TOKENS` tokens (a client
-        times them all as decode steps). Decode steps that waited for a long step say nothing of decode: not counted;
-        zero-token steps (probes) compute nothing: not counted."""
+        the batch's seconds), else a decode sample for its steps of 1 to `DECODE_MAX_TOKENS` tokens (a client times
+        them all as decode steps), each at its own blocks over the batch's seconds (sessions may cover part of the
+        span: their forwards then run one after another). Decode steps that waited for a long step say nothing of
+        decode: not counted; zero-token steps (probes) compute nothing: not counted."""
         if seconds <= 0 or not requests:
             return
         tokens = [request.num_tokens for request in requests]  # (one pass: this runs per batch in the device thread)
@@ -108,14 +117,22 @@ class StepRates:
             with self._lock:
                 for request, num_tokens in zip(requests, tokens, strict=True):
                     if num_tokens > DECODE_MAX_TOKENS:
-                        self._prefill.add(num_tokens * request.session.num_layers / seconds, 1, now_s)
+                        blocks = request.session.num_layers
+                        self._prefill.add(num_tokens * blocks / seconds, 1, now_s, blocks)
             return
-        decode_steps = len(tokens) - tokens.count(0)
-        if decode_steps:
-            # the first step's blocks: a batch's sessions cover the same blocks unless clients entered mid-span (their
-            # forwards then run one after another, and the figure errs slow or fast by that share)
+        layers = [request.session.num_layers for request in requests]
+        steps_by_blocks: dict[int, int] = {}  # decode steps by their blocks
+        if layers.count(layers[0]) == len(layers):  # the usual batch: every session over the same blocks
+            if any(tokens):
+                steps_by_blocks[layers[0]] = len(tokens) - tokens.count(0)
+        else:  # some entered mid-span
+            for num_blocks, num_tokens in zip(layers, tokens, strict=True):
+                if num_tokens:
+                    steps_by_blocks[num_blocks] = steps_by_blocks.get(num_blocks, 0) + 1
+        if steps_by_blocks:
             with self._lock:
-                self._decode.add(requests[0].session.num_layers / seconds, decode_steps, now_s)
+                for num_blocks, steps in steps_by_blocks.items():
+                    self._decode.add(num_blocks / seconds, steps, now_s, num_blocks)
 
     def announced(self) -> dict[str, float | None]:
         """`{"inference_rps": ..., "forward_rps": ...}` now (None: too few steps in the window)."""
