@@ -11,11 +11,11 @@ rate: a merged batch of 64 steps counts as 64 that waited as long): `SLOW_QUANTI
 fast as the figure. A step over few blocks is mostly per-step overhead, not per-block time: by its weight, one
 client's many one-block steps (a session entering at the span's last block, or a client steering the figure) move it
 no more than the blocks they ran, not by their count. A burst of slow steps moves it only once it is over a quarter of
-the window's block-steps, a burst of fast ones only once it is three quarters;
-old steps are forgotten, so a figure that got the server routed around expires with them (`announced` gives None
-again: the start-up figure, or none, stands) instead of holding forever. Samples are counted in log-spaced bins
-(`BINS_PER_OCTAVE`, rounded down: the figure errs slow by under 9%) in time buckets, so memory and the cost of an
-announcement do not grow with the step rate.
+the window's block-steps, a burst of fast ones only once it is three quarters; old steps are forgotten, so a figure
+that got the server routed around expires with them (`announced` gives None again: the start-up figure, or none,
+stands) instead of holding forever. Samples are counted in log-spaced bins (`BINS_PER_OCTAVE`, rounded down: the
+figure errs slow by under 9%) in time buckets, so memory and the cost of an announcement do not grow with the step
+rate.
 
 `record_batch` runs in the device thread once per batch; `announced` in the announcer's loop (a lock between)."""
 
@@ -52,8 +52,8 @@ class RateWindow:
         self._buckets: deque[tuple[int, dict[int, int], list[int]]] = deque()
 
     def add(self, rate: float, steps: int, now_s: float, blocks: int = 1) -> None:
-        """`steps` steps over `blocks` blocks each ran at `rate` (block-steps/s of one step: weighed `steps x
-        blocks`)."""
+        """`steps` steps over `blocks` blocks each ran at `rate` (per block, as announced), weighed `steps x
+        blocks`."""
         if not MIN_RATE <= rate <= MAX_RATE or steps <= 0 or blocks <= 0:
             return
         index = int(now_s // self.bucket_s)
