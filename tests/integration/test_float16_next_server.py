@@ -2,8 +2,8 @@
 block 1 writes hidden states ~1e6 into the residual (legal in float32, past float16's +-65504), served 0:2 in float32
 and 2:4 twice, once in float16 (announced fastest, so routes go through it; CPU float16 allowed by the test) and
 once in float32. The float16 server
-refused the float32 client's inputs (`check_castable`) and the client banned it for the refusal; now the client does
-not send it what it cannot hold, routes around it, and bans nobody."""
+refused the float32 client's inputs (`check_castable`) and the client banned it for the refusal, in a session's steps
+and in a forward pass; now the client does not send it what it cannot hold, routes around it, and bans nobody."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tests.helpers.swarm import Swarm, inprocess_servers
-from tests.helpers.tiny_models import hf_greedy, make_tiny_model
+from tests.helpers.tiny_models import hf_greedy, hf_model, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.server import startup_checks
@@ -75,5 +75,23 @@ def test_outputs_a_float16_server_cannot_hold_are_routed_around_and_ban_nobody(s
         output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
         banned, avoided = model.manager.bans.banned_peers(), model.manager.avoided_peers()
     assert output.tolist() == expected.tolist()
+    assert not banned  # before: the float16 server, for refusing inputs past its range
+    assert swarm.narrow.peer_id in avoided  # the route went through it, and the client went around it
+
+
+def test_a_forward_pass_past_a_float16_servers_range_is_routed_around_and_bans_nobody(swarm, model_path):
+    """The same through `rpc_forward` (the model's forward: `remote_sequential`), a client of its own."""
+    config = ClientConfig(update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, max_wait_s=20.0, max_pinged=0)
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        model.manager.wait_ready()
+        with torch.no_grad():
+            expected = hf_model(model_path)(PROMPT).logits
+            for _ in range(16):  # a forward's route picks a server of 2:4 at random: until it picked the float16 one
+                torch.testing.assert_close(model(PROMPT).logits, expected, atol=1e-3, rtol=0)
+                banned, avoided = model.manager.bans.banned_peers(), model.manager.avoided_peers()
+                if banned or avoided:
+                    break
     assert not banned  # before: the float16 server, for refusing inputs past its range
     assert swarm.narrow.peer_id in avoided  # the route went through it, and the client went around it

@@ -1,5 +1,6 @@
 """RemoteSequential's autograd through in-process fake servers (no network): outputs, input and deep-prompt
-gradients equal local autograd; a server failing in forward or before backward is replaced by re-planning."""
+gradients equal local autograd; a server failing in forward or before backward is replaced by re-planning; tensors
+past a float16 server's range are not sent to it (routed around, nobody banned)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.calls.remote_forward_backward import run_remote_backward
 from corolla.client.training.remote_sequential import RemoteSequential
-from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, stream_messages
+from corolla.client.verification.step_verifier import StepVerifier
+from corolla.protocol.codecs import check_castable, combine_parts, deserialize_tensor, serialize_tensor, stream_messages
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
-from helpers.fake_chain import HIDDEN, FakeManager, block_fn
+from corolla.protocol.records import ServerInfo
+from helpers.fake_chain import HIDDEN, FakeManager, block_fn, record_of
 
 SEED_PICKING_B_FIRST = 4  # max-throughput routing is random; this seed tries B before C
+SEED_PICKING_F16_FIRST = 0  # and this one the float16 server of 2:4 before the float32 one
 
 
 def run_blocks(blocks: list[int], x: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
@@ -164,3 +168,68 @@ def test_a_reply_cut_in_the_middle_of_a_tensor_is_a_connection_failure_not_a_bad
     inputs = torch.randn(1, 20_000, HIDDEN)  # over 1 MiB: the stream RPC; a 640 KB reply in 64 KiB parts
     with pytest.raises(ConnectionError, match="middle of its reply"):
         asyncio.run(run_remote_backward(manager, span, inputs, torch.randn_like(inputs), torch.empty(0)))
+
+
+class Float16ForwardServer(FakeForwardServer):
+    """Announces float16 (the fastest) and refuses a call whose tensors fall outside float16's range, as a server
+    computing in float16 does (`codecs.check_castable` on every input)."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end)
+        self.inference_rps, self.refused = 1e6, 0
+
+    def server_info(self) -> ServerInfo:
+        info = record_of(self.start, self.end, self.inference_rps)
+        info.torch_dtype = "float16"
+        return info
+
+    def _parse(self, request):
+        blocks, args = super()._parse(request)
+        try:
+            for tensor in args:
+                check_castable(tensor, torch.float16)
+        except ValueError:
+            self.refused += 1
+            raise
+        return blocks, args
+
+
+@pytest.mark.parametrize("large", ["inputs", "gradients"])
+def test_tensors_past_a_float16_servers_range_are_routed_around_and_blame_nobody(large):
+    """Before: the float16 server refused them (its forward for inputs ~1e5, its backward for gradients ~1e5) and
+    was banned for it; now nothing it cannot hold is sent to it (decision 0170), and a forward (re-run before a
+    backward that cannot go there) goes to the float32 server."""
+    torch.manual_seed(0)
+    narrow = Float16ForwardServer(2, 4)
+    servers = {"A": FakeForwardServer(0, 2), "f16": narrow, "B": FakeForwardServer(2, 4)}
+    manager = FakeManager(servers, 4)
+    manager.rng = random.Random(SEED_PICKING_F16_FIRST)
+    scale = 1e5 if large == "inputs" else 1.0
+    x = (torch.randn(1, 3, HIDDEN) * scale).requires_grad_(True)
+    grad = torch.randn(1, 3, HIDDEN) * (1e5 if large == "gradients" else 1.0)
+    out = RemoteSequential(manager)(x, None)
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = run_blocks([0, 1, 2, 3], x_ref, None)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-3)
+    assert not manager.bans.banned_peers() and not narrow.refused
+    assert "f16" in manager.avoided_peers() and "backward" in servers["B"].calls
+
+
+def test_a_float16_referee_that_cannot_hold_the_inputs_is_not_asked_nor_banned():
+    """A verified forward's referees, in random order: the float16 one would refuse inputs ~1e5 and was banned as a
+    failed referee where asked first; now nothing is sent to it (0170) and the float32 referee decides."""
+    torch.manual_seed(0)
+    inputs = torch.randn(1, 3, HIDDEN) * 1e5
+    outputs = run_blocks([2, 3], inputs, None)
+    for seed in range(6):  # (either order of the two referees)
+        narrow = Float16ForwardServer(2, 4)
+        servers = {"B": FakeForwardServer(2, 4), "C": FakeForwardServer(2, 4), "f16": narrow}
+        manager = FakeManager(servers, 4, verify_fraction=1.0)
+        span = next(s for s in manager.spans if s.peer_id == "B")
+        verifier = StepVerifier(manager, rng=random.Random(seed))
+        asyncio.run(verifier.verify(span, inputs, outputs))
+        assert verifier.num_verified == 1 and servers["C"].calls == ["forward"]
+        assert not manager.bans.banned_peers() and not narrow.refused, seed

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.calls.output_checks import BadServerOutput, check_outputs, reply_limit_bytes
+from corolla.client.calls.output_checks import BadServerOutput, check_inputs_fit, check_outputs, reply_limit_bytes
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.transport.direct_transport import open_direct
 from corolla.client.transport.framed_socket import FramedSocketStream
@@ -158,7 +158,8 @@ async def run_remote_forward(
     manager: RemoteSequenceManager, span: RemoteSpanInfo, inputs: torch.Tensor, prompts: torch.Tensor
 ) -> torch.Tensor:
     """Outputs `[B, T, H]` of blocks `[span.start, span.end)` for `inputs [B, T, H]` (prompts: `[blocks, B|1, P, H]`
-    or empty)."""
+    or empty). InputsOutOfRange, nothing sent, where its server's announced float16 cannot hold them (0170)."""
+    check_inputs_fit(span, inputs=inputs, prompts=prompts)
     tensors, structure = pack_args_kwargs(inputs, prompts)
     outputs = await _call(manager, span, "rpc_forward", tensors, structure, reply_limit_bytes(inputs.shape))
     if len(outputs) != 1:
@@ -175,7 +176,9 @@ async def run_remote_backward(
     grad_outputs: torch.Tensor,
     prompts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad wrt inputs `[B, T, H]`, grad wrt this span's deep prompts or None)."""
+    """(grad wrt inputs `[B, T, H]`, grad wrt this span's deep prompts or None). InputsOutOfRange, nothing sent,
+    where its server's announced float16 cannot hold the tensors (0170)."""
+    check_inputs_fit(span, inputs=inputs, grad_outputs=grad_outputs, prompts=prompts)
     tensors, structure = pack_args_kwargs(inputs, grad_outputs, prompts)
     limit_bytes = reply_limit_bytes(inputs.shape, prompts.shape)
     grads = await _call(manager, span, "rpc_backward", tensors, structure, limit_bytes)

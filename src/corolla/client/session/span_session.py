@@ -29,8 +29,8 @@ from corolla.client import background_loop
 from corolla.client.calls.output_checks import (
     REPLY_OVERHEAD_BYTES,
     BadServerOutput,
-    announced_dtype,
     check_fits,
+    input_range_dtype,
     read_output,
     reply_limit_bytes,
 )
@@ -192,10 +192,7 @@ class SpanSession:
         self.flags_pushes = flags_pushed_replies(span.server_info)  # it says which replies answer pushes (0169)
         # this span's recent step times: the deadline of a step's silence, and its late budget
         info = span.server_info
-        # its inputs must stay finite cast to it (None: not checked): float16 (+-65504) is the one wire dtype whose
-        # range legal activations reach; float32 values past bfloat16's range (the top 0.4% of float32's) are a
-        # liar's alone, and checking them cost a reduction (~6 us) a step of every bfloat16 span of a float32 client
-        self.input_range_dtype = torch.float16 if announced_dtype(info) is torch.float16 else None
+        self.input_range_dtype = input_range_dtype(info)  # its inputs must stay finite cast to it (None: unchecked)
         self.clock = StepClock(
             announced_step_s(span.length, info.inference_rps),
             announced_token_s(span.length, info.forward_rps, info.inference_rps),
