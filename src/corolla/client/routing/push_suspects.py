@@ -58,9 +58,9 @@ class PushSuspects:
 
     def may_push(self, upstream: str, target: str) -> bool:
         """Whether the client may name `target` to receive a push from `upstream` now."""
+        if not self._pairs:  # no failure yet (once one, never empty again): no lock on a step's usual path
+            return True
         with self._lock:
-            if not self._pairs:
-                return True
             now = self._clock()
             pair = self._pairs.get((upstream, target))
             return (
