@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.client.routing.push_suspects import PushSuspects
@@ -119,6 +120,71 @@ def test_a_corolla_server_failing_unflagged_is_its_own_failure():
     torch.testing.assert_close(_generate(manager, tokens), reference(tokens, 4), atol=1e-5, rtol=0)
     assert liar.lies == 1 and manager.bans.banned_peers() == {"liar"}
     assert manager.push_suspects.failures("A", "liar") == 0
+
+
+class RewoundStock(FakeServer):
+    """A stock Petals server (no load fields: it flags nothing) fed a lying upstream's push from an earlier start: a
+    step the client named it to receive by push runs from position 1 instead of the client's start (Petals takes the
+    start a push names), its answer the right shape; the client's next step then starts past its cache, and it
+    refuses it (its error, as over p2p)."""
+
+    def __init__(self, peer_id: str, start: int, end: int, upstream: FakeServer, *, corolla: bool = False):
+        super().__init__(start, end, inference_rps=1e6)  # the fastest: every route goes through it
+        self.peer_id, self.upstream, self.corolla = peer_id, upstream, corolla
+        self.rewound = self.refused = 0
+
+    def server_info(self) -> ServerInfo:
+        info = super().server_info()
+        info.tokens_served = 0 if self.corolla else None  # `corolla`: a corolla server's record (it flags)
+        return info
+
+    def _named(self, step_id: str) -> bool:
+        return any(
+            metadata.get("step_id") == step_id
+            and any(hop[0] == self.peer_id for hop in metadata.get("next_servers", ()))
+            for metadata, _ in self.upstream.requests
+        )
+
+    async def _serve(self, requests):
+        async def pushed_over():
+            first = True
+            async for request in requests:
+                metadata = decode_metadata(request.metadata) if request.tensors else {}
+                if request.tensors and not first and self._named(metadata["step_id"]) and not self.rewound:
+                    self.rewound += 1
+                    metadata["start_from_position"] = 1
+                    request = runtime_pb2.ExpertRequest(
+                        uid=request.uid, tensors=request.tensors, metadata=encode_metadata(metadata)
+                    )
+                first = False
+                yield request
+
+        try:
+            async for response in super()._serve(pushed_over()):
+                yield response
+        except AssertionError as e:  # the fake's check of a start past its cache: the server's refusal
+            self.refused += 1
+            raise P2PHandlerError(f"Failed to call handler `rpc_inference`: {e}") from None
+
+
+def test_a_stock_server_refusing_after_a_push_rolled_its_cache_back_is_not_banned():
+    """0169's Left, closed: a push from an earlier start into a stock server rolls its cache back (its answer to it
+    has the right shape: its values are the upstream's lie, unchecked as any push's), and its refusal of the
+    client's next step banned it; now a stock server's refusal after pushes were named into it in the span session
+    blames nobody and suspends the push, as a failed answer to one."""
+    torch.manual_seed(0)
+    upstream = FakeServer(0, 2)
+    stock = RewoundStock("stock", 2, 4, upstream)
+    manager = FakeManager({"A": upstream, "stock": stock, "B": FakeServer(2, 4)}, 4, max_wait_s=10)
+    _generate(manager, torch.randn(1, 7, HIDDEN))
+    assert stock.rewound == 1 and stock.refused == 1
+    assert not manager.bans.banned_peers()
+    assert manager.push_suspects.failures("A", "stock") == 1
+    # a corolla server says which answers are pushes' and where they started (0154): its refusal is its own
+    corolla = RewoundStock("corolla", 2, 4, upstream, corolla=True)
+    manager = FakeManager({"A": upstream, "corolla": corolla, "B": FakeServer(2, 4)}, 4, max_wait_s=10)
+    _generate(manager, torch.randn(1, 7, HIDDEN))
+    assert corolla.refused == 1 and manager.bans.banned_peers() == {"corolla"}
 
 
 class Clock:

@@ -22,9 +22,13 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from hivemind.p2p import P2PHandlerError
+
+from corolla.client.calls.retries import PushedReplyRejected
 from corolla.client.routing.push_suspects import PushSuspects
 from corolla.client.session.span_session import SpanSession
 from corolla.protocol.forwarding import NEXT_STEP_KEY
+from corolla.swarm.cache_refusals import is_cache_refusal
 
 
 def _start(span: SpanSession, position: int) -> int:
@@ -114,3 +118,16 @@ def push_went_stale(span: SpanSession, step_id: str, position: int) -> bool:
         and span.expected_push[0] == step_id
         and (span.expected_push[1] != _start(span, position))
     )
+
+
+def refusal_after_push(span: SpanSession, error: BaseException) -> PushedReplyRejected | None:
+    """`error` as the push's maybe-fault where `span`'s server refused a step (its own error, not the network's or a
+    full cache) while it cannot flag its answers to pushes (a stock Petals server) and the client named it to receive
+    pushes in this span session: a Petals server takes any start a push names, so an upstream's push from an earlier
+    start rolls its cache back and it refuses the client's next step (decision 0169). None otherwise."""
+    if span.flags_pushes or span.expected_push is None or not isinstance(error, P2PHandlerError):
+        return None
+    if is_cache_refusal(error):
+        return None
+    message = f"{error} (refused by a server named to receive pushes, which cannot say whether one caused it)"
+    return PushedReplyRejected(span.span.peer_id, span.declared_upstream, message)

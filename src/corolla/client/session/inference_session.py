@@ -22,7 +22,7 @@ from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.forwarding import StepForwarding, push_went_stale
+from corolla.client.session.forwarding import StepForwarding, push_went_stale, refusal_after_push
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
 from corolla.client.session.replacement_race import TRIAL_TOKENS, race, race_candidates, round_s
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
@@ -335,6 +335,8 @@ class InferenceSession:
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
                 if isinstance(e, SpanUnreachable):
                     failed = e.peer_id
+                if failed is not None and span_session is not None and (pushed := refusal_after_push(span_session, e)):
+                    e = pushed  # a stock server's refusal after pushes into it: maybe a push's doing, not its own
                 if isinstance(e, PushedReplyRejected) and e.upstream is not None:  # the push or its target lied
                     suspended_s = self.manager.push_suspects.rejected(e.upstream, e.peer_id)
                     logger.info(
