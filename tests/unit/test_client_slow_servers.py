@@ -20,10 +20,11 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.session import replacement_race, span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.session.replacement_race import TRIAL_TOKENS, race_candidates
+from corolla.client.session.replacement_race import TRIAL_TOKENS, TrialDisagrees, check_trial, race_candidates
 from corolla.client.session.stalls import LATE_LEAK, StepClock, announced_step_s, announced_token_s
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.protocol import local_stream as ls
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.route_planning import proven_where_they_cover
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, record_of, reference
@@ -301,6 +302,67 @@ def test_many_lorises_cost_one_move(small_long_step_floor, lorises: int):
     assert [tokens for _, tokens in servers["H"].requests[: len(first)]] == first
     assert _served_tokens(servers["H"]) == 16 and servers["H"].final_lengths == [16]
     assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
+
+
+class TrialLoris(FakeServer):
+    """Honest until `holding`; then a fresh session's first step (a race's trial) is answered at once with outputs it
+    never computed (noise of the right shape), and every later step held just under `request_timeout_s`."""
+
+    holding = False
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            metadata, _ = self.requests[-1]
+            if self.holding and metadata["start_from_position"] == 0:
+                noise = torch.randn_like(deserialize_tensor(response.tensors[0]))
+                response = runtime_pb2.ExpertResponse(tensors=[serialize_tensor(noise)])
+            elif self.holding:
+                await asyncio.sleep(LORIS_DELAY_S)
+            yield response
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["a_middle_span", "the_last_span"])
+def test_lorises_answering_the_trial_at_once_do_not_win_the_race(small_long_step_floor, last: bool):
+    """K = 3 lorises of blocks 0:2 (the best figures) hold every step from token 12 but answer a race's trial at once,
+    uncomputed, beside H (50 ms a step) and C (2:4); or of the whole chain 0:4 beside H: a trial's outputs must agree
+    with what the span gave before (C's inputs there; the chain's first outputs, kept by the session), so H wins the
+    first race: one move, outputs the reference's, the lorises neither banned nor avoided for their trials. Before,
+    the first answer won: each loris in turn won a race and held the rest (3 moves; 7 lorises: 63 s, 7 moves, in
+    process)."""
+    torch.manual_seed(8)
+    end = 4 if last else 2
+    servers: dict[str, FakeServer] = {f"L{i}": TrialLoris(0, end, inference_rps=1000.0) for i in range(3)}
+    servers["H"] = FakeServer(0, end)
+    servers["H"].delay_s = 0.05
+    if not last:
+        servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    tokens = torch.randn(1, 16, HIDDEN)
+    outputs = []
+    with InferenceSession(manager, max_length=16) as session:
+        for t in range(16):
+            if t == 12:
+                for server in servers.values():
+                    if isinstance(server, TrialLoris):
+                        server.holding = True
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        assert [span.peer_id for span, _ in session.route] == (["H"] if last else ["H", "C"])
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    moved = [e for e in events if e.action == "moved"]
+    assert len(moved) == 1 and moved[0].peer_id.startswith("L"), events
+    assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
+
+
+def test_check_trial() -> None:
+    expected = torch.randn(1, 8, HIDDEN)
+    check_trial("peer", expected + 1e-4 * torch.randn(1, 8, HIDDEN), expected, 1e-3)
+    check_trial("peer", torch.randn(1, 8, HIDDEN), None, 1e-3)  # nothing known: nothing checked
+    check_trial("peer", torch.randn(1, 13, HIDDEN), expected[:, :0], 1e-3)
+    check_trial("peer", torch.cat([expected[:, :5], torch.randn(1, 3, HIDDEN)], dim=1), expected[:, :5], 1e-3)
+    for wrong in (torch.randn(1, 8, HIDDEN), torch.zeros(1, 8, HIDDEN), expected[:, :4]):
+        with pytest.raises(TrialDisagrees):
+            check_trial("peer", wrong, expected, 0.25)
 
 
 def test_after_a_loris_new_sessions_start_on_servers_seen_on_time(small_long_step_floor):

@@ -17,14 +17,22 @@ from collections.abc import Callable
 import torch
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.calls.output_checks import BadServerOutput, comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale, refusal_after_push
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
-from corolla.client.session.replacement_race import TRIAL_TOKENS, race, race_candidates, round_s
+from corolla.client.session.replacement_race import (
+    TRIAL_TOKENS,
+    RaceLost,
+    TrialDisagrees,
+    check_trial,
+    race,
+    race_candidates,
+    round_s,
+)
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
@@ -63,6 +71,9 @@ class InferenceSession:
         self._position = 0
         self._batch_size: int | None = None  # fixed by the first step (servers allocate caches for it)
         self._zero_prompts: torch.Tensor | None = None  # deep prompts given at position 0, needed for replays
+        # the chain's outputs [B, <= TRIAL_TOKENS, H] at its first positions (a race for the last span checks its
+        # trials against them: `_race_replacement`); None where not all known (a prefix reused)
+        self._first_outputs: torch.Tensor | None = None
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over socket streams (no client-loop hop)
@@ -169,8 +180,23 @@ class InferenceSession:
                 outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids, verify=verify))
         if needs_handoff(self.handoffs, self._spans):  # a server drains: move its span's cache elsewhere (no replay)
             background_loop.run(hand_off_draining_spans(self.handoffs, self._spans))
+        if self._position < TRIAL_TOKENS:
+            self._keep_first_outputs(outputs, hypo_ids)
         self._position += cpu_inputs.shape[1]
         return outputs.to(inputs.device)
+
+    def _keep_first_outputs(self, outputs: torch.Tensor, hypo_ids: torch.Tensor | None) -> None:
+        """Keeps the chain's `outputs` [B, T, H] of the step at `_position` (< `TRIAL_TOKENS`) among its first
+        outputs, after the earlier ones (their rows reordered by `hypo_ids`, a rollback's later ones dropped)."""
+        start, kept = self._position, self._first_outputs
+        new = outputs[:, : TRIAL_TOKENS - start].clone()  # (not a view: a prompt's whole outputs would stay alive)
+        if start == 0:
+            self._first_outputs = new
+        elif kept is not None and kept.shape[1] >= start:
+            kept = kept[:, :start] if hypo_ids is None else kept[hypo_ids, :start]
+            self._first_outputs = torch.cat([kept, new], dim=1)
+        else:
+            self._first_outputs = None
 
     async def _open_reusing(self, inputs: torch.Tensor, prompt_length: int) -> int:
         """Opens the chain (preferring the one that held this prefix last time: `client.prefix.prefix_chain`) and asks its
@@ -376,9 +402,11 @@ class InferenceSession:
         """Replaces `failed` (left for slowness; no deep prompts or beam reordering in this session) by the winner
         of a race among the servers that hold its blocks alone (`client.session.replacement_race`): each is sent the
         span's first positions (of its history, then of this step's `hidden` [B, *, H], the span's inputs from
-        `hidden_from`), the first to answer takes the session (its next step sends the rest). False (nothing done)
-        where fewer than two such servers are in the view or the span's history is not all known; RaceLost where
-        every racer failed (each blamed, banned or avoided as its failure called for)."""
+        `hidden_from`), the first to answer with outputs that agree with the span's earlier ones (the next span's
+        inputs there, where it has them: `check_trial`) takes the session (its next step sends the rest). False
+        (nothing raced) where fewer than two such servers are in the view or the span's history is not all known, or
+        (the race run) where every racer failed and some disagreed (not blamed: the usual replacement follows);
+        RaceLost where every racer failed otherwise (each blamed, banned or avoided as its failure called for)."""
         blocks = (failed.span.start, failed.span.end)
         history = failed.history if self._position > 0 else hidden[:, :0]
         if history is None or history.shape[1] < self._position:
@@ -392,6 +420,10 @@ class InferenceSession:
         first = torch.cat([history[:, :TRIAL_TOKENS], new[:, : max(0, TRIAL_TOKENS - history.shape[1])]], dim=1)
         upstream = self._spans[index - 1].span.peer_id if index > 0 else None
         step_id = self.forwarding.take_step_id()
+        # the span's outputs for the trial's positions: as the next span was sent them, or the chain's for the last
+        following = self._spans[index + 1].history if index + 1 < len(self._spans) else self._first_outputs
+        expected = None if following is None else following[:, : min(first.shape[1], following.shape[1])]
+        disagreed: list[str] = []
 
         async def trial(racer: SpanSession) -> None:
             try:
@@ -399,15 +431,34 @@ class InferenceSession:
             except Exception as e:  # the server we could not reach: the retry budget blames it
                 raise SpanUnreachable(racer.span.peer_id, e) from e
             racer.history, racer.upstream_peer = history, upstream
-            await racer.step(first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id)
+            outputs, _ = await racer.step(
+                first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id
+            )
+            if expected is not None:
+                rtol = comparison_rtol(
+                    self.manager.config.verify_rtol, (racer.span, failed.span), outputs.dtype, expected.dtype
+                )
+                check_trial(racer.span.peer_id, outputs, expected, rtol)
             # the trial's reply wrote its positions; the next step sends the rest (from the history's end at most)
             racer.history = history
 
         async def lost(racer: SpanSession, error: Exception) -> None:
+            if isinstance(error, TrialDisagrees):
+                disagreed.append(racer.span.peer_id)
+                return
             await asyncio.to_thread(budget.on_failure, error, racer.span.peer_id, blocks)
 
         racers = [self._new_span_session(span) for span in candidates]
-        winner, _ = await race(racers, trial, lost, round_s=round_s(first.nbytes))
+        try:
+            winner, _ = await race(racers, trial, lost, round_s=round_s(first.nbytes))
+        except RaceLost:
+            if not disagreed:
+                raise
+            logger.warning(
+                "inference_session.race_disagreed(blocks=%d:%d, disagreed=%d of %d): replaced the usual way",
+                *blocks, len(disagreed), len(racers),
+            )  # fmt: skip
+            return False
         self._spans[index] = winner
         self._link_upstream(index, 1)
         self.manager.note_routed([winner.span])

@@ -11,7 +11,10 @@ round (`round_s`: the decode floor `STALL_MIN_S` plus the round's trial bytes ov
 not dropped, any may still answer) while none answered; the first to answer keeps the session and is sent the rest,
 the others are closed (an honest loser computed at most `TRIAL_TOKENS` positions). Each racer's step keeps
 0144/0149's rules (its deadline, pings, the late budget, a move where another server covers the span), so a racer
-that fails is banned or avoided as it would be on its own, and one slow within its deadline may still win."""
+that fails is banned or avoided as it would be on its own, and one slow within its deadline may still win. A trial's
+outputs must agree with the ones the span gave for those positions before, where the client holds them (the next
+span's inputs there; `check_trial`, the verification's tolerance): a loris answering the trial at once with outputs it
+never computed would win every race, and hold the rest."""
 
 from __future__ import annotations
 
@@ -21,9 +24,12 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+import torch
+
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session import stalls
 from corolla.client.session.span_session import SpanSession
+from corolla.client.verification.stretches import position_errors
 from corolla.protocol.records import RemoteSpanInfo
 
 RACE_WIDTH = 8  # racers started at once, and added each round while none answered
@@ -36,6 +42,26 @@ R = TypeVar("R")
 class RaceLost(ConnectionError):
     """Every racer failed (each was blamed, banned or avoided as its failure called for): the span is raced again
     among the servers left, or replaced the usual way where fewer than two are."""
+
+
+class TrialDisagrees(ConnectionError):
+    """A racer's trial outputs disagree with the ones the span gave for those positions before: it does not win. Not
+    blamed (the earlier outputs are a server's word too): where no racer agrees, the span is replaced the usual way."""
+
+
+def check_trial(peer_id: str, outputs: torch.Tensor, expected: torch.Tensor | None, rtol: float) -> None:
+    """TrialDisagrees unless the trial's `outputs` [B, T, H] agree position by position within `rtol` (the relative
+    L2 error `verification.stretches` uses) with `expected` [B, n <= T, H], the span's earlier outputs for its first
+    n positions (None or n = 0: none known, nothing checked)."""
+    if expected is None or expected.shape[1] == 0:
+        return
+    first = outputs[:, : expected.shape[1]]
+    error = float(position_errors(first, expected).max()) if first.shape == expected.shape else math.inf
+    if not error <= rtol:
+        raise TrialDisagrees(
+            f"server ...{peer_id[-6:]}'s trial outputs disagree with the span's earlier ones (error {error:.3g}, "
+            f"tolerance {rtol:.3g})"
+        )
 
 
 def race_candidates(
