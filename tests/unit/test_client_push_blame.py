@@ -6,6 +6,8 @@ next server announces (float16) are not sent to it (decision 0170): routed aroun
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from hivemind.p2p import P2PHandlerError
@@ -291,3 +293,32 @@ def test_outputs_no_server_of_the_next_span_can_hold_end_the_call_with_nobody_ba
     with pytest.raises(NoHonestServerError, match="finite range of torch.float16"):
         _generate(manager, tokens)
     assert not manager.bans.banned_peers() and not servers["f16"].refused  # before: sent, refused, not banned (sole)
+
+
+class _NeverEmptied(OrderedDict):
+    """A memory's pairs that fail the test where they would be emptied (`may_push` reads emptiness without the lock)."""
+
+    def pop(self, *args):
+        if len(self) == 1:
+            raise AssertionError("the pairs were emptied")
+        return super().pop(*args)
+
+    def __delitem__(self, key):
+        if len(self) == 1:
+            raise AssertionError("the pairs were emptied")
+        super().__delitem__(key)
+
+
+def test_the_pairs_are_never_emptied_once_one_failed():
+    """`may_push` skips the lock while no pair ever failed; so a repeat failure of the only pair must not empty the
+    memory for a moment (it popped the pair and set it again: a step on another thread then pushed through the pair
+    it was suspending). Also the least recently failed pair goes first past the bound."""
+    suspects = PushSuspects(max_pairs=2, clock=lambda: 0.0)
+    suspects.rejected("U", "D")
+    suspects._pairs = _NeverEmptied(suspects._pairs)
+    assert suspects.rejected("U", "D") == 2 * suspects.base_s
+    assert suspects.failures("U", "D") == 2 and not suspects.may_push("U", "D")
+    suspects.rejected("V", "E")
+    suspects.rejected("U", "D")  # now the most recent
+    suspects.rejected("W", "F")  # past the bound: V -> E goes
+    assert suspects.failures("V", "E") == 0 and suspects.failures("U", "D") == 3

@@ -45,9 +45,13 @@ class PushSuspects:
         in seconds."""
         with self._lock:
             now = self._clock()
-            failures = self._pairs.pop((upstream, target), (0, 0.0))[0] + 1
+            pair = (upstream, target)
+            failures = self._pairs.get(pair, (0, 0.0))[0] + 1
             duration_s = min(self.max_s, self.base_s * 2.0 ** (failures - 1))
-            self._pairs[(upstream, target)] = (failures, now + duration_s)
+            # set in place, then made the most recent: never emptied, not even for a moment (`may_push` reads its
+            # emptiness without the lock)
+            self._pairs[pair] = (failures, now + duration_s)
+            self._pairs.move_to_end(pair)
             while len(self._pairs) > self.max_pairs:
                 self._pairs.popitem(last=False)
             for peer in [peer for peer, until in self._servers.items() if until <= now]:
