@@ -326,7 +326,8 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(small_long_step
     """K = 3 lorises of blocks 0:2 (the best figures) hold every step from token 12 but answer a race's trial at once,
     uncomputed, beside H (50 ms a step) and C (2:4); or of the whole chain 0:4 beside H: a trial's outputs must agree
     with what the span gave before (C's inputs there; the chain's first outputs, kept by the session), so H wins the
-    first race: one move, outputs the reference's, the lorises neither banned nor avoided for their trials. Before,
+    first race: one move, outputs the reference's, the lorises neither banned nor avoided nor counted as seen on time
+    for their trials. Before,
     the first answer won: each loris in turn won a race and held the rest (3 moves; 7 lorises: 63 s, 7 moves, in
     process)."""
     torch.manual_seed(8)
@@ -348,6 +349,8 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(small_long_step
             outputs.append(session.step(tokens[:, t : t + 1]))
         assert [span.peer_id for span, _ in session.route] == (["H"] if last else ["H", "C"])
         events = list(session.stall_events)
+    # the lorises' trials came on time but proved nothing: the next sessions are not planned over them (0163's rule)
+    assert manager.answered_on_time() == ({"H"} if last else {"H", "C"})
     torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
     moved = [e for e in events if e.action == "moved"]
     assert len(moved) == 1 and moved[0].peer_id.startswith("L"), events

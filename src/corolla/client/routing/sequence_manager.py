@@ -389,6 +389,12 @@ class RemoteSequenceManager:
         with self._lock:
             self._on_time.add(peer_id)
 
+    def unprove(self, peer_id: str) -> None:
+        """`peer_id` answered within a deadline something the client could not use (a race's trial whose outputs
+        disagreed, `replacement_race.TrialDisagrees`): an answer on time proves nothing then (`answered_on_time`)."""
+        with self._lock:
+            self._on_time.discard(peer_id)
+
     def answered_on_time(self) -> set[str]:
         """Servers seen answering a step within its deadline and not avoided or failed since: a replacement race
         tries them first (`client.session.replacement_race`)."""

@@ -443,8 +443,9 @@ class InferenceSession:
             racer.history = history
 
         async def lost(racer: SpanSession, error: Exception) -> None:
-            if isinstance(error, TrialDisagrees):
+            if isinstance(error, TrialDisagrees):  # not blamed, and not seen on time either (it answered too soon)
                 disagreed.append(racer.span.peer_id)
+                self.manager.unprove(racer.span.peer_id)
                 return
             await asyncio.to_thread(budget.on_failure, error, racer.span.peer_id, blocks)
 
