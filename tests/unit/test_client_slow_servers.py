@@ -357,6 +357,25 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(small_long_step
     assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
 
 
+def test_the_session_keeps_the_chains_first_outputs_through_rollbacks():
+    """The chain's outputs at its first `TRIAL_TOKENS` positions, which a race for the last span checks its trials
+    against, follow the steps as they are returned: a rollback's later positions are replaced by the new ones."""
+    torch.manual_seed(9)
+    manager = _manager({"A": FakeServer(0, 2), "B": FakeServer(2, 4)})
+    tokens, other = torch.randn(1, 12, HIDDEN), torch.randn(1, 1, HIDDEN)
+    with InferenceSession(manager, max_length=12) as session:
+        session.step(tokens[:, :3])
+        session.step(tokens[:, 3:5])
+        session.position = 4  # the 5th position is taken back and another sent
+        session.step(other)
+        for t in range(5, 12):
+            session.step(tokens[:, t : t + 1])
+        kept = session._first_outputs
+    sent = torch.cat([tokens[:, :4], other, tokens[:, 5:]], dim=1)
+    assert kept is not None
+    torch.testing.assert_close(kept, reference(sent, 4)[:, :TRIAL_TOKENS], atol=1e-5, rtol=0)
+
+
 def test_check_trial() -> None:
     expected = torch.randn(1, 8, HIDDEN)
     check_trial("peer", expected + 1e-4 * torch.randn(1, 8, HIDDEN), expected, 1e-3)
