@@ -435,9 +435,11 @@ class InferenceSession:
                 first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id
             )
             if expected is not None:
-                rtol = comparison_rtol(
-                    self.manager.config.verify_rtol, (racer.span, failed.span), outputs.dtype, expected.dtype
-                )
+                # the tolerance of the dtypes the two servers sent in (the client's copies are cast to its own: a
+                # float32 client's would hold bfloat16 servers to float32's rounding)
+                sent = racer.last_outputs if racer.last_outputs is not None else outputs
+                earlier = failed.last_outputs.dtype if failed.last_outputs is not None else expected.dtype
+                rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, failed.span), sent.dtype, earlier)
                 check_trial(racer.span.peer_id, outputs, expected, rtol)
             # the trial's reply wrote its positions; the next step sends the rest (from the history's end at most)
             racer.history = history
