@@ -7,7 +7,9 @@ it (its own DHT connections stay up), or answers every step `slow_s` late while 
 or holds the prompt (a 16-token long step) `slow_s` from the start (`slow_prompt`; against a fault-free run of the
 same prompt), or (`lorises`, run last, once per K of `--lorises`, ascending) K servers of the middle span, all
 announcing absurd speeds, answer every step `slow_s` late from the fault on while they answer pings, beside its one
-honest replica (identities are free: K is the attacker's choice; the swarm gains lorises between the runs). The middle
+honest replica (identities are free: K is the attacker's choice; the swarm gains lorises between the runs); with
+`--loris_min_tokens N` (9: `short_lorises`) the lorises but the one in use hold only steps of at least N tokens (a
+decode step and a replacement race's 8-position trial answered at once, the rest of a replay held). The middle
 span's servers run as `tests.helpers.hostile_server`, honest until the fault (a test helper, run from the repository
 root as the churn soak's liar is); the first (and every added loris) announces absurd speeds (1e6 tokens/s a block),
 so routes go through it. Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run,
@@ -47,6 +49,8 @@ SLOW_TARGET_S = 12.0  # a loris's extra delay: its step deadline (1 s at these s
 LORISES_TARGET_S = SLOW_TARGET_S
 # a prompt loris announcing absurd speeds: the long step's floor (4 s, `stalls.LONG_STEP_MIN_S`) + the budget + slack
 SLOW_PROMPT_TARGET_S = 14.0
+# the loris in use, then at most one that won a race's trial and held the rest (a long step), decision 0176
+SHORT_LORISES_TARGET_S = LORISES_TARGET_S + SLOW_PROMPT_TARGET_S
 LORIS_MODULE = "tests.helpers.hostile_server"  # the middle span's servers: honest until the `slow` fault
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +127,7 @@ def _report(
     # a loris is left within its step deadline + the late budget (decision 0144): ~9 s at the default budgets
     target_s = {
         "partition": 10.0, "slow": min(fault_s, SLOW_TARGET_S), "slow_prompt": min(fault_s, SLOW_PROMPT_TARGET_S),
-        "lorises": min(fault_s, LORISES_TARGET_S),
+        "lorises": min(fault_s, LORISES_TARGET_S), "short_lorises": min(fault_s, SHORT_LORISES_TARGET_S),
     }.get(name, fault_s + 2.0)  # fmt: skip
     gaps, clean_gaps = clock.gaps_s(), clean_clock.gaps_s()
     return {
@@ -144,6 +148,7 @@ def main() -> None:
     p.add_argument("--drop_s", type=float, default=30.0)
     p.add_argument("--slow_s", type=float, default=20.0, help="the loris's delay a step (under request_timeout_s)")
     p.add_argument("--lorises", default="1,3,7", help="`lorises`: how many lorises of the middle span, per run")
+    p.add_argument("--loris_min_tokens", type=int, default=1, help="`lorises`: the added ones hold steps this long")
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--model_dir", default=None)
     p.add_argument(
@@ -236,16 +241,18 @@ def main() -> None:
                     swarm.wait_servers_ready()
 
                     def turn_slow(_: Any, lorises: list[Path] = lorises) -> None:
-                        for mode_file in lorises:
-                            mode_file.write_text(f"slow 0 {args.slow_s}")
+                        lorises[0].write_text(f"slow 0 {args.slow_s}")  # the one in use: every step
+                        for mode_file in lorises[1:]:
+                            mode_file.write_text(f"slow 0 {args.slow_s} {args.loris_min_tokens}")
 
                     clock = TokenClock(FAULT_AT, turn_slow)
+                    name = "lorises" if args.loris_min_tokens <= 1 else "short_lorises"
                     try:
                         got = _generate(peers, model_dir, args.new_tokens, clock)
-                        report = {"lorises": count, **_report("lorises", args.slow_s, clean, got, clock, base_s,
+                        report = {"lorises": count, **_report(name, args.slow_s, clean, got, clock, base_s,
                                                               clean_clock)}  # fmt: skip
                     except NoHonestServerError as e:  # the walk outlasted `max_wait_s`: the generation failed
-                        report = {"scenario": "lorises", "lorises": count, "failed": f"{type(e).__name__}: {e}"[:300]}
+                        report = {"scenario": name, "lorises": count, "failed": f"{type(e).__name__}: {e}"[:300]}
                     print(json.dumps(report), flush=True)
                     heal()
 

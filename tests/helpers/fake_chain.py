@@ -15,7 +15,7 @@ from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PREFIX_HIT_KEY, parse_prefix_keys
-from corolla.protocol.records import RemoteModuleInfo, ServerInfo, ServerState
+from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteModuleInfo, ServerInfo, ServerState
 
 HIDDEN = 8
 
@@ -64,6 +64,9 @@ class FakeServer:
         self.dead = False
         self.hung = False  # accepts requests but never answers (its stream reports no error)
         self.delay_s = 0.0  # each answer comes this late (it still answers pings: a slow or overloaded server)
+        # the answer to a step of more than DECODE_MAX_TOKENS tokens comes this late instead (a loris that answers
+        # decode steps and races' trials at once, and holds prompts and replays)
+        self.long_delay_s: float | None = None
         self.first_requests: list[dict] = []  # metadata of each session's first request
         self.requests: list[tuple[dict, int]] = []  # (metadata, tokens)
         self.open_streams = 0
@@ -114,8 +117,11 @@ class FakeServer:
                     out = block_fn(b, x, past)
                     caches[i] = torch.cat([past, x], dim=1)
                     hidden = out
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
+                delay_s = self.delay_s
+                if self.long_delay_s is not None and hidden.shape[1] > DECODE_MAX_TOKENS:
+                    delay_s = self.long_delay_s
+                if delay_s:
+                    await asyncio.sleep(delay_s)
                 yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden)])
         finally:
             self.open_streams -= 1

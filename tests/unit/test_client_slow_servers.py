@@ -558,3 +558,40 @@ def test_long_step_deadline_rules():
     for elapsed_s in (1.0, 4.0, 16.0, 40.0):  # a ramp of decode steps without a figure to cap it
         unannounced.record(1, elapsed_s)
     assert unannounced.deadline_s(1) == max_s and unannounced.deadline_s(64) == max_s
+
+
+HONEST_STEP_S = 0.05  # H answers a step this late (within its 0.2 s deadline): a trial's first answer is a loris's
+
+
+@pytest.mark.parametrize("lorises", [3, 7])
+def test_lorises_that_answer_short_steps_cost_two_moves(small_long_step_floor, lorises: int):
+    """K servers announcing the best figures answer steps of at most 8 tokens at once and hold longer ones just
+    under `request_timeout_s` (a race's trial is a short step), beside one honest server H. The session's 24-token
+    prompt is held by the first loris (moved: its deadline plus the budget); the race on the first 8 positions goes to
+    another loris, which answers at once and holds the rest (moved too); the next race sends every racer the whole
+    step (decision 0176), which only H answers: two moves whatever K. With trials only (0163), each race went to a
+    loris and the session paid each one's deadline plus budget in turn: K moves. Outputs are the reference's; H
+    computed its lost trial (8 positions) and the whole prompt in one step."""
+    torch.manual_seed(8)
+    servers = {f"L{i}": FakeServer(0, 4, inference_rps=1000.0) for i in range(lorises)}
+    for server in servers.values():
+        server.long_delay_s = LORIS_DELAY_S
+    servers["H"] = FakeServer(0, 4)
+    servers["H"].delay_s = HONEST_STEP_S
+    manager = _manager(servers)
+    tokens = torch.randn(1, PROMPT_TOKENS + 4, HIDDEN)
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        outputs = [session.step(tokens[:, :PROMPT_TOKENS])]
+        outputs += [session.step(tokens[:, t : t + 1]) for t in range(PROMPT_TOKENS, tokens.shape[1])]
+        assert [span.peer_id for span, _ in session.route] == ["H"]
+        events = list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    moved = [e for e in events if e.action == "moved"]
+    # the first loris on the prompt, then (unless H won the trial) the trial's winner on the prompt's step after the
+    # trial (at position 0 it sends the prompt from 0 again)
+    assert 1 <= len(moved) <= 2 and all(e.peer_id.startswith("L") for e in moved), events
+    assert all(e.num_tokens == PROMPT_TOKENS for e in moved), events
+    if len(moved) == 2:  # H lost the trial (8 positions at most), then won the whole step: the prompt in one step
+        assert [n for _, n in servers["H"].requests[-5:]] == [PROMPT_TOKENS, 1, 1, 1, 1]
+        assert _served_tokens(servers["H"]) <= TRIAL_TOKENS + tokens.shape[1]
+    assert manager.avoided_peers() == {e.peer_id for e in moved} and not manager.bans.banned_peers()

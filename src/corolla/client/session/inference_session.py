@@ -13,6 +13,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -300,6 +301,9 @@ class InferenceSession:
         hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
         block, index, budget = self.start, 0, RetryBudget(self.manager)
         pending_replacement: SpanSession | None = None
+        # won a race on the span's first positions and not yet answered the rest: if it stalls there, the next race
+        # sends every racer the whole history (decision 0176)
+        trial_winner: SpanSession | None = None
         while block < self.end:
             span_session = self._spans[index] if index < len(self._spans) else None
             if span_session is not None and hidden_from > 0 and index > 0:
@@ -317,8 +321,16 @@ class InferenceSession:
                 if span_session is None or span_session is pending_replacement:
                     # moved off a loris (decision 0163): raced among the span's servers, unless fewer than two hold it
                     if span_session is not None and span_session.too_slow and may_forward:
-                        if await self._race_replacement(index, span_session, budget, hidden, hidden_from):
+                        whole = span_session is trial_winner
+                        raced = await self._race_replacement(index, span_session, budget, hidden, hidden_from, whole)
+                        if raced is not None:
                             pending_replacement = None
+                            if raced is True:  # won on a trial: its next step sends the rest
+                                trial_winner = self._spans[index]
+                            else:  # won on the whole step: its outputs go on
+                                budget.on_success()
+                                hidden, hidden_from = raced
+                                block, index = self._spans[index].span.end, index + 1
                             continue
                     waited_s = 0.0 if budget.failing_since_s is None else time.monotonic() - budget.failing_since_s
                     await self._replace_spans(index, block, span_session, waited_s=waited_s)
@@ -352,6 +364,8 @@ class InferenceSession:
                     await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)
                 budget.on_success()
+                if span_session is trial_winner:  # it answered the rest: a later stall races the trial again
+                    trial_winner = None
                 hidden, hidden_from = outputs, outputs_from
                 block, index = span.end, index + 1
             except Exception as e:
@@ -397,23 +411,32 @@ class InferenceSession:
         return hidden[:, position - hidden_from :]
 
     async def _race_replacement(
-        self, index: int, failed: SpanSession, budget: RetryBudget, hidden: torch.Tensor, hidden_from: int
-    ) -> bool:
+        self,
+        index: int,
+        failed: SpanSession,
+        budget: RetryBudget,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        whole: bool,
+    ) -> tuple[torch.Tensor, int] | Literal[True] | None:
         """Replaces `failed` (left for slowness; no deep prompts or beam reordering in this session) by the winner
-        of a race among the servers that hold its blocks alone (`client.session.replacement_race`): each is sent the
+        of a race among the servers that hold its blocks alone (`client.session.replacement_race`). Each is sent the
         span's first positions (of its history, then of this step's `hidden` [B, *, H], the span's inputs from
-        `hidden_from`), the first to answer with outputs that agree with the span's earlier ones (the next span's
-        inputs there, where it has them: `check_trial`) takes the session (its next step sends the rest). False
-        (nothing raced) where fewer than two such servers are in the view or the span's history is not all known, or
-        (the race run) where every racer failed and some disagreed (not blamed: the usual replacement follows);
-        RaceLost where every racer failed otherwise (each blamed, banned or avoided as its failure called for)."""
+        `hidden_from`) and the first to answer with outputs that agree with the span's earlier ones (the next span's
+        inputs there, where it has them: `check_trial`) takes the session (True: its next step sends the rest); or,
+        `whole` (`failed` won such a trial, then stalled on the rest: decision 0176), each is sent the whole step (the
+        history and this step's positions: a long step, judged as one, its first positions checked alike), and the
+        winner's outputs are returned ([B, n, H], their first position 0). None where fewer than two such servers are
+        in the view or the span's history is not all known (nothing raced), or where every racer failed and some
+        disagreed (not blamed: the usual replacement follows); RaceLost where every racer failed otherwise (each
+        blamed, banned or avoided as its failure called for)."""
         blocks = (failed.span.start, failed.span.end)
         history = failed.history if self._position > 0 else hidden[:, :0]
         if history is None or history.shape[1] < self._position:
-            return False
+            return None
         candidates = race_candidates(self.manager, failed.span.peer_id, blocks, self.manager.rng)
         if len(candidates) < 2:
-            return False
+            return None
         await failed.close(drain=False)
         history = history[:, : self._position].clone()  # [B, position, H]
         new = hidden[:, self._position - hidden_from :]  # [B, T, H]: this step's positions
@@ -425,24 +448,33 @@ class InferenceSession:
         expected = None if following is None else following[:, : min(first.shape[1], following.shape[1])]
         disagreed: list[str] = []
 
-        async def trial(racer: SpanSession) -> None:
+        async def trial(racer: SpanSession) -> tuple[torch.Tensor, int]:
             try:
                 await racer.open()
             except Exception as e:  # the server we could not reach: the retry budget blames it
                 raise SpanUnreachable(racer.span.peer_id, e) from e
             racer.history, racer.upstream_peer = history, upstream
-            outputs, _ = await racer.step(
-                first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id
-            )
+            if whole:  # the replay of a fresh session: positions [0, position + T)
+                outputs, outputs_from = await racer.step(
+                    new, self._position, position=self._position, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS,
+                    step_id=step_id,
+                )  # fmt: skip
+            else:
+                outputs, outputs_from = await racer.step(
+                    first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id
+                )
             if expected is not None:
                 # the tolerance of the dtypes the two servers sent in (the client's copies are cast to its own: a
                 # float32 client's would hold bfloat16 servers to float32's rounding)
                 sent = racer.last_outputs if racer.last_outputs is not None else outputs
                 earlier = failed.last_outputs.dtype if failed.last_outputs is not None else expected.dtype
                 rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, failed.span), sent.dtype, earlier)
-                check_trial(racer.span.peer_id, outputs, expected, rtol)
+                check_trial(racer.span.peer_id, outputs[:, : first.shape[1]], expected, rtol)
+            if whole:
+                return outputs, outputs_from
             # the trial's reply wrote its positions; the next step sends the rest (from the history's end at most)
             racer.history = history
+            return outputs, outputs_from
 
         async def lost(racer: SpanSession, error: Exception) -> None:
             if isinstance(error, TrialDisagrees):  # not blamed, and not seen on time either (it answered too soon)
@@ -452,8 +484,9 @@ class InferenceSession:
             await asyncio.to_thread(budget.on_failure, error, racer.span.peer_id, blocks)
 
         racers = [self._new_span_session(span) for span in candidates]
+        sent = history.nbytes + new.nbytes if whole else first.nbytes
         try:
-            winner, _ = await race(racers, trial, lost, round_s=round_s(first.nbytes))
+            winner, outputs = await race(racers, trial, lost, round_s=round_s(sent))
         except RaceLost:
             if not disagreed:
                 raise
@@ -461,7 +494,7 @@ class InferenceSession:
                 "inference_session.race_disagreed(blocks=%d:%d, disagreed=%d of %d): replaced the usual way",
                 *blocks, len(disagreed), len(racers),
             )  # fmt: skip
-            return False
+            return None
         self._spans[index] = winner
         self._link_upstream(index, 1)
         self.manager.note_routed([winner.span])
@@ -469,10 +502,10 @@ class InferenceSession:
         if winner.last_outputs is not None:
             self.shadows.after_step(winner, winner.last_outputs, 0)
         logger.info(
-            "inference_session.race_won(blocks=%d:%d, peer=...%s, candidates=%d, trial_tokens=%d)",
-            *blocks, winner.span.peer_id[-6:], len(racers), winner.position,
+            "inference_session.race_won(blocks=%d:%d, peer=...%s, candidates=%d, %s_tokens=%d)",
+            *blocks, winner.span.peer_id[-6:], len(racers), "whole" if whole else "trial", winner.position,
         )  # fmt: skip
-        return True
+        return outputs if whole else True
 
     def _new_span_session(self, span: RemoteSpanInfo) -> SpanSession:
         """A session for `span` sharing this session's stall events and (where its server takes them) prefix keys."""
