@@ -9,7 +9,8 @@ same prompt), or (`lorises`, run last, once per K of `--lorises`, ascending) K s
 announcing absurd speeds, answer every step `slow_s` late from the fault on while they answer pings, beside its one
 honest replica (identities are free: K is the attacker's choice; the swarm gains lorises between the runs); with
 `--loris_min_tokens N` (9: `short_lorises`) the lorises but the one in use hold only steps of at least N tokens (a
-decode step and a replacement race's 8-position trial answered at once, the rest of a replay held). The middle
+decode step and a replacement race's 8-position trial answered at once, the rest of a replay held) and announce
+honest figures (the session starts on the first, which holds every step). The middle
 span's servers run as `tests.helpers.hostile_server`, honest until the fault (a test helper, run from the repository
 root as the churn soak's liar is); the first (and every added loris) announces absurd speeds (1e6 tokens/s a block),
 so routes go through it. Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run,
@@ -237,7 +238,8 @@ def main() -> None:
                 lorises = [mode_files[1]]
                 for count in sorted({int(k) for k in args.lorises.split(",")}):
                     while len(lorises) < count:
-                        start((third, 2 * third), attract=True)
+                        # short lorises announce honest figures: the session starts on the one holding every step
+                        start((third, 2 * third), attract=args.loris_min_tokens <= 1)
                         lorises.append(mode_files[-1])
                     swarm.wait_servers_ready()
 
