@@ -14,7 +14,7 @@ the others are closed (an honest loser computed at most `TRIAL_TOKENS` positions
 that fails is banned or avoided as it would be on its own, and one slow within its deadline may still win. A trial's
 outputs must agree with the ones the span gave for those positions before, where the client holds them (the next
 span's inputs there; `check_trial`, the verification's tolerance): a loris answering the trial at once with outputs it
-never computed would win every race, and hold the rest..
+never computed would win every race, and hold the rest.
 
 A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
 off before it answered the rest, the session's next race sends every racer the whole step instead (a long step, under
