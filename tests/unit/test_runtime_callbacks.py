@@ -22,13 +22,21 @@ class _Channel:
         self.results: dict[int, object] = {}
         self.flushes = 0
         self.flushed = threading.Event()
+        self._changed = threading.Condition()
 
     def done(self, step: int, result: object, error: BaseException | None) -> None:
         self.results[step] = error if error is not None else result
 
     def flush(self) -> None:
-        self.flushes += 1
-        self.flushed.set()
+        with self._changed:
+            self.flushes += 1
+            self.flushed.set()
+            self._changed.notify_all()
+
+    def wait_for_results(self, count: int, timeout_s: float) -> bool:
+        """True once `count` steps have results (a batch's results are in before its flush)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self.results) >= count, timeout_s)
 
 
 def _tasks(runtime: Runtime, channel: _Channel, steps: range, size_tokens: int = 1) -> list[Task]:
@@ -86,10 +94,9 @@ def test_a_kinds_merge_limit_bounds_each_batch_and_the_first_task_always_runs() 
         runtime.queue(_tasks(runtime, channel, range(0, 1), size_tokens=5))  # a prefill past the limit
         runtime.queue(_tasks(runtime, channel, range(1, 6)))
         gate.set()
-        for _ in range(50):
-            if len(channel.results) == 6:
-                break
-            channel.flushed.wait(0.1)
+        # (not `flushed.wait` in a loop: set by the first batch's flush, it returned at once for the later ones, and
+        # a loaded machine stopped the runtime before the last batch ran)
+        assert channel.wait_for_results(6, timeout_s=30)
     assert batches == [[0], [1, 2], [3, 4], [5]]
 
 
