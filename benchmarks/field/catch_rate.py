@@ -3,8 +3,8 @@ of its steps with finite, plausible values is caught with probability >= 99% wit
 server is never banned): `python -m benchmarks.field.catch_rate [--trials 10000] [--seed 0]`.
 
 Each trial is one liar's career: it serves sessions (a prompt step, then one decode step per token, lengths drawn from
-[`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas also hold, and announces itself fastest, so
-every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
+[`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas (`--replicas`) also hold, and announces itself
+fastest, so every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
 relative L2 size `lie_scale`: finite, the outputs' own scale). The client side is the real one
 (`client.session.shadows.ShadowVerifier` with `ClientConfig`'s sampling of whole sessions, its comparison and the 2:1 vote of
 `client.verification.stretches.StretchReferees`, a real `RemoteSequenceManager` and `BanList`); the servers are a tiny random
@@ -41,7 +41,7 @@ from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs
 
-SERVERS = {"server": 1e6, "replica1": 1.0, "replica2": 1.0}  # peer -> announced inference_rps (the server fastest)
+SERVER_RPS, REPLICA_RPS = 1e6, 1.0  # announced inference_rps: the server fastest
 PROMPT_TOKENS = 8
 
 
@@ -112,16 +112,17 @@ class ToySpan:
 
 
 class LocalManager(RemoteSequenceManager):
-    """A real manager (bans, spans, routing) over three fixed records of blocks 0:2; no DHT."""
+    """A real manager (bans, spans, routing) over fixed records of blocks 0:2 (the server, `replicas` others); no DHT."""
 
-    def __init__(self, config: ClientConfig):
+    def __init__(self, config: ClientConfig, replicas: int = 2):
+        self.servers = {"server": SERVER_RPS} | {f"replica{i + 1}": REPLICA_RPS for i in range(replicas)}
         super().__init__(config, ["toy.0", "toy.1"], start_updates=False)
         self.update()
 
     def fetch_module_infos(self) -> list[RemoteModuleInfo]:
         held = {
             peer: ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2, inference_rps=rps)
-            for peer, rps in SERVERS.items()
+            for peer, rps in self.servers.items()
         }
         return [RemoteModuleInfo(uid, dict(held)) for uid in self.block_uids]
 
@@ -195,7 +196,7 @@ async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: boo
     lies = random.Random(seed ^ 0x5EED)
     noise = torch.Generator().manual_seed(seed)
     config = ClientConfig(verify_shadow_fraction=args.fraction)
-    manager = LocalManager(config)
+    manager = LocalManager(config, args.replicas)
     server = next(s for s in manager.spans if s.peer_id == "server")
     steps = verified = 0
     while steps < args.budget_steps:
@@ -262,7 +263,7 @@ def measure(args: argparse.Namespace) -> dict:
     lengths = range(1 + args.min_new_tokens, 2 + args.max_new_tokens)  # a prompt step, then a step per new token
     return {
         "trials": args.trials, "lie_rate": args.lie_rate, "lie_scale": args.lie_scale, "budget_steps": args.budget_steps,
-        "fraction": args.fraction, "dtype": args.dtype,
+        "fraction": args.fraction, "dtype": args.dtype, "replicas": args.replicas,
         "new_tokens": [args.min_new_tokens, args.max_new_tokens], "caught": args.trials - escaped,
         "catch_rate": round((args.trials - escaped) / args.trials, 5),
         "escape_rate_95_upper": round(wilson_upper(escaped, args.trials), 5),
@@ -283,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lie_rate", type=float, default=0.01)
     p.add_argument("--lie_scale", type=float, default=1.0, help="relative L2 size of a lie's error")
     p.add_argument("--budget_steps", type=int, default=1000)
+    p.add_argument("--replicas", type=int, default=2, help="honest replicas of the span besides the server (>= 2)")
     p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--min_new_tokens", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=256)

@@ -14,7 +14,7 @@ from benchmarks.sim.client_book import UNMEASURED_RULES
 from benchmarks.sim.helix import reproduction
 from benchmarks.sim.policies import POLICY_NAMES
 from benchmarks.sim.scenarios import SCENARIOS, scenario
-from benchmarks.sim.simulation import Simulation
+from benchmarks.sim.simulation import DELIVERY_RULES, Simulation
 from benchmarks.sim.workload import WorkloadConfig
 
 
@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="what clients know of servers they never pinged (default: known, every RTT at once; decision 0145)",
     )
     run.add_argument("--fakes", type=int, default=None, help="made-up records claiming every block at a great speed")
+    run.add_argument(
+        "--delivery_rule",
+        nargs="+",
+        default=None,
+        choices=DELIVERY_RULES,
+        help="how clients weigh a span's server, one row each on the same seed: announced (the records' figures "
+        "alone: main before decision 0189) and judged (by what it delivers too: 0189, what the client runs); "
+        "default: the scenario's",
+    )
+    run.add_argument("--lorises", type=float, default=None, help="the share of servers that are lorises (0-1)")
     run.add_argument("--json", type=Path, default=None, help="write the full reports here")
     helix = sub.add_parser("helix", help="reproduce Helix's 24-node max-flow figures under its capacity model")
     helix.add_argument("--time_limit_s", type=float, default=60.0, help="MILP seconds for the best-known search")
@@ -69,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("bound_time_limit_s", args.bound_time_limit_s),
             ("unmeasured", args.unmeasured),
             ("fake_servers", args.fakes),
+            ("loris_fraction", args.lorises),
         )
         if value is not None
     }
@@ -84,9 +95,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         base = dataclasses.replace(base, workload=workload)
     reports = []
     for policy in args.policy:
-        report = Simulation(dataclasses.replace(base, policy=policy)).run()
-        reports.append(report)
-        print(report.table(), flush=True)
+        for rule in args.delivery_rule or [base.delivery_rule]:
+            report = Simulation(dataclasses.replace(base, policy=policy, delivery_rule=rule)).run()
+            reports.append(report)
+            print(report.table(), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps([json.loads(r.to_json()) for r in reports], indent=2))
 

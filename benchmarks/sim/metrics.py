@@ -61,6 +61,12 @@ class Metrics:
     early_announcements: int = 0  # records stored before the heartbeat for a large change of free cache
     rereads: int = 0  # clients re-reading the records after a cache refusal
     fake_tries: int = 0  # routes that went through a made-up server (`client_book`): a failed dial each
+    delivery_moves: int = 0  # hops left for what they delivered (decision 0189)
+    delivery_moves_back: int = 0  # of those, to a server the session had left so before
+    delivery_moves_refused: int = 0  # verdicts without a move: no replacement with room
+    sessions_on_loris: int = 0  # sessions whose chain held a loris
+    sessions_stuck_on_loris: int = 0  # sessions whose chain held a loris over `client_model.LORIS_STUCK_S` in a row
+    session_s: float = 0.0  # seconds sessions were open in the measured window
     server_tokens: int = 0  # decode tokens times the servers of their chain (each server's share of the work)
     new_server_tokens: int = 0  # of those, the ones of servers in their first NEW_SERVER_S online after the warm-up
     new_server_s: float = 0.0  # the seconds those servers were in their first NEW_SERVER_S (the run's end cuts it)
@@ -106,6 +112,8 @@ class Report:
     tpot_s: dict[str, float]
     sessions: dict[str, int]
     churn: dict[str, Any]
+    # decision 0189's moves for delivery, per session-hour, and sessions stuck on a loris (`client_model`)
+    delivery: dict[str, Any]
     flow_efficiency_mean: float
     # work a server gets in its first minutes after joining the running swarm, over the average server's (1: fair)
     new_server_share: float
@@ -117,7 +125,8 @@ class Report:
 
     @classmethod
     def build(cls, metrics: Metrics, *, scenario: str, policy: str, seed: int, servers_start: int,
-              duration_s: float, wall_s: float, cpu_s: float, events: int) -> Report:  # fmt: skip
+              duration_s: float, wall_s: float, cpu_s: float, events: int, delivery_rule: str = "announced",
+              lorises: int = 0) -> Report:  # fmt: skip
         measured = max(duration_s - metrics.measure_from_s, 1e-9)
         ttft = _weighted_percentiles(metrics.ttft_s, [1] * len(metrics.ttft_s))
         samples = [s for s in metrics.flow if s.time_s >= metrics.measure_from_s] or metrics.flow
@@ -155,6 +164,19 @@ class Report:
                 "rereads": metrics.rereads,
                 "fake_tries": metrics.fake_tries,
             },
+            delivery={
+                "rule": delivery_rule,
+                "lorises": lorises,
+                "moves": metrics.delivery_moves,
+                "moves_back": metrics.delivery_moves_back,
+                "moves_refused": metrics.delivery_moves_refused,
+                "session_hours": metrics.session_s / 3600,
+                "moves_per_session_hour": metrics.delivery_moves / (metrics.session_s / 3600)
+                if metrics.session_s > 0
+                else 0.0,
+                "on_loris": metrics.sessions_on_loris,
+                "stuck_on_loris": metrics.sessions_stuck_on_loris,
+            },
             flow_efficiency_mean=float(np.mean([s.efficiency for s in samples])) if samples else float("nan"),
             new_server_share=(metrics.new_server_tokens / metrics.new_server_s)
             / (metrics.server_tokens / (measured * servers_start))
@@ -186,6 +208,8 @@ class Report:
     def summary(self) -> dict[str, Any]:
         return {
             "policy": self.policy,
+            "delivery_rule": self.delivery["rule"],
+            "lorises": self.delivery["lorises"],
             "decode_tok_s": round(self.decode_tps, 1),
             "ttft_p50_s": round(self.ttft_s["p50"], 3),
             "ttft_p99_s": round(self.ttft_s["p99"], 3),
@@ -196,6 +220,11 @@ class Report:
             "failed_covered": self.sessions["failed_while_covered"],
             "turned_away": self.sessions["turned_away"],
             "retried": self.sessions["retried"],
+            "delivery_moves": self.delivery["moves"],
+            "moves_per_session_h": round(self.delivery["moves_per_session_hour"], 3),
+            "moves_back": self.delivery["moves_back"],
+            "on_loris": self.delivery["on_loris"],
+            "stuck_on_loris_60s": self.delivery["stuck_on_loris"],
             "moves": self.churn["moves"],
             "reload_s": round(self.churn["reload_s"], 0),
             "flow_eff": round(self.flow_efficiency_mean, 3),

@@ -1,6 +1,7 @@
 """Named scenarios: `tiny` (tests), `scale` (issue 32's volunteer swarm: 64 servers of a consumer-heavy mix in 4
 regions, 256 clients keeping 12 conversations open each, median server session 2 h and ~10% leaving per hour),
-`scale-low` (the same swarm at 16 clients) and `large` (1,000 servers, 10,000 sessions in one hour: the
+`scale-low` (the same swarm at 16 clients), `public` (the same swarm at 256 clients of 4 conversations, its clients
+judging servers by what they deliver, decision 0195) and `large` (1,000 servers, 10,000 sessions in one hour: the
 simulator's speed target). All serve LLaMA-2-70B in NF4, Petals' default on GPUs; session outcomes count sessions
 opened after the warm-up."""
 
@@ -56,6 +57,26 @@ SCENARIOS: dict[str, SimConfig] = {
         server_regions=FOUR_REGIONS,
         churn=VOLUNTEER_CHURN,
         bound_time_limit_s=5.0,
+    ),
+    # decision 0195: a public swarm judged by what it delivers (`--lorises F --delivery_rule announced judged`): the
+    # same swarm, 256 clients keeping 4 conversations open each (5 s to read a reply, 5 s between conversations),
+    # below what the swarm's KV holds
+    "public": SimConfig(
+        name="public",
+        servers=64,
+        duration_s=2400.0,
+        warmup_s=1200.0,
+        workload=WorkloadConfig(
+            concurrent_clients=256,
+            sessions_per_client=4,
+            mean_think_s=5.0,
+            mean_idle_s=5.0,
+            region_weights=FOUR_REGIONS,
+        ),
+        fleet=VOLUNTEER_FLEET,
+        server_regions=FOUR_REGIONS,
+        churn=VOLUNTEER_CHURN,
+        delivery_rule="judged",
     ),
     "scale-low": SimConfig(  # the same swarm at low load: 16 LMSYS-paced clients, for time per token alone
         name="scale-low",

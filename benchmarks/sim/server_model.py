@@ -59,6 +59,10 @@ class SimServer:
     curve: tuple[float, ...] = ()  # tokens/s holding k = 1..max_blocks blocks, where the server knows it
     cache_curve: tuple[float, ...] = ()  # its KV per block holding k = 1..max_blocks blocks (Petals' unit), if known
     rtt_book: RttBook = field(default_factory=RttBook)  # RTTs it measured to other servers, kept across checks
+    # a loris (`benchmarks.sim.lorises`): its record claims `claimed_rps` blocks/s (decode and prefill) whatever its
+    # card does, and it holds each decode step until `hold_step_s` after the client sent it
+    claimed_rps: float | None = None
+    hold_step_s: float = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -165,8 +169,8 @@ class SimServer:
             throughput=float(self.capacity.throughput_for(self.num_blocks)),
             start_block=self.start,
             end_block=self.end,
-            inference_rps=float(self.perf.inference_rps()),
-            forward_rps=float(self.perf.forward_rps()),
+            inference_rps=float(self.perf.inference_rps()) if self.claimed_rps is None else self.claimed_rps,
+            forward_rps=float(self.perf.forward_rps()) if self.claimed_rps is None else self.claimed_rps,
             network_rps=float(self.perf.network_tps),
             cache_tokens_left=self.cache_tokens_left,
             next_pings=dict(self.next_pings) or None,

@@ -18,6 +18,8 @@ from benchmarks.sim.churn import ChurnConfig
 from benchmarks.sim.client_book import ClientBooks, fake_records
 from benchmarks.sim.client_model import NEW_SERVER_S, ClientDriver, SimSession
 from benchmarks.sim.clock import EventLoop
+from benchmarks.sim.delivery_judge import DeliveryJudge
+from benchmarks.sim.lorises import make_loris
 from benchmarks.sim.metrics import FlowSample, Metrics, Report
 from benchmarks.sim.policies import make_policy
 from benchmarks.sim.regions import REGIONS, RttModel
@@ -42,6 +44,9 @@ DETERMINISTIC_ROUTING = {
 }  # min-latency routing that ignores rng and load: one call per (view, region, max_length, servers banned)
 MAX_LENGTH_STEP_TOKENS = 512  # clients ask for KV in multiples of this (an app's max_length), never per token
 MAX_NEXT_PINGS = 10  # Petals pings <= 5 servers of its span's inner uids + <= 5 of the next uid
+# how clients weigh a span's server (decision 0195): "announced", by the records' figures alone (main before decision
+# 0189, the baseline), or "judged", by what it delivers too (0189: `delivery_judge`, what the client runs)
+DELIVERY_RULES = ("announced", "judged")
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,17 @@ class SimConfig:
     bound_time_limit_s: float = 0.0
     unmeasured: str = "known"  # what clients know of servers they never pinged (`client_book.UNMEASURED_RULES`)
     fake_servers: int = 0  # made-up records claiming every block at a great speed (`client_book.fake_records`)
+    delivery_rule: str = "announced"  # `DELIVERY_RULES`
+    loris_fraction: float = 0.0  # the share of servers that are lorises (`lorises`), drawn from their own stream
 
     def __post_init__(self) -> None:
         unknown = set(self.fleet) - set(GPUS)
         if unknown:
             raise ValueError(f"unknown GPUs {sorted(unknown)}; the catalogue has {sorted(GPUS)}")
+        if self.delivery_rule not in DELIVERY_RULES:
+            raise ValueError(f"delivery_rule must be one of {DELIVERY_RULES}, got {self.delivery_rule!r}")
+        if not 0.0 <= self.loris_fraction <= 1.0:
+            raise ValueError(f"loris_fraction must be within [0, 1], got {self.loris_fraction}")
         if self.servers < 1 or self.duration_s <= 0:
             raise ValueError(f"need servers >= 1 and duration_s > 0, got {self.servers}, {self.duration_s}")
 
@@ -84,7 +95,7 @@ class Simulation:
         self.loop = EventLoop()
         self.rngs = {
             name: random.Random(f"{c.seed}/{name}")
-            for name in ("fleet", "churn", "policy", "route", "work", "pings", "books")
+            for name in ("fleet", "churn", "policy", "route", "work", "pings", "books", "lorises")
         }
         self.policy = make_policy(c.policy)
         # corolla's servers re-announce early on a large change of free cache and its clients re-read the records and
@@ -96,6 +107,17 @@ class Simulation:
         self.books = ClientBooks(c.unmeasured, c.client_update_period_s, self.rngs["books"])
         self.metrics = Metrics(measure_from_s=c.warmup_s)
         self.workload = WorkloadGenerator(c.workload, self.rngs["work"])
+        self.delivery = (
+            DeliveryJudge(
+                num_blocks=c.model.num_blocks,
+                hidden_bytes_per_token=c.model.hidden_bytes_per_token,
+                client_key=self._client_key,
+                client_view=self._client_records,
+                max_length=self._max_length,
+            )
+            if c.delivery_rule == "judged"
+            else None
+        )
         self.clients = ClientDriver(
             self.loop,
             self.view,
@@ -108,6 +130,7 @@ class Simulation:
             view_age_max_s=c.client_update_period_s,
             on_cache_refusal=self._on_cache_refusal if self.corolla_peers else None,
             on_failure=self._on_failure,
+            delivery=self.delivery,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -179,6 +202,8 @@ class Simulation:
             cache_curve=self.cache_curves[gpu],
             pooled_kv=not self.corolla_peers,
         )
+        if self.rngs["lorises"].random() < c.loris_fraction:
+            make_loris(server)
         self.servers.append(server)
         self.loop.at(at_s, self._join, server)
         if c.churn.enabled:
@@ -384,6 +409,10 @@ class Simulation:
             del self._own_views[self._client_key(session)]
         return self.view.client_spans(), self.view.client_version
 
+    def _client_records(self, session: SimSession) -> tuple[list[RemoteSpanInfo], dict[str, float]]:
+        """What `session`'s client reads of the records now and its RTTs to the servers (`DeliveryJudge`)."""
+        return self._client_view(session)[0], self.view.client_rtts_s[session.conversation.region]
+
     def _route(self, session: SimSession) -> list[tuple[str, int, int]]:
         """The policy's chain on the client's view without the servers this session saw fail; if that view misses a
         block, the client re-reads the records at once (as the real client does) and tries again."""
@@ -398,7 +427,12 @@ class Simulation:
         now = self.loop.now_s
         banned = frozenset(peer for peer, until in session.banned.items() if until > now)
         key = (version, region, need, banned)
-        memo = self.policy.name in DETERMINISTIC_ROUTING and version >= 0 and self.config.unmeasured == "known"
+        memo = (
+            self.policy.name in DETERMINISTIC_ROUTING
+            and version >= 0
+            and self.config.unmeasured == "known"
+            and self.delivery is None  # (routes read what the client observed)
+        )
         client = self._client(session)
         if memo and key in self._route_memo:
             chain = self._route_memo[key]
@@ -408,6 +442,8 @@ class Simulation:
         if banned:  # as Petals' client: bans are ignored where they would leave a block without a server
             allowed = [s for s in spans if s.peer_id not in banned]
             spans = allowed if not find_missing_blocks(allowed, 0, self.config.model.num_blocks) else spans
+        if self.delivery is not None:  # a server seen slower than it announces costs what it delivered
+            spans = self.delivery.priced(session, spans, now)
         self.metrics.route_calls += 1
         route = self._timed(
             "route",
@@ -441,6 +477,8 @@ class Simulation:
     def _ended(self, session: SimSession) -> None:
         if session.slot is None:
             self.books.forget(self._client_key(session))
+            if self.delivery is not None:
+                self.delivery.forget(session)
         else:
             at = self.loop.now_s + self.workload.idle_s()
             if at < self.config.duration_s:
@@ -524,6 +562,7 @@ class Simulation:
             for conversation in arrivals:
                 self.loop.at(conversation.arrival_s, self._start_conversation, None, conversation)
         self.loop.run(c.duration_s)
+        self.clients.finish()
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         logger.info(f"sim.done(scenario={c.name}, policy={c.policy}, events={self.loop.events_run}, wall_s={wall:.1f})")
         return Report.build(
@@ -536,4 +575,6 @@ class Simulation:
             wall_s=wall,
             cpu_s=cpu,
             events=self.loop.events_run,
+            delivery_rule=c.delivery_rule,
+            lorises=sum(1 for s in self.servers if s.hold_step_s),
         )

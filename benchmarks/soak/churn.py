@@ -325,7 +325,9 @@ def collect_results(report: ChurnReport, clients: Sequence[ChildProcess], refere
     steps refused because other servers outvoted the server's answer (the liar's lies caught)."""
     for client in clients:
         lines = client.output.splitlines()
-        report.lies_rejected += sum("span_failed" in line and "BadServerOutput" in line for line in lines)
+        report.lies_rejected += sum(  # (outvoted by witnesses short of standing: OutputsDisputed, decision 0190)
+            "span_failed" in line and ("BadServerOutput" in line or "OutputsDisputed" in line) for line in lines
+        )
         results = [GenerationResult.from_line(line) for line in lines if line.startswith(RESULT_PREFIX)]
         report.per_client[client.name] = len(results)
         for result in results:

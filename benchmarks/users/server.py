@@ -180,7 +180,7 @@ class BenchServer:
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
         # handler processes poll after each message (`FrontSettings.poll_linger_s`); None: as a server's default settings do
-        default_s = config.handler_poll_s(config.ServerConfig.busy_poll_ms, torch.device(device).type)
+        default_s = config.busy_poll_s(config.ServerConfig.busy_poll_ms, torch.device(device).type)
         self.handler_poll_s = default_s if handler_poll_s is None else handler_poll_s
         self.cpus = cpus  # set: this process runs on cpus.server while serving, the client processes on cpus.clients
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype

@@ -6,6 +6,7 @@ and every later chunk of that direction waits behind it (head-of-line blocking, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 MAX_DELAY_MS = 10_000.0
@@ -36,6 +37,11 @@ class LinkConfig:
     max_in_flight_bytes: int = 4 << 20
     chunk_bytes: int = 64 * 1024
     seed: int | None = None
+    # a chunk of at least `large_bytes` (None: none) is held its size at `large_bytes_per_s` more: a link (or a
+    # server behind it) that crawls on big messages only (an inference session's prompts and replays, in proportion
+    # to their tokens, not its one-token steps)
+    large_bytes: int | None = None
+    large_bytes_per_s: float = math.inf
 
     def __post_init__(self) -> None:
         for name, limit in (("delay_ms", MAX_DELAY_MS), ("jitter_ms", MAX_DELAY_MS), ("stall_ms", MAX_STALL_MS)):
@@ -60,6 +66,10 @@ class LinkConfig:
                 f"max_in_flight_bytes must be in [{MIN_IN_FLIGHT_BYTES}, {MAX_IN_FLIGHT_BYTES}], "
                 f"got {self.max_in_flight_bytes}"
             )
+        if self.large_bytes is not None and not self.large_bytes >= 1:
+            raise ValueError(f"large_bytes must be >= 1 (or None: no chunk is large), got {self.large_bytes}")
+        if not self.large_bytes_per_s > 0:
+            raise ValueError(f"large_bytes_per_s must be > 0 (inf: no crawl), got {self.large_bytes_per_s}")
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
 

@@ -52,6 +52,10 @@ class ProxyThread:
 
         self._call(apply())
 
+    def set_link(self, proxy: WanProxy, config: LinkConfig) -> None:
+        """`proxy.set_config(config)` on the proxies' loop: one server's link only (`set_config`: every proxy's)."""
+        self._on_loop(lambda: proxy.set_config(config))
+
     def stall(self, proxy: WanProxy, duration_s: float) -> None:
         """`proxy.stall(duration_s)` on the proxies' loop (see `WanProxy.stall`)."""
         self._on_loop(lambda: proxy.stall(duration_s))

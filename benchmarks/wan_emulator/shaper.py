@@ -1,5 +1,5 @@
 """When each chunk of one direction may leave the proxy: `Shaper.release_time(size, now)` applies the token bucket,
-the delay and jitter, and the stalls, and never returns a time earlier than the previous chunk's (byte order holds
+the delay and jitter (and a large chunk's extra delay), and the stalls, and never returns a time earlier than the previous chunk's (byte order holds
 even under jitter: release = max(previous release, pass time + delay + jitter + stall)). Pure arithmetic on seconds
 of a monotonic clock; no I/O, so unit tests drive it with a fake clock."""
 
@@ -45,6 +45,8 @@ class Shaper:
         extra_s = c.delay_ms / 1000.0
         if c.jitter_ms > 0:
             extra_s += self._rng.uniform(0.0, c.jitter_ms) / 1000.0
+        if c.large_bytes is not None and size_bytes >= c.large_bytes:
+            extra_s += size_bytes / c.large_bytes_per_s
         if c.stall_probability > 0 and self._rng.random() < c.stall_probability:
             extra_s += c.stall_ms / 1000.0
             self.stalls += 1

@@ -23,3 +23,12 @@ def test_a_one_percent_liar_is_caught_within_1000_steps_and_honest_servers_never
 def test_too_low_a_sampling_rate_misses_the_target() -> None:
     report = _run(12, "--fraction", "0.15")  # the arithmetic: escape 1,000 steps with probability ~40%
     assert report["catch_rate"] < 0.9
+
+
+def test_a_replica_outside_each_dispute_rechecks_the_ban_and_catches_as_many() -> None:
+    """Decision 0208: with a third honest replica, a ban on a witness's standing is first rechecked by the replica
+    outside the dispute; it sides with the witnesses against a liar, so the liar is still caught, and with the
+    honest server (the control) nobody is banned."""
+    report = _run(12, "--replicas", "3")
+    assert report["replicas"] == 3 and report["catch_rate"] >= 0.9
+    assert report["honest_framed"] == 0 and report["honest_banned"] == 0

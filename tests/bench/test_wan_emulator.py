@@ -50,6 +50,14 @@ def test_bucket_refills_while_idle() -> None:
     assert shaper.release_time(200, 10.0) == pytest.approx(10.1)
 
 
+def test_large_chunks_alone_take_the_extra_delay() -> None:
+    shaper = Shaper(LinkConfig(delay_ms=10, large_bytes=8192, large_bytes_per_s=16384))
+    assert shaper.release_time(1000, 0.0) == pytest.approx(0.010)
+    assert shaper.release_time(8192, 1.0) == pytest.approx(1.510)  # half a second for its 8 KB
+    assert shaper.release_time(100, 1.001) == pytest.approx(1.510)  # behind it: order holds
+    assert shaper.release_time(100, 3.0) == pytest.approx(3.010)
+
+
 def test_stall_holds_the_direction_behind_it() -> None:
     shaper = Shaper(LinkConfig(delay_ms=10, stall_probability=1.0, stall_ms=300, seed=3))
     assert shaper.release_time(10, 0.0) == pytest.approx(0.310)

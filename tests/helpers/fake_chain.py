@@ -67,6 +67,9 @@ class FakeServer:
         # the answer to a step of more than DECODE_MAX_TOKENS tokens comes this late instead (a loris that answers
         # decode steps and races' trials at once, and holds prompts and replays)
         self.long_delay_s: float | None = None
+        # the answer to a step of at most DECODE_MAX_TOKENS tokens comes this late instead (a loris that answers
+        # prompts and whole replays at once, and holds decode steps and races' trials)
+        self.short_delay_s: float | None = None
         self.first_requests: list[dict] = []  # metadata of each session's first request
         self.requests: list[tuple[dict, int]] = []  # (metadata, tokens)
         self.open_streams = 0
@@ -120,12 +123,30 @@ class FakeServer:
                 delay_s = self.delay_s
                 if self.long_delay_s is not None and hidden.shape[1] > DECODE_MAX_TOKENS:
                     delay_s = self.long_delay_s
+                if self.short_delay_s is not None and hidden.shape[1] <= DECODE_MAX_TOKENS:
+                    delay_s = self.short_delay_s
                 if delay_s:
                     await asyncio.sleep(delay_s)
                 yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden)])
         finally:
             self.open_streams -= 1
             self.final_lengths.append(caches[0].shape[1] if caches and caches[0] is not None else 0)
+
+
+class Referee(FakeServer):
+    """`FakeServer` that answers `rpc_forward` too, honestly (a referee or replica recomputing a span's step
+    statelessly: `verification.step_verifier`, `verification.stretches`); counts the calls."""
+
+    forward_calls = 0
+
+    async def rpc_forward(self, request, timeout=None):
+        self.forward_calls += 1
+        metadata = decode_metadata(request.metadata)
+        args, _ = unpack_args_kwargs([deserialize_tensor(t) for t in request.tensors], metadata["args_structure"])
+        x = args[0]  # [B, T, H]
+        for uid in request.uid.split(" "):
+            x = block_fn(int(uid.split(".")[1]), x, x[:, :0])
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(x)])
 
 
 class FakeStream:
@@ -171,6 +192,14 @@ class FakeStream:
                 self.closing = self.calling
             else:
                 self.closing = asyncio.ensure_future(self.responses.aclose())
+
+
+def vouch(manager: RemoteSequenceManager, *peers: str) -> None:
+    """Gives each of `peers` a witness's standing with `manager`'s client (decision 0190), as a client that verified
+    them before has: `witness_standing_steps` verified outputs in a row that agreed with another server."""
+    for _ in range(manager.config.witness_standing_steps):
+        for peer in peers:
+            manager.bans.record_verified(peer, agreed=True)
 
 
 class FakeManager(RemoteSequenceManager):

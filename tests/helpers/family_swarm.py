@@ -58,7 +58,7 @@ def served_families(
         ]
         singles = [(paths[family], "0:2") for family in families if family not in replicated]
         cache_dir = tmp_path_factory.mktemp("cache")
-        with inprocess_servers(singles, cache_dir, swarm.initial_peers, update_period_s=2.0):
+        with inprocess_servers(singles, cache_dir, swarm.initial_peers):
             for server in servers:
                 server.wait_ready(ready_timeout_s)
             yield swarm, paths

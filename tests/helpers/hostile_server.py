@@ -11,16 +11,21 @@ Environment:
   `rewind`: the same, the true outputs pushed as a step from position 1 (the push rules allow it after a prefill);
   `pushfirst`: true answers, true pushes, each reply sent once its push is in (the next server always runs the
   pushed copy first); `flag`: NaN in its answer to a step pushed to it (flagged `corolla.pushed` from the step's
-  start, as every such answer is), true answers to the client's own steps;
+  start, as every such answer is), true answers to the client's own steps; `huge`: 1e6 in the first value of each
+  position of its outputs (sent as float32: a next float16 server cannot hold them);
   or `slow`: every inference step sending at least `COROLLA_HOSTILE_SLOW_MIN_TOKENS` tokens (default 1) answered
-  `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris); or
+  `COROLLA_HOSTILE_SLOW_S` seconds late (default 30), right, while the server answers pings (a loris; a negative
+  SLOW_MIN_TOKENS -N holds the steps of N tokens or fewer instead, and answers longer ones at once); or
   `slow_import`: a KV hand-off's import taken, then its answer (the session's first) held `COROLLA_HOSTILE_SLOW_S`
   seconds while the server answers pings; or `slow_export`: a draining server's KV export (its header, then its
   parts) held `COROLLA_HOSTILE_SLOW_S` seconds while it answers pings;
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
-- `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS]]]`, read at every answer (tests
-  switch one server's lie without restarting it; the count of honest answers restarts whenever the file changes; an
-  omitted field is the environment's, not an earlier line's);
+- `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER [SLOW_S [SLOW_MIN_TOKENS [SKEW]]]]`, read at every answer
+  (tests switch one server's lie without restarting it; the count of honest answers restarts whenever the file
+  changes; an omitted field is the environment's, not an earlier line's);
+- `COROLLA_HOSTILE_SKEW` (or the mode file's SKEW; default 0: none): whatever the mode, an inference step's outputs
+  at a session's first `DECODE_MAX_TOKENS` positions are each moved by this share of their norm (finite, plausible,
+  beyond the tolerance: a loris that poisons what a replacement race's trials are checked against, decision 0183);
 - `COROLLA_HOSTILE_RATE`: the share of answers (after the first `AFTER`) that lie, drawn at random (default 1: all);
 - `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
   (what a liar would do to get traffic).
@@ -48,11 +53,13 @@ from typing import Any
 
 import torch
 
+from corolla.protocol.records import DECODE_MAX_TOKENS
+
 MODES = (
     "honest", "nan", "garbage", "shape", "dtype", "refuse", "hang", "equivocate", "overpush", "rewind", "pushfirst",
-    "flag", "slow", "slow_import", "slow_export",
+    "flag", "slow", "slow_import", "slow_export", "huge",
 )  # fmt: skip
-TENSOR_LIES = ("nan", "garbage", "shape", "dtype")  # the modes `corrupt` tells
+TENSOR_LIES = ("nan", "garbage", "shape", "dtype", "huge")  # the modes `corrupt` tells
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,10 +73,12 @@ class _Trigger:
         mode_file: str | None = None,
         rate: float = 1.0,
         slow: tuple[float, int] = (30.0, 1),
+        skew: float = 0.0,
     ):
         self.mode, self.after, self.count, self.mode_file = mode, after, 0, mode_file
         self.slow_s, self.slow_min_tokens = slow  # `slow`: how late, and from how many tokens a step
-        self._slow_given = slow  # what a mode file's line that omits them means (not the last line's values)
+        self.skew = skew  # the first positions' outputs moved by this share of their norm (any mode)
+        self._slow_given, self._skew_given = slow, skew  # what a line omitting them means (not the last line's)
         self.rate, self.rng = rate, random.Random(4321)
         self._seen: str | None = None
         self._lock = threading.Lock()
@@ -90,6 +99,7 @@ class _Trigger:
                         0,
                     )
                     self.slow_s, self.slow_min_tokens = self._slow_given
+                    self.skew = float(parts[4]) if len(parts) > 4 else self._skew_given
                     if len(parts) > 2:
                         self.slow_s = float(parts[2])
                     if len(parts) > 3:
@@ -113,7 +123,34 @@ def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torc
         return tensor[..., :-1].contiguous() if tensor.shape[-1] > 1 else tensor.repeat(1, 1, 2)
     if mode == "dtype":
         return (tensor * 1000).to(torch.int32)
+    if mode == "huge":  # finite and legal in float32, past float16's +-65504: a next float16 server cannot take it
+        bad = tensor.float().clone()
+        bad[..., 0] = 1e6
+        return bad
     raise ValueError(f"mode {mode!r} does not corrupt tensors")
+
+
+def skewed(tensor: torch.Tensor, start: int, skew: float) -> torch.Tensor:
+    """`tensor` [B, T, H] (outputs for positions [start, start + T)) with each output at a position below
+    `DECODE_MAX_TOKENS` moved by `skew` of its norm along the all-ones direction (the same on every server)."""
+    bad = tensor.float().clone()
+    first = bad[:, : max(0, DECODE_MAX_TOKENS - start)]  # [B, n, H]: a view
+    first += skew * first.norm(dim=-1, keepdim=True) / tensor.shape[-1] ** 0.5
+    return bad.to(tensor.dtype)
+
+
+def settle_late(late: asyncio.Future, done: asyncio.Future, then: Any) -> None:
+    """A held step's reply: `late` (the future its front waits on) takes the outcome of `done` (the step's own, run
+    inline and done long ago), then `then(late)` (the front's reply) runs; nothing if the front dropped it."""
+    if late.done():  # cancelled: the session ended meanwhile
+        return
+    if done.cancelled():
+        late.cancel()
+    elif (error := done.exception()) is not None:
+        late.set_exception(error)
+    else:
+        late.set_result(done.result())
+    then(late)
 
 
 def install(
@@ -123,6 +160,7 @@ def install(
     mode_file: str | None = None,
     rate: float = 1.0,
     slow: tuple[float, int] = (30.0, 1),
+    skew: float = 0.0,
 ) -> None:
     """Patches the server classes of this process (call before the server starts)."""
     if mode not in MODES:
@@ -136,7 +174,7 @@ def install(
 
     if not 0.0 < rate <= 1.0:
         raise ValueError(f"COROLLA_HOSTILE_RATE must be in (0, 1], got {rate}")
-    trigger = _Trigger(mode, after, mode_file, rate, slow)
+    trigger = _Trigger(mode, after, mode_file, rate, slow, skew)
     generator = torch.Generator().manual_seed(1234)
     original_serialize = TransformerConnectionHandler._serialize_output
 
@@ -183,15 +221,21 @@ def install(
         inputs, output = original_begin(self, *head, late_then)
         meta = inputs.hidden_meta  # as the handler reads the step's length
         length = meta[1][1] if meta is not None else inputs.tensor().shape[1]
-        delay[0] = slow_s if length >= min_tokens else 0.0
+        held = length >= min_tokens if min_tokens > 0 else length <= -min_tokens  # (-N: steps of N tokens or fewer)
+        delay[0] = slow_s if held else 0.0
         if delay[0] and isinstance(output, asyncio.Future) and output.done():  # a lone step run inline: answered late
             late: asyncio.Future = loop.create_future()
-            loop.call_later(delay[0], lambda: (late.set_result(output.result()), then(late)))
+            # (the step's own future passed as an argument: a lambda reading `output` read it once rebound to `late`,
+            # still pending, so a real CPU server, whose lone session's steps all run inline, never answered one)
+            loop.call_later(delay[0], settle_late, late, output, then)
             output = late
         return inputs, output
 
     def _answer(self: Any, request: Any, metadata: Any, inputs: Any, output: Any, hit: Any) -> Any:
         lie = lies.pop(id(inputs), "honest")
+        start = metadata.start_from_position
+        if trigger.skew and start is not None and start < DECODE_MAX_TOKENS and as_tensor(output).numel() > 0:
+            output = skewed(as_tensor(output), start, trigger.skew)
         if lie == "flag":  # a lie only where its reply says it answers a push: the push may be blamed instead
             lie = "nan" if metadata.pushed else "honest"
         if (
@@ -340,6 +384,7 @@ def install_from_environment() -> None:
             float(os.environ.get("COROLLA_HOSTILE_SLOW_S", "30") or 30),
             int(os.environ.get("COROLLA_HOSTILE_SLOW_MIN_TOKENS", "1") or 1),
         ),
+        skew=float(os.environ.get("COROLLA_HOSTILE_SKEW", "0") or 0),
     )
 
 

@@ -51,8 +51,18 @@ class ServerProcess(LocalServerProcess, ManagedProcess):
     """A server child (`wait_ready()`, `peer_id`, `start_block`, `end_block`, `initial_peers`) with test logging."""
 
 
+# A server process's heartbeat (s), as stock Petals' default: every record a test reads by default is the one a server
+# stores when it starts (JOINING, then ONLINE before its ready line) or changes state (drain, OFFLINE), so it needs no
+# heartbeat; a 2 s one cost each idle server ~1 CPU s a 30 s (its DHT process, p2pd and main loop; dev VM), over
+# every server of every swarm test. A test relying on records expiring or on refreshed figures passes its own
+# `--update_period` (later flags win) and says why at the call.
+SERVER_UPDATE_PERIOD_S = 60.0
+# For those: a killed server's record expires within 2 periods (`--expiration` default), here 4 s.
+SHORT_UPDATE_PERIOD = ("--update_period", "2")
+
+
 class Swarm(LocalSwarm):
-    """A `LocalSwarm` with test defaults (CPU float32, fast block selection and announcements, cache and server
+    """A `LocalSwarm` with test defaults (CPU float32, fast block selection, Petals' heartbeat, cache and server
     working directory in `workdir`); `close()` stops every process in `processes`, appended ones included."""
 
     bootstrap_class = ManagedProcess
@@ -61,7 +71,7 @@ class Swarm(LocalSwarm):
     def __init__(self, workdir: Path):
         server_args = (
             "--device", "cpu", "--torch_dtype", "float32", "--cache_dir", str(workdir / "cache"),
-            "--mean_block_selection_delay", "0.2", "--update_period", "2",
+            "--mean_block_selection_delay", "0.2", "--update_period", str(SERVER_UPDATE_PERIOD_S),
         )  # fmt: skip
         super().__init__(LocalSwarmConfig(server_args=server_args, startup_timeout_s=90.0, stop_grace_s=5.0))
         self.workdir = workdir

@@ -62,7 +62,7 @@ def split_swarm(
             for i, path in enumerate(paths.values())
             for blocks in (SPLIT_SPANS if i == 0 else WHOLE_SPAN)
         ]
-        with inprocess_servers(spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers, update_period_s=2.0):
+        with inprocess_servers(spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers):
             yield swarm, paths
     finally:
         swarm.close()

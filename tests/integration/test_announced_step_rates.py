@@ -16,6 +16,7 @@ from tests.helpers.swarm import start_inprocess_server
 from tests.helpers.tiny_models import make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.routing.announced_pace import announced_step_s, announced_token_s
 from corolla.client.session import stalls
 from corolla.protocol.records import ServerInfo
 
@@ -90,8 +91,8 @@ def test_a_throughput_n_server_announces_its_measured_rates_and_clients_time_its
             assert hold.held.is_set() and took_s >= HELD_S
             blocks = info.end_block - info.start_block
             clock = stalls.StepClock(
-                stalls.announced_step_s(blocks, info.inference_rps),
-                stalls.announced_token_s(blocks, info.forward_rps, info.inference_rps),
+                announced_step_s(blocks, info.inference_rps),
+                announced_token_s(blocks, info.forward_rps, info.inference_rps),
             )
             expected_s = clock.deadline_s(PROMPT.shape[1], hidden.nbytes)
             assert expected_s < HELD_S < stalls.STEP_MAX_S

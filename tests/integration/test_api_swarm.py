@@ -80,7 +80,7 @@ def gateway(tmp_path_factory):
         # the servers run in this process (what they serve is under test, not their process: two interpreter
         # start-ups less); the gateway stays a process (its CLI is under test)
         spans = [(model_path, blocks, {"metrics_port": free_port()}) for blocks in ("0:2", "2:4")]
-        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0) as servers:
+        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers) as servers:
             yield Gateway(swarm, model_path, servers)
     finally:
         swarm.close()

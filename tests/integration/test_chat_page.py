@@ -47,9 +47,7 @@ def gateway(tmp_path_factory):
         # the servers run in this process (the page shows what they announce and serve, not how they run); the
         # gateway stays a process (its CLI is under test)
         spans = [(model_path, f"{a}:{b}", {"public_name": HOSTILE_NAME if a else f"srv{a}"}) for a, b in SPANS]
-        servers = stack.enter_context(
-            inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0)
-        )
+        servers = stack.enter_context(inprocess_servers(spans, workdir / "cache", swarm.initial_peers))
         api = ManagedProcess(
             [
                 sys.executable, "-m", "corolla.cli.api", "--model", str(model_path),

@@ -83,6 +83,9 @@ def _config(**overrides) -> ClientConfig:
     settings = dict(
         update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, liveness_check_period_s=1.0, max_wait_s=20.0,
         max_pinged=0,  # no RTTs (a ping lost on a busy machine would steer the route): the announced speeds decide
+        # a test swarm of known servers: any two that agree are witnesses (main's 2:1 rule; a fresh client's rule
+        # for strangers, decision 0190, is tested with fakes: tests/unit/test_client_distrust.py, slow_servers)
+        witness_standing_steps=0,
     )  # fmt: skip
     settings.update(overrides)
     return ClientConfig(**settings)
@@ -220,7 +223,8 @@ def test_a_shared_finding_bans_the_liar_first_hand_and_a_forged_one_bans_nobody(
     for _ in range(3):  # caught as the span's server or as its shadow; on a loaded machine maybe neither: ask again
         code = generate_main(
             [str(model_path), "hello", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "4",
-             "--verify_shadow_fraction", "1", "--findings_dir", str(a_dir), "--max_wait_s", "20"]
+             "--verify_shadow_fraction", "1", "--findings_dir", str(a_dir), "--max_wait_s", "20",
+             "--witness_standing_steps", "0"]
         )  # fmt: skip
         out = capsys.readouterr().out
         assert code == 0, out
@@ -235,7 +239,7 @@ def test_a_shared_finding_bans_the_liar_first_hand_and_a_forged_one_bans_nobody(
     started = time.monotonic()
     code = findings_main(
         [str(model_path), str(caught), str(forged), "--initial_peers", *swarm.initial_peers,
-         "--findings_dir", str(b_dir), "--timeout_s", "120"]
+         "--findings_dir", str(b_dir), "--timeout_s", "120", "--witness_standing_steps", "0"]
     )  # fmt: skip
     assert code == 0 and time.monotonic() - started < 150
     lines = capsys.readouterr().out.strip().splitlines()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.float16_swarm import FAST_CLIENT, float16_chain, greedy_through
 from tests.helpers.tiny_models import hf_greedy, hf_model, make_tiny_model
 
-from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.server import startup_checks
+from corolla.client import AutoDistributedModelForCausalLM
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,47 +32,16 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
     return path
 
 
-def _float16_on_cpu(original):
-    """`startup_checks.resolve_dtype` that lets a CPU server run float16 (refused there as slow: this server computes
-    nothing, its every input is past its range)."""
-
-    def resolve(model_config, requested, device):
-        return torch.float16 if requested == "float16" else original(model_config, requested, device)
-
-    return resolve
-
-
 @pytest.fixture(scope="module")
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    patch = pytest.MonkeyPatch()
-    patch.setattr(startup_checks, "resolve_dtype", _float16_on_cpu(startup_checks.resolve_dtype))
-    try:
-        swarm.start_bootstrap()
-        spans = [
-            (model_path, "0:2"),
-            (model_path, "2:4", {"torch_dtype": "float16", "throughput": 1000.0}),
-            (model_path, "2:4"),
-        ]
-        with inprocess_servers(
-            spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers, update_period_s=2.0
-        ) as servers:
-            swarm.narrow = servers[1]
-            yield swarm
-    finally:
-        swarm.close()
-        patch.undo()
+    with float16_chain(model_path, tmp_path_factory) as (swarm, narrow, _):
+        swarm.narrow = narrow
+        yield swarm
 
 
 def test_outputs_a_float16_server_cannot_hold_are_routed_around_and_ban_nobody(swarm, model_path):
     expected = hf_greedy(model_path, PROMPT, NEW_TOKENS)
-    config = ClientConfig(update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, max_wait_s=20.0, max_pinged=0)
-    with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=config
-    ) as model:
-        model.manager.wait_ready()
-        output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-        banned, avoided = model.manager.bans.banned_peers(), model.manager.avoided_peers()
+    output, banned, avoided = greedy_through(swarm, model_path, PROMPT, NEW_TOKENS)
     assert output.tolist() == expected.tolist()
     assert not banned  # before: the float16 server, for refusing inputs past its range
     assert swarm.narrow.peer_id in avoided  # the route went through it, and the client went around it
@@ -81,9 +49,8 @@ def test_outputs_a_float16_server_cannot_hold_are_routed_around_and_ban_nobody(s
 
 def test_a_forward_pass_past_a_float16_servers_range_is_routed_around_and_bans_nobody(swarm, model_path):
     """The same through `rpc_forward` (the model's forward: `remote_sequential`), a client of its own."""
-    config = ClientConfig(update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, max_wait_s=20.0, max_pinged=0)
     with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=config
+        model_path, initial_peers=swarm.initial_peers, client_config=FAST_CLIENT
     ) as model:
         model.manager.wait_ready()
         with torch.no_grad():

@@ -47,7 +47,7 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
         swarm.start_bootstrap()
         spans = [(model_path, blocks) for blocks in ("0:2", "2:4")]
         cache_dir = tmp_path_factory.mktemp("cache")
-        with inprocess_servers(spans, cache_dir, swarm.initial_peers, update_period_s=2.0) as servers:
+        with inprocess_servers(spans, cache_dir, swarm.initial_peers) as servers:
             swarm.honest = servers
             yield swarm
     finally:

@@ -81,7 +81,7 @@ def monitored_swarm(tmp_path_factory):
         # the servers run in this process (the page shows what they announce, not how they run): three interpreter
         # start-ups less; the monitor stays a process (its CLI is under test)
         spans = [(model_path, f"{a}:{b}", {"public_name": f"srv{a}"}) for a, b in SPANS]
-        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0) as servers:
+        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers) as servers:
             line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
             yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
     finally:

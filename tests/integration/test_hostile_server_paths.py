@@ -3,13 +3,15 @@ clients against it prove nothing: a server process whose front runs in its own l
 the reply is a message, `step_reply`) and one with handler processes (`--num_handlers 2`: a step's output comes back
 from the device process as its bytes, `TensorBytes`, and leaves as they are, `plain_step_reply`, as a GPU's launched
 step does in a server's own loop); each answers a step, a forward and a backward honestly, then with finite garbage
-of the same shape, which must differ.
+of the same shape, which must differ. Its `slow` mode (a loris) answers a prefill and a one-token step late, on either
+front, with the honest outputs.
 
 The GPU's launched step (`TensorBytes` in the front of the server's own loop) takes the handler processes' path
 here: `plain_step_reply`, from `SessionSteps._answer`, where the helper hands a lying step on as a tensor."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ UID = make_chain(PREFIX, 0, 2)
 HIDDEN = 64  # the tiny Llama's
 # how each server process answers (its extra flags)
 FRONTS = {"own_loop": (), "handler_processes": ("--num_handlers", "2")}
+SLOW_S = 1.5  # `slow` mode's delay of a step in the test of that mode
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +111,37 @@ def test_a_liar_lies_on_every_reply_path(clients, mode_file, blocks, front):
     for name, lie in lies.items():
         assert lie.shape == honest[name].shape and torch.isfinite(lie).all(), name
         assert not torch.allclose(lie, honest[name], atol=1e-2), f"the {front} liar told the truth on {name}"
+
+
+def _steps(client: ClientThread, hidden: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
+    """A prefill of all but the last token of `hidden` [1, T, H], then a one-token decode step, on one stream: each
+    step's output and how long its reply took (s)."""
+    stream = InferenceStream(client).open()
+    outputs, took = [], []
+    try:
+        for position, chunk in ((0, hidden[:, :-1]), (hidden.shape[1] - 1, hidden[:, -1:])):
+            started = time.monotonic()
+            response = stream.step(packed_request(UID, chunk, max_length=16, start_from_position=position))
+            took.append(time.monotonic() - started)
+            outputs.append(deserialize_torch_tensor(response.tensors[0]))
+    finally:
+        stream.close()
+    return outputs, took
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_slow_server_answers_one_token_steps_late_but_answers(clients, mode_file, front):
+    """`slow` holds every step of at least SLOW_MIN_TOKENS tokens (1 here: the decode steps too) `SLOW_S` late, and
+    then answers it right (a loris under the deadline floor). A lone session's steps run inline in the own-loop front
+    of a CPU server: the helper's late reply of those read the step's future after it was rebound to the pending
+    one it returned, and such a server never answered (fails on that helper: own_loop times out)."""
+    client = clients[front]
+    hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(9))
+    mode_file.write_text("honest")
+    honest, _ = _steps(client, hidden)
+    mode_file.write_text(f"slow 0 {SLOW_S} 1")
+    slow, took = _steps(client, hidden)
+    mode_file.write_text("honest")
+    assert min(took) >= SLOW_S, took  # (a lower bound: the helper's timer, whatever the machine's load)
+    for truth, late in zip(honest, slow, strict=True):
+        torch.testing.assert_close(late, truth)

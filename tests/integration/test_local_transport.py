@@ -204,6 +204,8 @@ def test_client_generates_the_same_tokens_over_socket_and_p2p(server, model_path
     # since the chain is one span (no server pushes to another)
     assert steps_here == 11
     assert (polled > 0) == (busy_poll_ms > 0)  # with busy_poll_ms, responses are picked up by polling
+    # the CPU server (default --busy_poll_ms 5) never polled for the next request: its cores are the span's (0177)
+    assert server.service.runtime.after_inline is None and server.selector.polled_events == 0
 
 
 def test_no_socket_or_a_stale_one_means_p2p_and_stop_removes_the_socket(server, model_path, local, tmp_path):

@@ -17,7 +17,7 @@ from corolla.cli.run_server import main as run_server_main
 from corolla.protocol.records import ServerState
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.records_io import get_remote_module_infos
-from helpers.swarm import Swarm, swarm  # noqa: F401  (fixture)
+from helpers.swarm import SHORT_UPDATE_PERIOD, Swarm, swarm  # noqa: F401  (fixture)
 from helpers.tiny_models import make_tiny_model
 
 NUM_LAYERS = 4
@@ -67,7 +67,9 @@ def test_dry_run_then_swarm_lifecycle(swarm: Swarm, tmp_path, capsys):  # noqa: 
         a = swarm.start_server(model, "--num_blocks", "2", "--metrics_port", "0", *balance)
         assert (a.start_block, a.end_block) == (0, 2)
         assert any("server.placed(policy=corolla, blocks=0:2)" in line for line in a.lines)
-        b = swarm.start_server(model, "--block_indices", "0:2", *balance)
+        # B's heartbeat pings the servers after its blocks: A is there only once it moved (after B's first records),
+        # and B announces the RTT to it at its next heartbeat (checked below, within 15 s)
+        b = swarm.start_server(model, "--block_indices", "0:2", *balance, *SHORT_UPDATE_PERIOD)
         assert (b.start_block, b.end_block) == (0, 2)
         a.wait_ready(90, start=a.lines.index(a.ready_lines()[0]) + 1)
         assert (a.start_block, a.end_block) == (2, 4), a.tail()

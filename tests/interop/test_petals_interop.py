@@ -531,7 +531,8 @@ def generate_verified(
     from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
     input_ids = torch.tensor([INPUT_IDS])  # [1, T]
-    config = ClientConfig(max_retries=3, verify_shadow_fraction=1.0)
+    # known servers: any two that agree are witnesses (main's 2:1 rule; strangers' rule, decision 0190: fakes' tests)
+    config = ClientConfig(max_retries=3, verify_shadow_fraction=1.0, witness_standing_steps=0)
     tuning = {} if prompts is None else {"tuning_mode": "deep_ptune", "pre_seq_len": PTUNE_PRE_SEQ_LEN}
     with (
         torch_threads(1),

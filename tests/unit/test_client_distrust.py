@@ -5,6 +5,7 @@ sampled verification outvotes a liar; a span with no honest server ends in NoHon
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -22,7 +23,7 @@ from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, block_fn, reference
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, block_fn, reference, vouch
 
 
 class Server(FakeServer):
@@ -107,6 +108,7 @@ def test_finite_garbage_is_caught_by_verification_and_the_liar_banned():
     }
     tokens = torch.randn(1, 10, HIDDEN)
     manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    vouch(manager, "A2", "A3", "B", "B2")  # witnesses with standing (decision 0190)
     with InferenceSession(manager, max_length=10) as session:
         out = [session.step(tokens[:, :4])]
         out += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
@@ -114,6 +116,148 @@ def test_finite_garbage_is_caught_by_verification_and_the_liar_banned():
         assert session.verifier.num_rejected == 1 and session.verifier.num_verified == 15
     torch.testing.assert_close(torch.cat(out, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
     assert manager.bans.is_banned("liar") and not manager.bans.banned_peers() & {"A2", "A3", "B", "B2"}
+
+
+def _made_up(like: torch.Tensor) -> torch.Tensor:
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(11), dtype=like.dtype)
+
+
+class Framer(Server):
+    """One of an attacker's free identities: as a referee (`rpc_forward`) answers made-up outputs, the same on every
+    such identity (they agree with each other, against the server verified); serves sessions honestly, or with
+    `serves_lies` the same made-up outputs there too."""
+
+    serves_lies = False
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            if self.serves_lies:
+                response = runtime_pb2.ExpertResponse(
+                    tensors=[serialize_tensor(_made_up(deserialize_tensor(response.tensors[0])))]
+                )
+            yield response
+
+    async def rpc_forward(self, request, timeout=None):
+        honest = deserialize_tensor((await super().rpc_forward(request, timeout)).tensors[0])
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(_made_up(honest))])
+
+
+class FramersFirst(random.Random):
+    """Shuffles the framers ahead of every other referee: the draw the attack hopes for."""
+
+    def shuffle(self, x: list) -> None:  # type: ignore[override]
+        x.sort(key=lambda span: not span.peer_id.startswith("S"))
+
+
+def test_two_fresh_identities_refereeing_cannot_get_an_honest_server_banned():
+    """Decision 0190. H (honest, routed first) is verified by S1 and S2, one attacker's two fresh identities that
+    answer the same made-up outputs: 2:1 against H. Main banned H for good (its sessions then went through the
+    attacker's identities). Now two witnesses short of standing only get H avoided; they are watched: every step of
+    theirs is verified, by others first (H2, the one honest referee left, checks them); H is no liar and the
+    outputs are the reference's (the framers serve honestly: they lie only as referees)."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 2, inference_rps=1e6),
+        "S1": Framer(0, 2, inference_rps=1e4),
+        "S2": Framer(0, 2, inference_rps=1e4),
+        "H2": Server(0, 2),
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    tokens = torch.randn(1, 10, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    outputs = []
+    with InferenceSession(manager, max_length=10) as session:
+        session.verifier.rng = FramersFirst()
+        outputs.append(session.step(tokens[:, :4]))
+        outputs += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
+        route = [span.peer_id for span, _ in session.route]
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert "H" in manager.avoided_peers() and manager.disputes.watched() == {"S1", "S2"}
+    assert route[0] in ("S1", "S2")
+    # the framers referee only the first vote (never each other); H2 checked every later step of theirs
+    assert servers["S1"].forward_calls + servers["S2"].forward_calls == 2
+    assert servers["H2"].forward_calls == 7  # the replayed prompt and 6 decode steps
+
+
+def test_two_fresh_identities_serving_their_lie_vouch_for_nothing():
+    """Decision 0190. The framers of the test above also serve their made-up outputs. Once H is avoided, S1 serves
+    (watched): H2 disagrees, S2 (its co-witness, asked last) agrees: one witness each, so S1's outputs are not used
+    and it is avoided; S2 then disagrees with H2 alone. No wrong output is ever returned (the step ends in
+    NoHonestServerError or the reference's outputs), and neither H nor H2 is banned as a liar. Main banned H, then
+    took S1's made-up outputs on S2's word."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 2, inference_rps=1e6),
+        "S1": Framer(0, 2, inference_rps=1e4),
+        "S2": Framer(0, 2, inference_rps=1e3),
+        "H2": Server(0, 2),
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    for name in ("S1", "S2"):
+        servers[name].serves_lies = True  # type: ignore[attr-defined]
+    tokens = torch.randn(1, 4, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=2, verify_fraction=1.0)
+    try:
+        with InferenceSession(manager, max_length=4) as session:
+            session.verifier.rng = FramersFirst()
+            outputs = session.step(tokens)
+    except NoHonestServerError:
+        outputs = None
+    if outputs is not None:
+        torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert not manager.bans.is_liar("H") and not manager.bans.is_liar("H2")
+    assert {"H", "S1"} <= manager.avoided_peers()
+
+
+class Lender(Framer):
+    """An attacker's identity that earns standing first: as a referee it answers honestly until `honest_answers`
+    were asked of it (each verified step agreeing with the server verified), then the framers' made-up outputs."""
+
+    def __init__(self, start: int, end: int, honest_answers: int, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps=inference_rps)
+        self.honest_answers = honest_answers
+
+    async def rpc_forward(self, request, timeout=None):
+        if self.forward_calls < self.honest_answers:
+            return await Server.rpc_forward(self, request, timeout)
+        return await super().rpc_forward(request, timeout)
+
+
+def test_standing_earned_by_one_identity_is_not_lent_to_a_fresh_one():
+    """Decision 0208 (0190's Left). SA, an attacker's identity, referees H (honest, routed first) honestly until it has
+    a witness's standing (8 verified steps agreeing with H), then answers made-up outputs, and SB, a fresh identity of
+    the same attacker, the same: SA's standing and SB's agreement outvote H 2:1. Main banned H for good (and would
+    for every honest server SA referees, with any fresh partner). Now an outside server (H2, drawn by the client)
+    recomputes before a ban: it sides with H, so nobody is banned, SA and SB lose their standing and are avoided,
+    and the outputs stay the reference's."""
+    torch.manual_seed(6)
+    standing = ClientConfig().witness_standing_steps
+    servers = {
+        "H": Server(0, 2, inference_rps=1e6),
+        "SA": Lender(0, 2, honest_answers=standing, inference_rps=1e4),
+        "SB": Framer(0, 2, inference_rps=1e4),
+        "H2": Server(0, 2),
+        "H3": Server(0, 2),
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    tokens = torch.randn(1, 4 + standing + 3, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    outputs = []
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        session.verifier.rng = FramersFirst()
+        outputs.append(session.step(tokens[:, :4]))
+        for t in range(4, tokens.shape[1]):
+            outputs.append(session.step(tokens[:, t : t + 1]))
+            if t == 4 + standing - 2:  # SA's 8th honest answer is in: the standing the attack spends next
+                assert manager.bans.agreed_in_a_row("SA") == standing
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert servers["SA"].forward_calls > standing  # it lied after earning standing
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert not manager.bans.agreed_in_a_row("SA") and {"SA", "SB"} <= manager.avoided_peers()
 
 
 def test_without_verification_finite_garbage_goes_unnoticed():
@@ -176,6 +320,7 @@ def test_a_lone_server_is_trusted_on_a_record_of_agreeing_and_never_after_being_
     liar_servers = {"liar": Server(0, 2, "garbage", inference_rps=1e6), "A2": Server(0, 2), "A3": Server(0, 2),
                     "B": Server(2, 4), "B2": Server(2, 4)}  # fmt: skip
     manager = FakeManager(liar_servers, 4, max_wait_s=10, verify_fraction=1.0)
+    vouch(manager, "A2", "A3")  # witnesses with standing (decision 0190)
     _generate(manager, tokens)
     assert manager.bans.is_liar("liar")
     for _ in range(LONE_TRUST_STEPS):

@@ -190,3 +190,41 @@ def test_a_forked_client_counts_only_its_own_steps_in_flight():
                 reports.append(reader.read().decode())
             os.waitpid(pid, 0)
     assert reports == ["1 0.02", "1 0.02"]
+
+
+def test_the_refresh_leaves_the_servers_of_open_sessions_unpinged():
+    """A ping dials through p2pd, and one that raced a link's failure put the address in libp2p's dial back-off, so a
+    session's own dial once the link was back met "dial backoff" (stop 57's flake). The servers a live session steps
+    through are measured by its steps: the refresh pings the others only, and pings them again once every session on
+    them is closed (a server failed over included)."""
+    torch.manual_seed(3)
+    servers = {"A": FakeServer(0, 2), "B": FakeServer(2, 4, inference_rps=1000.0), "C": FakeServer(2, 4)}
+    pinged: list[list[str]] = []
+
+    class Pinging(FakeManager):
+        def measure_rtts_s(self, peer_ids):
+            pinged.append(sorted(peer_ids))
+            return super().measure_rtts_s(peer_ids)
+
+    manager = Pinging(servers, 4, max_pinged=3)
+    assert pinged == [["A", "B", "C"]]
+
+    def refresh() -> list[str]:
+        """The servers a refresh pings (none pinged: no call)."""
+        calls = len(pinged)
+        manager.update()
+        return pinged[-1] if len(pinged) > calls else []
+
+    tokens = torch.randn(1, 6, HIDDEN)
+    with InferenceSession(manager, max_length=6) as first, InferenceSession(manager, max_length=6) as second:
+        first.step(tokens[:, :3])
+        second.step(tokens[:, :3])
+        assert [span.peer_id for span, _ in first.route] == ["A", "B"]
+        assert refresh() == ["C"]
+        servers["B"].dead = True
+        first.step(tokens[:, 3:4])  # failed over to C
+        assert [span.peer_id for span, _ in first.route] == ["A", "C"]
+        assert refresh() == []  # B: banned, out of the view
+        first.close()
+        assert refresh() == ["C"]  # A: second's
+    assert refresh() == ["A", "C"]

@@ -173,7 +173,7 @@ def test_first_span_failing_after_a_hit_replays_the_embeddings():
     assert servers["A2"].requests[0][0]["start_from_position"] == 0
 
 
-def _span(peer: str, start: int, end: int, *, rps: float = 100.0, busy: float | None = None) -> RemoteSpanInfo:
+def _span(peer: str, start: int, end: int, *, rps: float | None = 100.0, busy: float | None = None) -> RemoteSpanInfo:
     info = ServerInfo(ServerState.ONLINE, 1.0, start_block=start, end_block=end, inference_rps=rps, busy_fraction=busy)
     return RemoteSpanInfo(peer, start, end, info)
 
@@ -199,6 +199,10 @@ def test_cache_affine_routing_prefers_the_chain_that_held_the_prefix():
     fast = [view[0], view[1], _span("C", 0, 4, rps=10000.0)]  # a much faster chain wins over a long answer
     assert routes.route_for(fast, chain, 0, 4, new_tokens=2000) is None
     assert routes.route_for(fast, chain, 0, 4, new_tokens=1) is not None  # ...not over a short one
+    # a newcomer that announces no speed yet (it has served no step) is no evidence against the measured chain: at the
+    # default figure it looked faster than a measured server on a busy host and took the session from its cache
+    unmeasured = [view[0], view[1], _span("C", 0, 4, rps=None)]
+    assert routes.route_for(unmeasured, chain, 0, 4, new_tokens=2000) is not None
 
 
 def test_session_routes_to_the_chain_that_held_its_prefix():
@@ -215,6 +219,13 @@ def test_session_routes_to_the_chain_that_held_its_prefix():
     assert manager.prefix_routes.num_affine == 3
     load = manager.routed.load(time.monotonic())
     assert len(load) == 1 and max(load.values()) > 3.9  # the affine sessions count as load, as the planned one did
+    # the server holding the prefix was then seen crawling (decision 0189: 1 s a block against its 100 announced): the
+    # next turn is priced by what it delivered, as new routes are, and leaves it for the other chain's prefill
+    held = next(name for name, server in servers.items() if server.hits)
+    manager.observed_steps.note(held, 1.0, time.monotonic())
+    out, session = run_turn(manager, ids, decode=4)
+    assert session.reused_tokens == 0 and [span.peer_id for span, _ in session.route] != [held]
+    torch.testing.assert_close(out, reference(embed(ids), 4), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])

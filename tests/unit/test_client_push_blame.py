@@ -20,24 +20,17 @@ from corolla.protocol.forwarding import PUSHED_FROM_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.records import ServerInfo
 from corolla.utils.errors import NoHonestServerError
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, Referee, reference, vouch
 
 
-class PushAnswerer(FakeServer):
-    """Answers a step the client named it to receive by push (the upstream's request for that step named it in
-    `next_servers`: a fake's view of what its upstream pushes) with one token more, what a server answers to a push
-    of one token more than the client's step (the push rules allow up to its prefill, decision 0154); every other
-    step truly (a replay in a new session too: never pushed). `corolla`: its record has corolla's load fields, else
-    a stock Petals server's (none); `flags`: it flags that answer as the push's, from the client's own start. A
-    flagging one is a liar (it made the lie up, or it could not flag it); a stock one is an honest server fed a
-    lying upstream's push (it flags nothing)."""
+class PushTarget(FakeServer):
+    """A server a lying upstream's push may reach, announced fastest (every route goes through it): `corolla`: its
+    record has corolla's load fields (it flags), else a stock Petals server's (none); `_named(step_id)`: the client
+    named it, in its upstream's request for that step, to receive the step by push."""
 
-    def __init__(
-        self, peer_id: str, start: int, end: int, upstream: FakeServer, *, corolla: bool = True, flags: bool = True
-    ):
-        super().__init__(start, end, inference_rps=1e6)  # the fastest: every route goes through it
-        self.peer_id, self.upstream, self.corolla, self.flags = peer_id, upstream, corolla, flags
-        self.lies = 0
+    def __init__(self, peer_id: str, start: int, end: int, upstream: FakeServer, *, corolla: bool):
+        super().__init__(start, end, inference_rps=1e6)
+        self.peer_id, self.upstream, self.corolla = peer_id, upstream, corolla
 
     def server_info(self) -> ServerInfo:
         info = super().server_info()
@@ -50,6 +43,23 @@ class PushAnswerer(FakeServer):
             and any(hop[0] == self.peer_id for hop in metadata.get("next_servers", ()))
             for metadata, _ in self.upstream.requests
         )
+
+
+class PushAnswerer(PushTarget):
+    """Answers a step the client named it to receive by push (the upstream's request for that step named it in
+    `next_servers`: a fake's view of what its upstream pushes) with one token more, what a server answers to a push
+    of one token more than the client's step (the push rules allow up to its prefill, decision 0154); every other
+    step truly (a replay in a new session too: never pushed). `corolla`: its record has corolla's load fields, else
+    a stock Petals server's (none); `flags`: it flags that answer as the push's, from the client's own start. A
+    flagging one is a liar (it made the lie up, or it could not flag it); a stock one is an honest server fed a
+    lying upstream's push (it flags nothing)."""
+
+    def __init__(
+        self, peer_id: str, start: int, end: int, upstream: FakeServer, *, corolla: bool = True, flags: bool = True
+    ):
+        super().__init__(peer_id, start, end, upstream, corolla=corolla)
+        self.flags = flags
+        self.lies = 0
 
     async def _serve(self, requests):
         seen: list[dict] = []
@@ -124,28 +134,15 @@ def test_a_corolla_server_failing_unflagged_is_its_own_failure():
     assert manager.push_suspects.failures("A", "liar") == 0
 
 
-class RewoundStock(FakeServer):
+class RewoundStock(PushTarget):
     """A stock Petals server (no load fields: it flags nothing) fed a lying upstream's push from an earlier start: a
     step the client named it to receive by push runs from position 1 instead of the client's start (Petals takes the
     start a push names), its answer the right shape; the client's next step then starts past its cache, and it
     refuses it (its error, as over p2p)."""
 
     def __init__(self, peer_id: str, start: int, end: int, upstream: FakeServer, *, corolla: bool = False):
-        super().__init__(start, end, inference_rps=1e6)  # the fastest: every route goes through it
-        self.peer_id, self.upstream, self.corolla = peer_id, upstream, corolla
+        super().__init__(peer_id, start, end, upstream, corolla=corolla)
         self.rewound = self.refused = 0
-
-    def server_info(self) -> ServerInfo:
-        info = super().server_info()
-        info.tokens_served = 0 if self.corolla else None  # `corolla`: a corolla server's record (it flags)
-        return info
-
-    def _named(self, step_id: str) -> bool:
-        return any(
-            metadata.get("step_id") == step_id
-            and any(hop[0] == self.peer_id for hop in metadata.get("next_servers", ()))
-            for metadata, _ in self.upstream.requests
-        )
 
     async def _serve(self, requests):
         async def pushed_over():
@@ -322,3 +319,73 @@ def test_the_pairs_are_never_emptied_once_one_failed():
     suspects.rejected("U", "D")  # now the most recent
     suspects.rejected("W", "F")  # past the bound: V -> E goes
     assert suspects.failures("V", "E") == 0 and suspects.failures("U", "D") == 3
+
+
+class HugeWriter(Referee):
+    """A hostile upstream, announced fastest: writes 1e6 (legal in float32, past float16's range) into one value of
+    each of its answers to steps, so that the float16 server after it cannot take them."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end, inference_rps=1e6)
+        self.lies = 0
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            outputs = deserialize_tensor(response.tensors[0]).clone()  # [B, T, H]
+            outputs[:, -1, 0] = 1e6
+            self.lies += 1
+            yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
+
+
+def _hostile_upstream_swarm(honest_replicas: int) -> tuple[dict[str, FakeServer], FakeManager]:
+    servers: dict[str, FakeServer] = {"U": HugeWriter(0, 2)}
+    servers.update({f"A{i}": Referee(0, 2) for i in range(honest_replicas)})
+    servers.update({"f16": Float16Server(2, 4, inference_rps=1e6), "B": FakeServer(2, 4)})
+    return servers, FakeManager(servers, 4, max_wait_s=10)
+
+
+def test_an_upstream_writing_values_past_float16_is_avoided_not_the_float16_server():
+    """Decision 0186. Before, the client routed around the honest float16 server for 60 s (0170) and used the
+    upstream's lie through the float32 one: a wrong output. Now a replica of the upstream's span recomputes the step
+    and disagrees; with no third to decide, the upstream is avoided (not banned) and the float16 server serves."""
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 7, HIDDEN)
+    servers, manager = _hostile_upstream_swarm(honest_replicas=1)
+    outputs = _generate(manager, tokens)
+    torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert servers["U"].lies >= 1 and servers["A0"].forward_calls == 1
+    assert "U" in manager.avoided_peers() and "f16" not in manager.avoided_peers()
+    assert not manager.bans.banned_peers()  # one replica against one server: nobody is banned
+    assert servers["f16"].requests and not servers["f16"].refused
+
+
+@pytest.mark.parametrize("vouched", [("A0", "A1"), ("A1",), ()], ids=["both_with_standing", "one", "fresh_witnesses"])
+def test_an_upstream_writing_values_past_float16_outvoted_by_two_replicas_is_banned_for_good(vouched: tuple[str, ...]):
+    """Two replicas outvote the upstream: banned for good where one of them has a witness's standing with this
+    client; two fresh ones (which may be one attacker's identities, decision 0190) only get it avoided, and are
+    watched. Main banned it either way."""
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 7, HIDDEN)
+    servers, manager = _hostile_upstream_swarm(honest_replicas=2)
+    vouch(manager, *vouched)
+    outputs = _generate(manager, tokens)
+    torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    if vouched:
+        assert manager.bans.is_liar("U") and manager.bans.banned_peers() == {"U"}
+    else:
+        assert not manager.bans.banned_peers() and "U" in manager.avoided_peers()
+        assert manager.disputes.watched() == {"A0", "A1"}
+    assert "f16" not in manager.avoided_peers() and servers["f16"].requests
+
+
+def test_values_past_float16_that_a_replica_confirms_still_route_around_the_float16_server():
+    """The model's own large values (inputs ~1e5, computed truly by both servers of 0:2): a replica agrees, so the
+    float16 server is routed around as in 0170 and nobody is blamed."""
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 7, HIDDEN) * 1e5
+    servers = {"A": Referee(0, 2, inference_rps=1e6), "A1": Referee(0, 2), "f16": Float16Server(2, 4, 1e6)}
+    servers["B"] = FakeServer(2, 4)
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    torch.testing.assert_close(_generate(manager, tokens), reference(tokens, 4), rtol=1e-5, atol=0)
+    assert not manager.bans.banned_peers() and "A" not in manager.avoided_peers()
+    assert "f16" in manager.avoided_peers() and servers["A1"].forward_calls == 1

@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.calls.remote_forward_backward import run_remote_backward
 from corolla.client.training.remote_sequential import RemoteSequential
+from corolla.client.verification import range_dispute
 from corolla.client.verification.step_verifier import StepVerifier
 from corolla.protocol.codecs import check_castable, combine_parts, deserialize_tensor, serialize_tensor, stream_messages
 from corolla.protocol.metadata import decode_metadata
@@ -85,6 +86,17 @@ def _check(remote: RemoteSequential, blocks: list[int], prompts: torch.Tensor | 
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=0)
     if prompts is not None:
         torch.testing.assert_close(prompts.grad, p_ref.grad, atol=1e-5, rtol=0)
+
+
+def _matches_local_autograd(x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> None:
+    """`out` = the 4 blocks of `x` [B, T, H] run remotely; its backward of `grad` and its outputs match local
+    autograd's."""
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = run_blocks([0, 1, 2, 3], x_ref, None)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_forward_backward_with_and_without_deep_prompts():
@@ -233,3 +245,78 @@ def test_a_float16_referee_that_cannot_hold_the_inputs_is_not_asked_nor_banned()
         asyncio.run(verifier.verify(span, inputs, outputs))
         assert verifier.num_verified == 1 and servers["C"].calls == ["forward"]
         assert not manager.bans.banned_peers() and not narrow.refused, seed
+
+
+class HugeForwardServer(FakeForwardServer):
+    """A hostile upstream announced fastest: writes 1e6 (legal in float32, past float16's range) into one value of
+    each of its forward outputs."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end)
+        self.inference_rps = 1e6
+
+    async def rpc_forward(self, request, timeout=None):
+        response = await super().rpc_forward(request, timeout)
+        outputs = deserialize_tensor(response.tensors[0]).clone()  # [B, T, H]
+        outputs[:, -1, 0] = 1e6
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
+
+
+def test_an_upstream_writing_values_past_float16_is_avoided_not_the_float16_server_in_training():
+    """Decision 0186 in training's forward: before, the float16 server of 2:4 was routed around for the liar's
+    values and the liar's outputs went on through the float32 one (outputs 1e6 off); now a replica of 0:2 disputes
+    them, the liar is avoided in the float16 server's place, and outputs and gradients are local autograd's."""
+    used = 0
+    for seed in range(4):  # (max-throughput routing is random: the liar or the honest server of 0:2 first)
+        torch.manual_seed(0)
+        liar, narrow = HugeForwardServer(0, 2), Float16ForwardServer(2, 4)
+        servers = {"U": liar, "A": FakeForwardServer(0, 2), "f16": narrow, "B": FakeForwardServer(2, 4)}
+        manager = FakeManager(servers, 4)
+        manager.rng = random.Random(seed)
+        x = torch.randn(1, 3, HIDDEN, requires_grad=True)
+        grad = torch.randn(1, 3, HIDDEN)
+        out = RemoteSequential(manager)(x, None)
+        _matches_local_autograd(x, out, grad)
+        assert "f16" not in manager.avoided_peers() and not manager.bans.banned_peers() and not narrow.refused
+        if liar.calls:
+            used += 1
+            assert "U" in manager.avoided_peers() and servers["A"].calls.count("forward") >= 2  # (a referee too)
+    assert used  # the liar was routed through in some of the seeds
+
+
+def test_a_liar_two_spans_before_the_float16_server_is_avoided_not_the_float16_server_in_training(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A liar of 0:1 writes 1e6 into its outputs; the honest servers of 1:2 carry it on (the residual stream) to the
+    float16 server of 2:4. On main the replica of 1:2 confirmed that span's outputs (they are its function of its
+    inputs), so the float16 server was routed around and the liar's outputs went on through the float32 one
+    (outputs 1e6 off). Now the spans before are asked in turn: the replica of 0:1 disputes the liar, which is
+    avoided in the float16 server's place; outputs and gradients are local autograd's. (Seeds whose route took
+    the float32 server of 2:4 at once carry the liar's values unchecked: verification's case, not this one.)"""
+    judged: list[str] = []
+    original = range_dispute.judge_producer
+
+    async def judge(manager, span, *args):
+        judged.append(span.peer_id)
+        return await original(manager, span, *args)
+
+    monkeypatch.setattr(range_dispute, "judge_producer", judge)
+    disputed = 0
+    for seed in range(8):  # (max-throughput routing is random: the liar or the honest server of 0:1 first)
+        torch.manual_seed(0)
+        judged.clear()
+        liar, narrow = HugeForwardServer(0, 1), Float16ForwardServer(2, 4)
+        servers = {"U": liar, "A": FakeForwardServer(0, 1), "M": FakeForwardServer(1, 2)}
+        servers.update({"M2": FakeForwardServer(1, 2), "f16": narrow, "B": FakeForwardServer(2, 4)})
+        manager = FakeManager(servers, 4)
+        manager.rng = random.Random(seed)
+        x = torch.randn(1, 3, HIDDEN, requires_grad=True)
+        grad = torch.randn(1, 3, HIDDEN)
+        out = RemoteSequential(manager)(x, None)
+        if not (liar.calls and judged):  # the liar unused, or its values never met the float16 server
+            continue
+        disputed += 1
+        _matches_local_autograd(x, out, grad)
+        assert "f16" not in manager.avoided_peers() and not manager.bans.banned_peers() and not narrow.refused
+        assert "U" in manager.avoided_peers()
+    assert disputed  # some seeds' routes met the float16 server after the liar

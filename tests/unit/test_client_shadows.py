@@ -17,7 +17,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from safetensors.torch import save as save_tensors
 from tests.helpers.hostile_server import corrupt
-from tests.unit.test_client_distrust import Server
+from tests.unit.test_client_distrust import Framer, Server
 
 from benchmarks.field.catch_rate import escape_probability
 from corolla.client import background_loop
@@ -33,9 +33,10 @@ from corolla.client.session.shadows import (
     ShadowVerifier,
 )
 from corolla.client.verification.finding_check import check_finding
+from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.shadow import SHADOW_KEY
-from helpers.fake_chain import HIDDEN, FakeManager, reference
+from helpers.fake_chain import HIDDEN, FakeManager, reference, vouch
 
 
 class RareLiar(Server):
@@ -109,6 +110,7 @@ def test_a_server_lying_in_one_percent_of_its_steps_is_caught_within_1000_steps(
     liar = RareLiar(0, 2, 0.01, seed, inference_rps=1e6)  # looks fastest: every route goes through it
     servers = {"liar": liar, "A2": Server(0, 2), "A3": Server(0, 2), "B": Server(2, 4), "B2": Server(2, 4)}
     manager = FakeManager(servers, 4, verify_shadow_fraction=DEFAULT_SHADOW_FRACTION)
+    vouch(manager, "A2", "A3", "B", "B2")  # witnesses with standing (decision 0190)
     rng_seed = seed * 1000
     while not manager.bans.is_liar("liar"):
         assert liar.answers < 1000, "not caught within 1,000 of its steps"
@@ -132,6 +134,7 @@ def test_a_lying_replica_is_outvoted_and_cannot_frame_the_honest_server() -> Non
     assert not manager.findings.liars() and not manager.findings.entries()  # undecided: nothing kept
     servers["third"] = Server(0, 2)  # ... and then, with a third replica, decided
     manager.update()
+    vouch(manager, "honest", "third")  # witnesses with standing (decision 0190)
     seed = 5
     while not manager.bans.is_liar("liar"):  # outvoted as the server ("caught") or as the shadow ("referee_lied")
         assert seed < 40, "the liar was never outvoted"
@@ -142,6 +145,7 @@ def test_a_lying_replica_is_outvoted_and_cannot_frame_the_honest_server() -> Non
     # kept either way (its answers as the server or as the shadow), and another client confirms it first-hand
     assert manager.findings.liars() == ["liar"] and [e.peer_id for e in manager.findings.entries()] == ["liar"]
     receiver = FakeManager(servers, 4)
+    vouch(receiver, "honest", "third")
     kept = decode_finding(manager.findings.read("liar") or b"")
     assert background_loop.run(check_finding(receiver, kept)) == "caught" and receiver.bans.banned_peers() == {"liar"}
 
@@ -212,6 +216,7 @@ def test_beam_search_is_mirrored_with_its_reorders_and_a_server_lying_only_there
     assert shadow.state == "agreed" and shadow.positions_compared == 4 + 10 and shadow.max_error == 0.0, shadow.state
     liar = Server(0, 4, mode="garbage", after=1, inference_rps=1e6)  # looks fastest: the route goes through it
     manager = FakeManager({"liar": liar, "A2": Server(0, 4), "A3": Server(0, 4)}, 4, verify_shadow_fraction=1.0)
+    vouch(manager, "A2", "A3")  # witnesses with standing (decision 0190)
     session = _beam_search(manager)
     assert session.shadows.shadows[0].state == "caught" and manager.bans.is_liar("liar")
     assert [finding.peer_id for finding in session.shadows.findings] == ["liar"]
@@ -276,6 +281,7 @@ def test_deep_prompts_are_mirrored_and_a_server_lying_only_in_those_sessions_is_
     liar = PromptWatcher(0, 4, lie_if_prompted=True, inference_rps=1e6)  # looks fastest: the route goes through it
     servers = {"liar": liar, "A2": Server(0, 4), "A3": Server(0, 4)}
     manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    vouch(manager, "A2", "A3")  # witnesses with standing (decision 0190)
     plain = _prompted(manager, None)
     assert plain.shadows.shadows[0].span.peer_id == "liar"  # it served the plain session ...
     assert plain.shadows.shadows[0].state == "agreed" and not manager.bans.banned_peers()  # ... honestly
@@ -316,6 +322,7 @@ def test_a_shared_finding_is_reverified_first_hand() -> None:
     torch.manual_seed(7)
     servers = {"accused": Server(0, 2), "R1": Server(0, 2), "R2": Server(0, 2), "B": Server(2, 4)}
     manager = FakeManager(servers, 4)
+    vouch(manager, "R1", "R2")  # witnesses with standing (decision 0190)
     inputs = torch.randn(1, 10, HIDDEN)
     honest_out = background_loop.run(_forward(manager, "R1", inputs))
     # a fabricated finding against an honest server: refuted, nobody banned
@@ -341,6 +348,43 @@ def test_a_shared_finding_is_reverified_first_hand() -> None:
     assert sum(server.answers for server in servers.values()) == answers
     kept = decode_finding(manager.findings.read("accused") or b"")
     assert torch.equal(kept.inputs, inputs) and not torch.equal(kept.claimed, wire.claimed)  # its answer to us
+
+
+def test_a_replicas_standing_is_spent_by_a_ban_and_lost_to_an_outside_replica() -> None:
+    """Decision 0208 (0190's Left). SA, an attacker's identity with a witness's standing (it served the client
+    honestly before), and SB, SC, its fresh identities, recompute a shadowed stretch of H (honest) with the same
+    made-up outputs: SA's word and SB's outvote H 2:1 (`StretchReferees.decide`, as a shadow's replica and third).
+    Main banned H for good (and, with SC next, H3: the standing lent again and again). Now a replica outside the
+    dispute (H2, with standing first) recomputes before the ban: it sides with H, nobody is banned, SA loses its
+    standing. With no outside replica SA's word bans H once: the ban spends the standing, so SA and SC then only
+    get H3 avoided."""
+    torch.manual_seed(8)
+    inputs = torch.randn(1, 10, HIDDEN)
+
+    def decide(manager, accused: str, first: str, third: str) -> str:
+        spans = {span.peer_id: span for span in manager.spans}
+        claimed = background_loop.run(_forward(manager, accused, inputs))[:, 6:]
+        finding = Finding(accused, (0, 2), inputs, claimed, 6)
+        referees = StretchReferees(manager, rng=random.Random(0))
+        recomputed = background_loop.run(referees.recompute(spans[first], finding))
+        assert recomputed is not None
+        return background_loop.run(referees.decide(spans[accused], spans[first], recomputed, finding, [spans[third]]))
+
+    servers = {"H": Server(0, 2), "SA": Framer(0, 2), "SB": Framer(0, 2), "H2": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4)
+    vouch(manager, "SA", "H2")
+    assert decide(manager, "H", "SA", "SB") == "disputed"
+    assert not manager.bans.is_liar("H") and not manager.bans.banned_peers(), manager.bans.banned_peers()
+    assert manager.bans.agreed_in_a_row("SA") == 0 and {"H", "SA", "SB"} <= manager.avoided_peers()
+
+    servers = {"H": Server(0, 2), "SA": Framer(0, 2), "SB": Framer(0, 2), "B": Server(2, 4)}  # none outside
+    manager = FakeManager(servers, 4)
+    vouch(manager, "SA")
+    assert decide(manager, "H", "SA", "SB") == "caught" and manager.bans.agreed_in_a_row("SA") == 0
+    servers["H3"], servers["SC"] = Server(0, 2), Framer(0, 2)
+    manager.update()
+    assert decide(manager, "H3", "SA", "SC") == "disputed"
+    assert manager.bans.is_liar("H") and not manager.bans.is_liar("H3") and "H3" in manager.avoided_peers()
 
 
 def test_hostile_finding_bytes_are_value_errors() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from corolla.cli.run_server import build_parser, parse_config
-from corolla.server.config import ServerConfig, handler_poll_s
+from corolla.server.config import ServerConfig, busy_poll_s
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 
 # (flag, expected default as the parser stores it) for every reference run_server flag (section 2)
@@ -148,7 +148,7 @@ def test_server_config_rejects_bad_values_directly():
     assert ServerConfig(model_name_or_path="m", block_indices="1:2").block_indices == (1, 2)
 
 
-def test_handler_processes_poll_for_busy_poll_ms_on_a_gpu_server_and_never_on_a_cpu_one() -> None:
-    assert handler_poll_s(ServerConfig("m").busy_poll_ms, "cuda") == pytest.approx(0.005)
-    assert handler_poll_s(ServerConfig("m", busy_poll_ms=0).busy_poll_ms, "cuda") == 0.0
-    assert handler_poll_s(5.0, "cpu") == 0.0
+def test_a_gpu_server_polls_for_busy_poll_ms_and_a_cpu_one_never() -> None:
+    assert busy_poll_s(ServerConfig("m").busy_poll_ms, "cuda") == pytest.approx(0.005)
+    assert busy_poll_s(ServerConfig("m", busy_poll_ms=0).busy_poll_ms, "cuda") == 0.0
+    assert busy_poll_s(5.0, "cpu") == 0.0

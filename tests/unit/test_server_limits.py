@@ -372,3 +372,19 @@ def test_limit_flags_reach_the_server_config() -> None:
     assert parse_config(["model", "--new_swarm"]).peer_limits == PeerLimits()
     with pytest.raises(ValueError, match="max_kv_fraction_per_peer"):
         PeerLimits(max_kv_fraction_per_peer=0)
+
+
+def test_stream_budget_keeps_a_message_of_its_total_for_peers_within_their_share() -> None:
+    """Decision 0187, the one front's count (`--num_handlers` 1): a peer holding most of the total is refused a
+    message's bytes below it, so another peer's message is taken (main refused it as a full server)."""
+    budget = StreamBudget(
+        PeerLimits(max_stream_message_bytes=10, max_stream_bytes_per_peer=40, max_stream_bytes_total=40)
+    )
+    budget.charge("a", 10)
+    budget.charge("a", 10)
+    budget.charge("a", 10)
+    with pytest.raises(ServerLimitExceeded, match="less 10 bytes kept for peers within their share") as full:
+        budget.charge("a", 10)
+    assert full.value.reason == "stream_bytes_full"
+    budget.charge("b", 10)
+    assert budget.total_bytes == 40 and budget.per_peer == {"a": 30, "b": 10}

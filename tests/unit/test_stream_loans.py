@@ -7,50 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable
 
 import pytest
 
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
 from corolla.server.core.stream_loans import LoanPending, StreamLoans
-from corolla.server.front.lent_stream_budget import LentLease, LentStreamBudget
+from corolla.server.front.lent_stream_budget import LentStreamBudget
+from helpers.lent_streams import Core, charged
 
-LIMITS = PeerLimits(max_stream_message_bytes=600, max_stream_bytes_per_peer=1000, max_stream_bytes_total=1500)
-
-
-class Core:
-    """The core's side of one handler process's channel (as `device_channel` lends and recalls), counting its
-    calls."""
-
-    def __init__(self, loans: StreamLoans):
-        self.loans, self.calls = loans, 0
-        self.give_back: Callable[[str, int, int], None] | None = None
-
-    async def borrow_stream(self, peer: str, nbytes: int) -> None:
-        self.calls += 1
-        await asyncio.sleep(0)  # (a round trip)
-        await self.loans.lend(self, peer, nbytes)
-
-    def repay_stream(self, peer: str, nbytes: int) -> None:
-        self.loans.repay(self, peer, nbytes)
-
-    def answer_recalls(self, give_back: Callable[[str, int, int], None]) -> None:
-        self.give_back = give_back
-
-    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
-        await asyncio.sleep(0)  # (the note there, the answer back)
-        assert self.give_back is not None
-        self.give_back(peer, peer_bytes, any_bytes)
-
-
-async def charged(lease: LentLease, nbytes: int) -> None:
-    """Charges as a stream does: the frame taken again once a pending loan is answered."""
-    while True:
-        try:
-            lease.charge(nbytes)
-            return
-        except LoanPending as pending:
-            await asyncio.wait((pending.future,))
+# a lone peer meets its own cap before the total's reserve (a message, decision 0187), as with the defaults
+LIMITS = PeerLimits(max_stream_message_bytes=600, max_stream_bytes_per_peer=1000, max_stream_bytes_total=1600)
 
 
 def test_two_processes_hold_one_peer_to_one_cap_and_the_server_to_one_total():
@@ -63,7 +29,7 @@ def test_two_processes_hold_one_peer_to_one_cap_and_the_server_to_one_total():
         assert refused.value.reason == "peer_stream_bytes"
         await charged(two.lease("b"), 600)
         with pytest.raises(ServerLimitExceeded, match="max_stream_bytes_total") as full:
-            await charged(one.lease("c"), 400)
+            await charged(one.lease("c"), 500)
         assert full.value.reason == "stream_bytes_full"
         assert loans.total_bytes == 1200 and one.total_bytes + two.total_bytes == 1200
         with pytest.raises(PeerLimitExceeded, match="max_stream_message_bytes"):
@@ -110,11 +76,11 @@ def test_a_loan_idle_in_one_process_is_recalled_before_another_process_is_refuse
         assert one.lent == {"a": 400} and two.lent == {"a": 600} and loans.per_peer == {"a": 1000}
         idle = two.lease("b")
         await charged(idle, 500)
-        idle.close()  # b's 500 idle in two: 1500 of 1500 lent, 600 held
-        await charged(one.lease("c"), 300)  # the total would refuse this without the recall
+        idle.close()  # b's 500 idle in two: 1500 of 1600 lent, 600 held
+        await charged(one.lease("c"), 400)  # the total would refuse this without the recall
         # each process was asked for the shortfall (300) and gave it from its idle loans, a's in one, b's in two
-        assert one.lent == {"a": 100, "c": 300} and two.lent == {"a": 600, "b": 200}
-        assert loans.total_bytes == 1200 and loans.num_recalls == 2
+        assert one.lent == {"a": 100, "c": 400} and two.lent == {"a": 600, "b": 200}
+        assert loans.total_bytes == 1300 and loans.num_recalls == 2
 
     asyncio.run(go())
 
@@ -132,7 +98,7 @@ def test_a_server_at_its_caps_still_refuses_after_the_recall_with_the_same_reaso
         assert refused.value.reason == "peer_stream_bytes" and loans.num_recalls == 1
         await charged(one.lease("b"), 600)
         with pytest.raises(ServerLimitExceeded, match="max_stream_bytes_total") as full:
-            await charged(two.lease("c"), 400)
+            await charged(two.lease("c"), 500)
         assert full.value.reason == "stream_bytes_full" and loans.num_recalls == 2
         assert one.lent == {"a": 600, "b": 600} and loans.total_bytes == 1200
         one.borrowing["a"] = 1  # (a borrow of a's in flight there)
@@ -164,3 +130,49 @@ def test_a_refused_loan_of_a_stream_that_ended_is_not_logged_as_a_lost_error():
         return lost
 
     assert asyncio.run(ended()) == []
+
+
+# one peer alone may fill the total: its cap is the server's (as a server whose per-peer cap is its total)
+WIDE = PeerLimits(max_stream_message_bytes=600, max_stream_bytes_per_peer=1500, max_stream_bytes_total=1500)
+
+
+@pytest.mark.parametrize("streams_ended", [False, True])
+def test_a_peer_within_its_share_borrows_without_a_recall_while_another_presses_the_total(streams_ended):
+    """Decision 0187. A peer pressing the total (its streams held, or ended with their loans idle in another
+    process) made every other peer's loan recall first (a round trip to each handler process) and, its bytes held,
+    be refused after it: on main an honest 300-byte message after 3 x 500 of the presser's was refused after a recall
+    (held) or lent after one (idle). Now the top message (600) of the total is kept for peers within their share: the
+    presser is refused at 900 (the reason unchanged), and the honest message is lent with its one call."""
+
+    async def go() -> None:
+        loans = StreamLoans(WIDE)
+        one, two = (LentStreamBudget(WIDE, core := Core(loans)) for _ in range(2))
+        presses = [one.lease("p") for _ in range(3)]
+        await charged(presses[0], 500)
+        await charged(presses[1], 400)
+        with pytest.raises(ServerLimitExceeded, match="less 600 bytes kept for peers within their share") as full:
+            await charged(presses[2], 500)  # main took it: 1400 of 1500
+        assert full.value.reason == "stream_bytes_full"
+        if streams_ended:
+            for press in presses:
+                press.close()  # its loans idle in one until its rebalance
+        recalls = loans.num_recalls
+        honest = two.lease("h")
+        await charged(honest, 300)
+        assert loans.num_recalls == recalls and core.calls == 1  # its borrow, nothing else
+        assert loans.per_peer["h"] == 300 and loans.total_bytes == 1200
+
+    asyncio.run(go())
+
+
+def test_a_lone_peer_keeps_the_reserve_and_peers_within_their_share_may_fill_it():
+    """The reserve is kept from whoever is past its share (a lone peer: half the total), not from peers within it:
+    two peers of 750 fill the total, a third then is refused as a full server (no reserve named)."""
+    loans = StreamLoans(WIDE)
+    loans.take("a", 900)  # up to the reserve: anyone
+    with pytest.raises(ServerLimitExceeded, match="less 600 bytes kept"):
+        loans.take("a", 1)  # past its share of 750, in the reserve
+    loans.take("b", 600)  # within its share (750 of 2 peers)
+    with pytest.raises(ServerLimitExceeded, match=r"max_stream_bytes_total=1500; retry later"):
+        loans.take("c", 1)
+    assert loans.total_bytes == 1500

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
+from corolla.cli.witness_flags import add_witness_flags
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.routing.findings import MAX_FINDING_BYTES, Finding, decode_finding
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--request_timeout_s", type=float, default=60.0, help="wait for one server response")
     parser.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, help="the longest the check may take")
+    add_witness_flags(parser)
     add_common_flags(parser, swarm=True, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
 
@@ -59,6 +61,7 @@ def _main(argv: list[str] | None = None) -> int:
     config = ClientConfig(
         initial_peers=tuple(args.initial_peers), dht_prefix=prefix, swarm_key_file=args.swarm_key_file,
         findings_dir=args.findings_dir, request_timeout_s=args.request_timeout_s,
+        witness_standing_steps=args.witness_standing_steps,
     )  # fmt: skip
     manager = RemoteSequenceManager(config, [make_uid(prefix, i) for i in range(model_config.num_hidden_layers)])
     try:

@@ -16,6 +16,7 @@ import torch
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.cli.text_streamer import TextStreamer
+from corolla.cli.witness_flags import add_witness_flags
 from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="mirror this fraction of sessions to a replica in the background and ban servers outvoted 2:1 "
         "(0.75 catches a server lying in 1%% of its steps within 1,000 of them)",
     )
+    add_witness_flags(parser)
     parser.add_argument(
         "--findings_dir",
         default=None,
@@ -114,7 +116,7 @@ def _main(argv: list[str] | None = None) -> int:
         request_timeout_s=args.request_timeout_s, max_retries=args.max_retries, swarm_key_file=args.swarm_key_file,
         max_wait_s=args.max_wait_s if args.max_wait_s > 0 else None, verify_fraction=args.verify_fraction,
         server_forwarding=args.server_forwarding, verify_shadow_fraction=args.verify_shadow_fraction,
-        findings_dir=args.findings_dir,
+        findings_dir=args.findings_dir, witness_standing_steps=args.witness_standing_steps,
     )  # fmt: skip
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     sampling: dict = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}

@@ -78,6 +78,11 @@ class ClientConfig:
     # background, and ban a server outvoted 2:1 for good (`client.session.shadows`: 0.75 catches a server lying in 1%
     # of its steps with >= 99% probability within 1,000 of its steps); 0 = off
     verify_shadow_fraction: float = 0.0
+    # verified outputs in a row, agreeing with another server, that one of two agreeing servers needs before their
+    # word against a third bans it for good (`client.verification.witnesses`, decision 0190: peer ids cost nothing, and
+    # two fresh identities of one attacker agree at will); short of it the third is avoided and the two are watched.
+    # 0: any two servers that agree ban a third (only where identities are not free: known members, a test swarm)
+    witness_standing_steps: int = 8
     # where the findings of servers this client caught lying are kept for its user to share, and the peer ids it
     # caught, banned again by a client given the same directory (`client.routing.finding_store`); None = memory
     findings_dir: str | None = None
@@ -97,6 +102,7 @@ class ClientConfig:
             "daemon_startup_timeout_s", "connect_timeout_s", "request_timeout_s", "liveness_check_period_s",
             "dht_timeout_s", "update_period_s", "min_backoff_s", "max_backoff_s", "ban_timeout_s", "ping_timeout_s",
             "alloc_timeout_s", "busy_poll_ms", "max_pinged", "findings_max_count", "findings_max_bytes",
+            "witness_standing_steps",
         ):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")

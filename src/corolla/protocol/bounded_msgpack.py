@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 from hivemind.utils.serializer import MSGPackSerializer
@@ -212,7 +212,8 @@ def small_map(data: bytes, limits: MsgpackLimits = METADATA_LIMITS) -> dict[str,
     return value
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
+    """A decoded int or float (msgpack's bools are ints to Python, and no number): every reader's check of one."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -232,7 +233,7 @@ def _dictionary_dht_value(payload: bytes, budget: _Budget, reentries_left: int) 
             raise MsgpackLimitError("DictionaryDHTValue (0x50) must be [maxsize, latest_expiration_time, items]")
         fields = _decode(_next_object_bytes(unpacker, payload, 2), budget, reentries_left)
         num_items = unpacker.read_array_header()
-        if not isinstance(fields, list) or not all(_is_number(field) for field in fields):
+        if not isinstance(fields, list) or not all(is_number(field) for field in fields):
             raise MsgpackLimitError("DictionaryDHTValue (0x50) fields have wrong types")
         maxsize, latest_expiration_time = fields
         skipped = 0
@@ -242,7 +243,7 @@ def _dictionary_dht_value(payload: bytes, budget: _Budget, reentries_left: int) 
                 try:  # re-entries keep shrinking (a subkey may hold a dictionary ext): the C stack stays bounded
                     depth = min(reentries_left, DICTIONARY_ENTRY_LIMITS.max_depth + 1)
                     item = _decode(entry, _Budget(DICTIONARY_ENTRY_LIMITS), depth, top=True)
-                    if not isinstance(item, list) or len(item) != 3 or not _is_number(item[2]):
+                    if not isinstance(item, list) or len(item) != 3 or not is_number(item[2]):
                         raise MsgpackLimitError("items must be [subkey, value, expiration_time]")
                     key, item_value, expiration_time = item
                     if not isinstance(key, str):  # the subkeys Petals and corolla write (peer ids, prefixes, keys);

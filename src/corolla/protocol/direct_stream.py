@@ -1,32 +1,16 @@
 """The direct inference stream: `rpc_inference` between a corolla client and a corolla server over a plain TCP
 connection to the server's direct port, instead of through the two p2pd daemons (each costs a hop and a wake-up per
-message; measured on an H100, 64 sessions through the server reach ~1.35x the p2p aggregate without them).
+message: decision 0006). The handshake and frames are docs/contracts.md's (`direct_stream`).
 
-Trust comes from p2p, which authenticates both peers: the client first asks the server for a ticket over p2p
-(`rpc_direct_ticket`, answered only to the libp2p-authenticated caller). The ticket is a token (the caller's peer
-id, an expiry, a nonce, and a MAC under a secret only the server holds, so the server needs no table of tickets and
-every handler process can check any of them) and a ticket key (a MAC of the token under that secret, which only
-the caller and the server know: it never crosses the TCP link). On the TCP connection (version 2):
-
-    client -> server: HELLO (plain frame, `DirectHello`: version, rpc, the server's peer id, token, client nonce)
-    server -> client: ACCEPT (plain: a fresh server nonce and the server's 16-byte proof of the ticket key)
-                      or ERROR (plain text: a ticket that is forged, expired or not for this server)
-    client -> server: HELLO (plain: the client's 16-byte proof of the ticket key)
-    server -> client: ACCEPT (plain, empty) or ERROR (a wrong proof, the peer past its connection share)
-    then both ways:   sealed frames (MESSAGE, END, ERROR as on the same-host socket, `local_stream`)
-
-Both proofs and both directions' keys are MACs under the ticket key of the transcript (the hello's bytes, which hold
-the client nonce, the rpc, the server's peer id and the token, and the server nonce), under labels of their own. The
-token travels in the clear, so anyone on the path can resend a recorded hello: it meets a fresh server nonce and
-cannot answer it, and the server takes none of the ticket's peer's connection share before the client's proof
-checks (version 1 took it at the hello: a replayed hello held one of the victim's slots until the step timeout). A
-recorded connection replayed whole fails the same way. A sealed frame is the same 5-byte header (kind, length of what
-follows) and AES-GCM of the payload under that direction's key, with the frame's counter as nonce and the header as
-associated data: a frame that was changed, dropped, repeated or reordered fails to open, and the stream ends. The
-server knows the stream's peer as the one the ticket names; per-peer limits apply to it as on p2p. Stock Petals peers
-never see any of this: a server without the RPC makes the client keep to p2p, and so does an offer or a hello of
-another version (a version-1 client refuses a version-2 offer and keeps to p2p; its hello would get an ERROR).
-"""
+Trust comes from p2p, which authenticates both peers: the client first asks for a ticket over p2p
+(`rpc_direct_ticket`). The token is MACed under a secret only the server holds, so the server keeps no table of
+tickets and every handler process can check any of them; the ticket key (a MAC of the token) never crosses the TCP
+link. Both proofs and both directions' keys are MACs under the ticket key of the transcript, so a hello recorded and
+resent meets a fresh server nonce it cannot answer, and the server takes none of the ticket peer's connection share
+before the client's proof checks (version 1 took it at the hello: a replayed hello held one of the victim's slots).
+Sealed frames are AES-GCM with the frame counter as nonce and the header as associated data: a frame changed,
+dropped, repeated or reordered fails to open, and the stream ends. Stock Petals peers never see any of this; a peer
+of another version keeps to p2p."""
 
 from __future__ import annotations
 

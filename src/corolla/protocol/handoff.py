@@ -21,6 +21,7 @@ from typing import Any
 
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol.bounded_msgpack import is_number
 from corolla.protocol.codecs import STREAM_CHUNK_BYTES, split_for_streaming
 from corolla.protocol.metadata import encode_metadata
 
@@ -50,7 +51,7 @@ class DrainNotice:
         if not isinstance(value, Mapping):
             raise ValueError(f"{DRAINING_KEY} must be a map, got {type(value).__name__}")
         deadline = value.get("deadline_s")
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+        if not is_number(deadline) or not math.isfinite(deadline):
             raise ValueError(f"{DRAINING_KEY}['deadline_s'] must be a finite number, got {deadline!r:.100}")
         return cls(max(0.0, float(deadline)))
 

@@ -1,23 +1,12 @@
 """The same-host inference stream: `rpc_inference` between a corolla client and a corolla server on one machine over
 a unix socket instead of through two p2pd daemons (which cost ~1 ms per step on loopback, most of it waking idle
-threads of the two Go daemons).
+threads of the two Go daemons). Frames, socket paths and load files are docs/contracts.md's (`local_stream`).
 
 Messages are the same `ExpertRequest` / `ExpertResponse` protobufs as on the p2p stream, so the handler cannot tell
-the transports apart; only framing differs. Each frame is a 5-byte header (kind: u8, payload length: u32 big
-endian) and the payload:
-
-    client -> server: HELLO {"version", "rpc", "peer_id"} (JSON); then MESSAGE* (ExpertRequest); END
-    server -> client: ACCEPT (empty) or ERROR; then MESSAGE* (ExpertResponse); END, or ERROR (utf-8 text)
-
-Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server peer id>.<i>.sock` for handler
-process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client process takes them
-in turn from a random start, `client.transport.local_transport.SocketTurns`, as p2pd deals streams round-robin, and of its
-first two candidates takes the one whose handler process serves fewer connections, as it says in a load file beside
-its socket, `<socket>.load`: `StreamLoad`, `read_load`), the socket
-dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir
-owned by its own uid and closed to group and others, so only a process of the same user (who could read the
-server's memory anyway) can have put it there; anyone else keeps to p2p. Nothing here ever leaves the machine.
-"""
+the transports apart; only framing differs. With handler processes each serves its own socket, and a client takes
+them in turn as p2pd deals streams round-robin, of its first two the one whose load file names fewer connections.
+A client only uses a socket in a dir owned by its own uid and closed to group and others, so only a process of the
+same user (who could read the server's memory anyway) can have put it there; anyone else keeps to p2p."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol import bounded_msgpack
-from corolla.protocol.bounded_msgpack import METADATA_LIMITS
+from corolla.protocol.bounded_msgpack import METADATA_LIMITS, is_number
 
 TUPLE_EXT_TYPE = bounded_msgpack.TUPLE_EXT_TYPE
 MAX_METADATA_BYTES = METADATA_LIMITS.max_bytes  # metadata is a handful of keys; anything bigger is a bad request
@@ -55,10 +55,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _get_str(source: Mapping[str, Any], key: str, default: str | None) -> str | None:
     value = source.get(key, default)
     if value is not None and not isinstance(value, str):
@@ -88,7 +84,7 @@ def _get_finite(source: Mapping[str, Any], key: str, minimum: float = -math.inf)
     value = source.get(key)
     if value is None:
         return 0.0
-    if not _is_number(value) or not math.isfinite(value) or value < minimum:
+    if not is_number(value) or not math.isfinite(value) or value < minimum:
         at_least = "" if minimum == -math.inf else f" >= {minimum:g}"
         raise ValueError(f"metadata[{key!r}] must be a finite number{at_least}, got {value!r:.100}")
     return float(value)

@@ -1,7 +1,7 @@
 """hivemind's framing of a protobuf stream between a peer and its p2pd, which stock Petals peers read and write:
 a marker byte (0: a message follows, 1: an `RPCError` follows; an empty one ends the caller's input), the body's
-length as 8 bytes big-endian, the body. Corolla's client (`client.transport.p2p_stream`) and server (`server.stream_guard`)
-write each frame as one buffer where hivemind's `P2P.send_protobuf` makes three writes."""
+length as 8 bytes big-endian, the body. Corolla's client (`client.transport.p2p_stream`) and server
+(`server.front.stream_guard`) write each frame as one buffer where hivemind's `P2P.send_protobuf` makes three writes."""
 
 from __future__ import annotations
 

@@ -141,9 +141,10 @@ class ServerConfig:
     # of announce_maddrs, else to the IP of host_maddrs (which must then not be a wildcard)
     direct_port: int | None = None
     direct_host: str | None = None
-    # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
-    # idle core's wake-up per token on a GPU server; burns one core meanwhile); with `num_handlers` > 1, each handler
-    # process of a GPU server polls this long after every message it handles; 0 = never poll
+    # on a GPU server, after a lone session's step ran inline, poll for its next request this long instead of
+    # sleeping (saves an idle core's wake-up per token; burns one core meanwhile); with `num_handlers` > 1, each
+    # handler process polls this long after every message it handles; 0 = never poll. A CPU server never polls
+    # (`busy_poll_s`: the cores are the span's)
     busy_poll_ms: float = 5.0
     # on SIGTERM or before a rebalance: announce OFFLINE, take no new sessions and wait this long for open ones to
     # move away (their clients carry the KV cache to another server); then end the rest as before. 0 = no wait
@@ -160,7 +161,8 @@ class ServerConfig:
     increase_file_limit: int = 4096
     stats_report_interval_s: float | None = None
     # 1: this process's asyncio loop serves every RPC (beside the device thread); N > 1: N handler processes own
-    # the p2p streams and feed this one (server.handler_pool); the reference's 8 would be 8 idle interpreters here
+    # the p2p streams and feed this one (server.handlers.handler_pool); the reference's 8 would be 8 idle
+    # interpreters here
     num_handlers: int = 1
     prefetch_batches: int = 1  # accepted, no effect (`ignored_flags`)
     sender_threads: int = 1  # accepted, no effect
@@ -318,9 +320,11 @@ MAX_NUM_HANDLERS = 64
 IGNORED_FLAG_DEFAULTS: dict[str, int] = {"prefetch_batches": 1, "sender_threads": 1, "min_batch_size_tokens": 1}
 
 
-def handler_poll_s(busy_poll_ms: float, device_type: str) -> float:
-    """How long a handler process (`num_handlers` > 1) polls after each message: `busy_poll_ms` on a GPU server,
-    never on a CPU one (polling would take the cores the span computes on)."""
+def busy_poll_s(busy_poll_ms: float, device_type: str) -> float:
+    """How long the serving loop polls after a lone session's inline step, and a handler process (`num_handlers` >
+    1) after each message: `busy_poll_ms` on a GPU server, never on a CPU one. Polling saves an idle core's wake-up
+    while a GPU computes; on a CPU server it takes the cores the span (and, on one machine, its other servers and
+    clients) compute on, and a lone session's step gains nothing (docs/decisions/0177)."""
     return busy_poll_ms / 1000 if device_type == "cuda" else 0.0
 
 

@@ -26,7 +26,7 @@ from corolla.server import startup_checks
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.block_loading import fetch_span_blocks, load_span_blocks
-from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
+from corolla.server.config import ServerConfig, busy_poll_s, ignored_flags
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
@@ -383,13 +383,14 @@ class Server:
                 hidden_size=s.hidden_size, dtype=s.dtype, inference_max_length_tokens=s.inference_max_length_tokens,
                 max_batch_size_tokens=s.max_batch_size_tokens, adapters=tuple(c.adapters),
             )  # fmt: skip
+            poll_s = busy_poll_s(c.busy_poll_ms, s.device.type)  # 0 on a CPU server
             service = SpanService(
                 executor=executor, limits=limits, timeouts=self.timeouts, compression=self.compression,
                 dht_client_mode=self.using_relay, metrics=self.metrics, local_socket=c.local_socket,
-                busy_poll=self.selector if c.busy_poll_ms > 0 else None, busy_poll_s=c.busy_poll_ms / 1000,
+                busy_poll=self.selector if poll_s > 0 else None, busy_poll_s=poll_s,
                 num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
                 direct=c.resolved_direct(),
-                handler_poll_s=handler_poll_s(c.busy_poll_ms, s.device.type),
+                handler_poll_s=poll_s,
                 kv_handoff=c.kv_handoff, prefix_cache_shared=c.prefix_cache_shared,
             )  # fmt: skip
             service.configure_limits(c.peer_limits)

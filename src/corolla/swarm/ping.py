@@ -1,5 +1,6 @@
 """Round-trip times to other peers through the DHT's `rpc_ping` (every Petals peer serves it), and an EMA of them
-per peer (`PingAggregator`, alpha 0.2, forgotten after 300 s) that servers announce as `next_pings`."""
+per peer (`PingAggregator`, alpha 0.2, forgotten after 300 s, at most `peer_tables.PEERS_KEPT_MAX` peers) that servers
+announce as `next_pings`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -17,6 +18,7 @@ from hivemind.proto import dht_pb2
 
 from corolla.swarm.dht import run_in_dht
 from corolla.utils.logging import get_logger
+from corolla.utils.peer_tables import remember
 
 logger = get_logger(__name__)
 
@@ -74,14 +76,24 @@ async def ping_from_dht(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], t
 
 class PingAggregator:
     """Smoothed RTTs per peer: `new = alpha * rtt + (1 - alpha) * old` (a fresh value replaces `inf`); entries not
-    refreshed for `expiration_s` are forgotten. Thread-safe; `ping()` runs the pings inside the DHT process."""
+    refreshed for `expiration_s` are forgotten, and past `peer_tables.PEERS_KEPT_MAX` peers those of least
+    `worth(peer_id, rtt_s)` (default: the unreachable first), the least recently updated first among equals: made-up
+    records name any number of peers. Thread-safe; `ping()` runs the pings inside the DHT process."""
 
-    def __init__(self, dht: hivemind.DHT | None = None, *, ema_alpha: float = 0.2, expiration_s: float = 300.0):
+    def __init__(
+        self,
+        dht: hivemind.DHT | None = None,
+        *,
+        ema_alpha: float = 0.2,
+        expiration_s: float = 300.0,
+        worth: Callable[[str, float], float] | None = None,
+    ):
         if not 0 < ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {ema_alpha}")
         self.dht = dht
         self.ema_alpha = ema_alpha
         self.expiration_s = expiration_s
+        self._worth = worth or _reachable
         self._rtts: dict[str, tuple[float, float]] = {}  # peer -> (smoothed rtt s, monotonic time of last update)
         self._lock = threading.Lock()
 
@@ -93,7 +105,16 @@ class PingAggregator:
                 smoothed = rtt_s
             else:  # an `inf` rtt (failed ping) makes the peer `inf` until it answers again
                 smoothed = self.ema_alpha * rtt_s + (1 - self.ema_alpha) * previous
-            self._rtts[peer_id] = (smoothed, now)
+            remember(self._rtts, peer_id, (smoothed, now), worth=self._entry_worth)
+
+    def _entry_worth(self, peer_id: str, entry: tuple[float, float]) -> float:
+        return self._worth(peer_id, entry[0])
+
+    def measured(self, peer_id: str, *, now: float | None = None) -> bool:
+        """Whether `peer_id` has an RTT (`to_dict` has it), without copying the table."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._get_fresh(peer_id, now) is not None
 
     def _get_fresh(self, peer_id: str, now: float) -> float | None:
         entry = self._rtts.get(peer_id)
@@ -121,3 +142,8 @@ class PingAggregator:
             for peer_id in list(self._rtts):
                 self._get_fresh(peer_id, now)
             return {peer_id: rtt for peer_id, (rtt, _) in self._rtts.items()}
+
+
+def _reachable(_peer_id: str, rtt_s: float) -> float:
+    """An RTT's default worth: a peer that answered over one that did not."""
+    return 0.0 if math.isinf(rtt_s) else 1.0

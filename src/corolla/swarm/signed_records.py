@@ -20,7 +20,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol.bounded_msgpack import MsgpackLimits
+from corolla.protocol.bounded_msgpack import MsgpackLimits, is_number
 from corolla.protocol.bounded_msgpack import loads as bounded_loads
 from corolla.protocol.records import MAX_EXPIRATION_AHEAD_S, ModelInfo, RemoteModuleInfo, ServerInfo
 from corolla.protocol.uids import parse_uid, validate_dht_prefix
@@ -163,7 +163,7 @@ def verify_signed_entry(key_id: bytes, subkey: Any, value: Any, expiration_time:
     version, payload, public_key, signature = value
     if version != RECORD_VERSION or not all(isinstance(x, bytes) for x in (payload, public_key, signature)):
         raise SignedRecordError(f"signed record must be version {RECORD_VERSION} with three bytes fields")
-    if isinstance(expiration_time, bool) or not isinstance(expiration_time, (int, float)):
+    if not is_number(expiration_time):
         raise SignedRecordError("signed record expiration time must be a number")
     cache_key = (key_id, subkey, payload, public_key, signature, float(expiration_time))
     outcome = VERIFY_CACHE.get(cache_key)

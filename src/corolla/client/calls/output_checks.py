@@ -42,6 +42,15 @@ class BadServerOutput(ConnectionError):
         super().__init__(f"server ...{peer_id[-6:]}: {message}")
 
 
+class OutputsDisputed(BadServerOutput):
+    """Two servers that agree with each other outvoted this server's outputs, but neither has the standing a witness
+    needs (`client.verification.witnesses`, decision 0190: they may be one attacker's free identities): its outputs
+    are not used (`taints_history`), it is avoided for a while, not banned."""
+
+    def __init__(self, peer_id: str, message: str):
+        super().__init__(peer_id, message, taints_history=True)
+
+
 class InputsOutOfRange(ConnectionError):
     """A span's inputs (the previous span's outputs, legal in the client's dtype, or the client's own) hold values
     beyond the finite range of the dtype the span's server announces (float16: +-65504), which it would refuse, and

@@ -6,14 +6,15 @@ is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read ag
 since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
 while, re-reads the records and re-routes at once (`swarm.cache_refusals`). Nor is one that answered pings but ran too slow to keep a session: the
 span session has set it aside (`ServerTooSlow`), and the call re-routes at once. Nor one whose announced dtype cannot
-hold the span's inputs (`InputsOutOfRange`: nothing was sent to it): it is avoided for `RANGE_AVOID_S`."""
+hold the span's inputs (`InputsOutOfRange`: nothing was sent to it): it is avoided for `RANGE_AVOID_S`. Nor one whose
+outputs two servers short of a witness's standing outvoted (`OutputsDisputed`: avoided already, decision 0190)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange
+from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange, OutputsDisputed
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.swarm.route_planning import covers, find_missing_blocks
@@ -113,7 +114,8 @@ class RetryBudget:
         # inputs its dtype cannot hold were not sent to it: routed around where another server holds its blocks
         out_of_range = isinstance(error, InputsOutOfRange)
         routed_around = out_of_range and peer_id is not None and self.manager.avoid(peer_id, RANGE_AVOID_S)
-        unblamed = too_slow or out_of_range or isinstance(error, PushedReplyRejected)  # (the push's fault, maybe)
+        # (the push's fault, maybe; or outputs outvoted by witnesses short of standing: avoided already, 0190)
+        unblamed = too_slow or out_of_range or isinstance(error, (PushedReplyRejected, OutputsDisputed))
         banned = refused or unblamed or blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s

@@ -40,12 +40,21 @@ def chain_step_s(route: Sequence[RemoteSpanInfo]) -> float:
     return sum(_token_block_s(span) for span in route)
 
 
-def fastest_step_s(view: Sequence[RemoteSpanInfo], start: int, end: int) -> float:
-    """A lower bound of any chain's decode step over blocks `[start, end)`: the fastest server of each block."""
+def fastest_step_s(view: Sequence[RemoteSpanInfo], route: Sequence[RemoteSpanInfo], start: int, end: int) -> float:
+    """A lower bound of any chain's decode step over blocks `[start, end)` (which `route` covers): per block, the
+    fastest server that announces its speed, or `route`'s own server if none is faster. A server that announces no
+    speed (one that has served no step yet: servers announce measured rates only) is no evidence that the chain
+    holding the prefix is slow, so it does not count: at the default figure a newcomer would look faster than a
+    measured server on a busy host and win the session, cache or not."""
     total = 0.0
     for block in range(start, end):
-        times = [_token_block_s(s) / s.length for s in view if s.start <= block < s.end]
-        total += min(times, default=0.0)
+        own = next(_token_block_s(s) / s.length for s in route if s.start <= block < s.end)
+        times = [
+            _token_block_s(s) / s.length
+            for s in view
+            if s.start <= block < s.end and s.server_info.inference_rps is not None and s.server_info.inference_rps > 0
+        ]
+        total += min([own, *times])
     return total
 
 
@@ -108,7 +117,7 @@ class PrefixRoutes:
             return None
         step_s = chain_step_s(route)
         saved_s = cached_tokens * step_s / PREFILL_SPEEDUP
-        lost_s = (step_s - fastest_step_s(view, start, end)) * new_tokens
+        lost_s = (step_s - fastest_step_s(view, route, start, end)) * new_tokens
         if lost_s > saved_s:
             logger.debug("prefix_routes.slower(saved_s=%.3f, lost_s=%.3f)", saved_s, lost_s)
             return None

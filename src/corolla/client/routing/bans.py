@@ -1,7 +1,10 @@
 """Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success;
 servers caught lying (outvoted 2:1 by `client.verification.stretches` or `client.verification.step_verifier`) are banned for the client's
 lifetime. Also each server's record of verified steps in a row that agreed with other servers (`agreed_in_a_row`):
-what lets `client.verification.step_verifier` trust a server when it is the only one left to answer."""
+what lets `client.verification.step_verifier` trust a server when it is the only one left to answer. Both tables are
+kept within `peer_tables.PEERS_KEPT_MAX` peers (decision 0211): past it, the bans ending soonest (those over first) and
+the shortest records of agreement go; the liars are never forgotten (each cost its identity a step caught lying
+against a witness with standing, where a ban record costs a failed request)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from corolla.utils.peer_tables import remember, worth_itself
 
 
 @dataclass
@@ -25,13 +30,17 @@ class BanList:
         self.base_timeout_s, self.backoff_rate, self._clock = base_timeout_s, backoff_rate, clock
         self._records: dict[str, _BanRecord] = {}
         self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
-        self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server
+        self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server (none: not kept)
         self._lock = threading.Lock()
 
     def record_verified(self, peer_id: str, *, agreed: bool) -> None:
         """One verified output of `peer_id`: it agreed with another server, or not (then its record starts over)."""
         with self._lock:
-            self._agreed[peer_id] = self._agreed.get(peer_id, 0) + 1 if agreed else 0
+            if agreed:
+                # (a record is worth its length: the longest are the witnesses' standing)
+                remember(self._agreed, peer_id, self._agreed.get(peer_id, 0) + 1, worth=worth_itself)
+            else:
+                self._agreed.pop(peer_id, None)
 
     def agreed_in_a_row(self, peer_id: str) -> int:
         with self._lock:
@@ -55,7 +64,8 @@ class BanList:
                 return 0.0
             num_bans = record.num_bans if record is not None else 0
             duration_s = self.base_timeout_s * self.backoff_rate**num_bans
-            self._records[peer_id] = _BanRecord(banned_until_s=now + duration_s, num_bans=num_bans + 1)
+            record = _BanRecord(banned_until_s=now + duration_s, num_bans=num_bans + 1)
+            remember(self._records, peer_id, record, worth=_ban_end)
             return duration_s
 
     def clear(self, peer_id: str) -> None:
@@ -72,3 +82,8 @@ class BanList:
         with self._lock:
             now = self._clock()
             return {peer for peer, record in self._records.items() if record.banned_until_s > now} | self._liars
+
+
+def _ban_end(_peer_id: str, record: _BanRecord) -> float:
+    """A ban is worth its end: one over only keeps its back-off count, a longer one keeps a failing server out."""
+    return record.banned_until_s

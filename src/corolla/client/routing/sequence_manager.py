@@ -20,7 +20,10 @@ from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.client.routing.bans import BanList
+from corolla.client.routing.dispute_repeats import DisputeRepeats
+from corolla.client.routing.disputes import Disputes
 from corolla.client.routing.finding_store import FindingStore
+from corolla.client.routing.observed_steps import ObservedSteps
 from corolla.client.routing.push_suspects import PushSuspects
 from corolla.client.transport.direct_transport import DirectOffers, connection_ips, dialable
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
@@ -42,6 +45,7 @@ from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
+from corolla.utils.peer_tables import remember, worth_itself
 
 logger = get_logger(__name__)
 
@@ -89,14 +93,22 @@ class RemoteSequenceManager:
         )
         for peer_id in self.findings.liars():
             self.bans.ban_liar(peer_id)
+        # outvotes by witnesses short of standing: the accused avoided, the witnesses watched (decision 0190)
+        self.disputes = Disputes()
+        # disputes each server lost and accusations it made: a repeat is avoided longer (decision 0225)
+        self.repeats = DisputeRepeats()
         self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
         self.push_suspects = PushSuspects()  # pushes whose answers failed the checks: not named for a while (0169)
         self.rng = random.Random()
         self.policy = policy
         self.routed = RoutedLoad()  # sessions this client routed lately, by peer (time.monotonic())
+        # decode step times this client measured on servers: routes price a server by what it delivered (0189)
+        self.observed_steps = ObservedSteps()
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
-        self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf)  # smoothed RTTs, never forgotten
+        # smoothed RTTs, never forgotten but past `peer_tables.PEERS_KEPT_MAX` servers (decision 0211): the servers seen
+        # on time last, then those that answered (a measured server is what routes trust over announced ones, 0137)
+        self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf, worth=self._rtt_worth)
         # until then (time.monotonic()), servers this client never measured count as unreachable when routing: one of
         # them failed (decision 0137)
         self._unmeasured_suspect_until = 0.0
@@ -110,9 +122,12 @@ class RemoteSequenceManager:
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
-        # servers seen answering a step within its deadline, not avoided or failed since: raced first (decision 0163)
-        self._on_time: set[str] = set()
-        self._links_down: dict[str, int] = {}  # servers some session knocks on (`link_down`) -> how many sessions
+        # servers seen answering a step within its deadline, not avoided or failed since: raced first (decision 0163);
+        # an ordered set, the latest seen last (`peer_tables`: the least recently seen go first past its bound)
+        self._on_time: dict[str, None] = {}
+        # servers some session of this client steps through or knocks on (`stepping_through`, `link_down`) -> how many
+        # sessions: the refresh does not ping them
+        self._in_use: dict[str, int] = {}
         self._read_started_at = -math.inf  # time.monotonic() at the start of the last read of the records
         self._drain_reads: dict[str, float] = {}  # draining server -> when its drain first asked for a read
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
@@ -195,7 +210,7 @@ class RemoteSequenceManager:
     def _filter_servers(self, infos: list[RemoteModuleInfo]) -> list[RemoteModuleInfo]:
         allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
         blocked = set(self.config.blocked_servers or ())
-        banned = self.bans.banned_peers() | self.avoided_peers()
+        banned = self.excluded_peers()
         adapter = self.config.active_adapter or None
         result = []
         for info in infos:
@@ -221,7 +236,7 @@ class RemoteSequenceManager:
         if self.config.max_pinged <= 0 or not infos:
             return []
         with self._lock:
-            down = set(self._links_down)
+            down = set(self._in_use)
         chosen: set[str] = set()
         for index in sorted({0, len(infos) // 2, len(infos) - 1}):
             peers = [
@@ -274,9 +289,11 @@ class RemoteSequenceManager:
         mode: RouteMode,
         cache_tokens_needed: int | None = None,
         waited_s: float = 0.0,
+        step_tokens: int = 0,
     ) -> list[RemoteSpanInfo]:
         """A chain of spans covering blocks `[start, end)`; raises MissingBlocksError if some block has no server.
-        waited_s: how long the caller has been failing to get a chain (the policy may route differently then)."""
+        waited_s: how long the caller has been failing to get a chain (the policy may route differently then);
+        step_tokens: the positions the chain's first step sends (a prompt, a replay: `ObservedSteps.priced`)."""
         end = self.num_blocks if end is None else end
         if not 0 <= start < end <= self.num_blocks:
             raise ValueError(f"block range [{start}, {end}) is outside [0, {self.num_blocks})")
@@ -289,6 +306,7 @@ class RemoteSequenceManager:
             rtts = {**{span.peer_id: math.inf for span in spans}, **rtts}
         if now < self._unproven_suspect_until:  # lorises may be among them: servers seen on time first
             spans = proven_where_they_cover(spans, self.answered_on_time())
+        spans = self.observed_steps.priced(spans, now, step_tokens)  # one seen slower than it announces costs that
         route = self.policy.choose_route(
             spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
             client_load=self.routed.load(now), waited_s=waited_s, rng=self.rng,
@@ -319,10 +337,10 @@ class RemoteSequenceManager:
         if peer_id is None:
             self.request_update()
             return
-        if peer_id not in self.client_rtts_s:
+        if not self._rtts.measured(peer_id):
             self._unmeasured_suspect_until = time.monotonic() + self.config.update_period_s
             self.request_update()
-        self._on_time.discard(peer_id)
+        self._on_time.pop(peer_id, None)
         duration_s = self.bans.ban(peer_id)
         if duration_s:
             logger.info("routing.ban(peer=...%s, duration_s=%.0f)", peer_id[-6:], duration_s)
@@ -340,20 +358,36 @@ class RemoteSequenceManager:
                 del self._avoid_until[peer]
             return set(self._avoid_until)
 
+    def excluded_peers(self) -> set[str]:
+        """Servers routes leave out now: banned (they failed) or avoided (`avoid`)."""
+        return self.bans.banned_peers() | self.avoided_peers()
+
+    def stepping_through(self, peer_id: str) -> None:
+        """A session of this client opened a stream to `peer_id` (`SpanSession.open`); until as many `stepped_off`,
+        the refresh does not ping it: its steps measure it (each answer proves it alive, a silent one is pinged by its
+        session, `SpanSession.next_response`), and a ping dials through p2pd. A ping that raced the link's failure
+        dialled into the outage, and a dial that fails puts the address in libp2p's dial back-off (5 s + n^2 s, no
+        call clears it), so the session's own dial once the link was back met "dial backoff" for seconds (stop 57's
+        flake: an 8 s drop cost 10.07 s; decision 0217)."""
+        with self._lock:
+            self._in_use[peer_id] = self._in_use.get(peer_id, 0) + 1
+
+    def stepped_off(self, peer_id: str) -> None:
+        """A stream `stepping_through` counted is closed."""
+        with self._lock:
+            if (left := self._in_use.pop(peer_id, 0) - 1) > 0:
+                self._in_use[peer_id] = left
+
     @contextlib.contextmanager
     def link_down(self, peer_id: str) -> Iterator[None]:
         """While a session knocks on `peer_id`'s listener (`client.transport.link_probe`: its link is down), the refresh
-        does not ping it: a ping dials through p2pd, and every dial that fails adds to libp2p's back-off for the
-        address, so a ping failing late in the outage kept the session from the server for seconds after the link
-        returned. The knock answers the same question without the daemon."""
-        with self._lock:
-            self._links_down[peer_id] = self._links_down.get(peer_id, 0) + 1
+        does not ping it either (as `stepping_through`), whether or not the session still holds a stream to it (a
+        replacement stream that failed to open does not count): the knock answers the same question without p2pd."""
+        self.stepping_through(peer_id)
         try:
             yield
         finally:
-            with self._lock:
-                if (left := self._links_down.pop(peer_id) - 1) > 0:
-                    self._links_down[peer_id] = left
+            self.stepped_off(peer_id)
 
     def may_avoid(self, peer_id: str) -> bool:
         """Whether `avoid(peer_id, ...)` would take: the other servers of the view cover every block, and, with a policy
@@ -362,18 +396,22 @@ class RemoteSequenceManager:
         with self._lock:
             return may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s)
 
-    def avoid(self, peer_id: str, duration_s: float) -> bool:
+    def avoid(self, peer_id: str, duration_s: float, *, keep_region: bool = True) -> bool:
         """Skips `peer_id` in routes for `duration_s` (not a failure: its ban record stays as it was), and drops it
         from the view now; returns whether it did. Like a ban, it is ignored where `may_avoid` says no (not recorded
-        at all then: every re-read would drop it from the view again). Used for a server out of KV cache
-        (`on_cache_refusal`) and one too slow to keep a session (`client.session.stalls`, decision 0144)."""
+        at all then: every re-read would drop it from the view again); `keep_region` False: only where the rest of
+        the view would lose a block (a session leaving a server for a chain it priced, RTTs included, faster:
+        decision 0196). Used for a server out of KV cache (`on_cache_refusal`) and one too slow to keep a session
+        (`client.session.stalls`, decisions 0144 and 0189)."""
         rtts = self.client_rtts_s
+        region_rtt_s = self.policy.route_region_rtt_s if keep_region else None
         with self._lock:
-            if not may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s):
+            if not may_avoid(self._spans, peer_id, self.num_blocks, rtts, region_rtt_s):
                 return False
-            self._avoid_until[peer_id] = max(self._avoid_until.get(peer_id, 0.0), time.monotonic() + duration_s)
+            until = max(self._avoid_until.get(peer_id, 0.0), time.monotonic() + duration_s)
+            remember(self._avoid_until, peer_id, until, worth=worth_itself)  # (those over first, the longest kept)
             self._spans = [span for span in self._spans if span.peer_id != peer_id]
-            self._on_time.discard(peer_id)
+            self._on_time.pop(peer_id, None)
         return True
 
     def suspect_unproven(self, duration_s: float) -> None:
@@ -387,19 +425,24 @@ class RemoteSequenceManager:
         """`peer_id` answered a step of this client within the step's deadline (`client.session.stalls`): what the
         client measured, not what the server announced (`answered_on_time`)."""
         with self._lock:
-            self._on_time.add(peer_id)
+            remember(self._on_time, peer_id, None)
 
     def unprove(self, peer_id: str) -> None:
         """`peer_id` answered within a deadline something the client could not use (a race's trial whose outputs
         disagreed, `replacement_race.TrialDisagrees`): an answer on time proves nothing then (`answered_on_time`)."""
         with self._lock:
-            self._on_time.discard(peer_id)
+            self._on_time.pop(peer_id, None)
 
     def answered_on_time(self) -> set[str]:
         """Servers seen answering a step within its deadline and not avoided or failed since: a replacement race
         tries them first (`client.session.replacement_race`)."""
         with self._lock:
             return set(self._on_time)
+
+    def _rtt_worth(self, peer_id: str, rtt_s: float) -> float:
+        """What an RTT is worth keeping (`peer_tables.forget_least`; read under the RTTs' lock, so without this
+        manager's, which the refresh holds while it stores them): a server seen on time most, then one that answered."""
+        return 2.0 if peer_id in self._on_time else 0.0 if math.isinf(rtt_s) else 1.0
 
     def on_cache_refusal(self, peer_id: str) -> None:
         """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (`avoid`) and re-read the records now
@@ -492,7 +535,7 @@ class RemoteSequenceManager:
         stub = self._stubs.get(peer_id)
         if stub is None:
             stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
-            self._stubs[peer_id] = stub
+            remember(self._stubs, peer_id, stub)
         return stub
 
     async def open_inference_stream(self, peer_id: str, rpc: str = "rpc_inference") -> InferenceStream:
@@ -547,7 +590,7 @@ class RemoteSequenceManager:
                 break
             except (KeyError, IndexError, TypeError, AttributeError, ValueError):
                 continue
-        self._input_compressions[peer_id] = compression
+        remember(self._input_compressions, peer_id, compression)
         return compression
 
     def shutdown(self) -> None:

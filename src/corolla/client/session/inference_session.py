@@ -10,6 +10,7 @@ and starts after the shortest hit; a span that must be rebuilt without the input
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -18,11 +19,12 @@ from typing import Literal
 import torch
 
 from corolla.client import background_loop
-from corolla.client.calls.output_checks import BadServerOutput, comparison_rtol
+from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange, OutputsDisputed, comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
 from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.delivery import SLOW_RATIO, MovePacer
 from corolla.client.session.forwarding import StepForwarding, push_went_stale, refusal_after_push
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
 from corolla.client.session.replacement_race import (
@@ -30,21 +32,29 @@ from corolla.client.session.replacement_race import (
     RaceLost,
     TrialDisagrees,
     check_trial,
+    first_round_width,
     race,
     race_candidates,
     round_s,
+    trial_error,
 )
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
 from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
+from corolla.client.verification.pair_referee import referee_pair
+from corolla.client.verification.range_dispute import Produced, producer_failure
 from corolla.client.verification.step_verifier import StepVerifier
+from corolla.client.verification.witnesses import Recheck, outvote, refuted
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# two racers that agreed with each other against a left server's outputs: their peer ids, their outputs [B, n, H]
+OutvotingPair = tuple[list[str], torch.Tensor, Recheck]  # the pair, its outputs, what an outsider said
 
 
 class InferenceSession:
@@ -88,6 +98,7 @@ class InferenceSession:
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
+        self.pacer = MovePacer()  # its spans' moves for what they deliver, one a period (client.session.delivery)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
         self.prefix = prefix  # the token ids of its positions and their chain hashes (None: no prefix keys)
@@ -174,28 +185,44 @@ class InferenceSession:
             reused = background_loop.run(self._open_reusing(cpu_inputs, prompt_length))
             if reused:
                 cpu_inputs, prompts, self._position = cpu_inputs[:, reused:], None, reused
+        if cpu_inputs.shape[1] > DECODE_MAX_TOKENS and self._spans:  # a new turn's prompt: priced where it goes
+            self._judge_long_step(cpu_inputs.shape[1])
         verify = prompts is None and self._zero_prompts is None and self.verifier.sample()  # see StepVerifier
+        # a watched server's steps are verified on the client loop, whatever the sample (decision 0190)
+        watching = prompts is None and self._zero_prompts is None and self.verifier.watches(self._peers())
         with steps_in_flight():
-            outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None and not verify else None
+            here = hypo_ids is None and not verify and not watching
+            outputs = self._step_here(cpu_inputs, prompts) if here else None
             if outputs is None:
                 outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids, verify=verify))
         if needs_handoff(self.handoffs, self._spans):  # a server drains: move its span's cache elsewhere (no replay)
             background_loop.run(hand_off_draining_spans(self.handoffs, self._spans))
         if self._position < TRIAL_TOKENS:
-            self._keep_first_outputs(outputs, hypo_ids)
+            self._keep_first_outputs(outputs)
         self._position += cpu_inputs.shape[1]
         return outputs.to(inputs.device)
 
-    def _keep_first_outputs(self, outputs: torch.Tensor, hypo_ids: torch.Tensor | None) -> None:
+    def _peers(self) -> list[str]:
+        return [span_session.span.peer_id for span_session in list(self._spans)]
+
+    def _judge_long_step(self, num_tokens: int) -> None:
+        """Before a long step of `num_tokens` (a new turn's prompt) on the chain in use: a span whose server this
+        client saw crawl on long steps is left for a chain that runs the step and the session's rest faster, replay
+        included (`SpanSession.judge_delivery`, decision 0193); at most one move (the session's pacer)."""
+        now_s = time.monotonic()
+        for span_session in list(self._spans):
+            if span_session.judge_delivery(now_s, num_tokens):
+                return
+
+    def _keep_first_outputs(self, outputs: torch.Tensor) -> None:
         """Keeps the chain's `outputs` [B, T, H] of the step at `_position` (< `TRIAL_TOKENS`) among its first
-        outputs, after the earlier ones (their rows reordered by `hypo_ids`, a rollback's later ones dropped)."""
+        outputs, after the earlier ones (a rollback's later ones dropped)."""
         start, kept = self._position, self._first_outputs
         new = outputs[:, : TRIAL_TOKENS - start].clone()  # (not a view: a prompt's whole outputs would stay alive)
         if start == 0:
             self._first_outputs = new
-        elif kept is not None and kept.shape[1] >= start:
-            kept = kept[:, :start] if hypo_ids is None else kept[hypo_ids, :start]
-            self._first_outputs = torch.cat([kept, new], dim=1)
+        elif kept is not None and kept.shape[1] >= start:  # (its rows were reordered as the step began: `_step`)
+            self._first_outputs = torch.cat([kept[:, :start], new], dim=1)
         else:
             self._first_outputs = None
 
@@ -207,11 +234,14 @@ class InferenceSession:
         chain = self.prefix
         assert chain is not None
         routes, new_tokens = self.manager.prefix_routes, self.max_length - len(chain)
-        route = routes.route_for(self.manager.spans, chain, self.start, self.end, new_tokens=new_tokens)
+        # priced as new routes are: a server seen slower than it announces costs what it delivered (decisions 0189,
+        # 0218: on long steps too, the prompt being one)
+        view = self.manager.observed_steps.priced(self.manager.spans, time.monotonic(), inputs.shape[1])
+        route = routes.route_for(view, chain, self.start, self.end, new_tokens=new_tokens)
         if route is not None:  # planned here, not by make_sequence: still this client's load on those servers
             self.manager.note_routed(route)
         try:
-            await self._replace_spans(0, self.start, None, route=route)
+            await self._replace_spans(0, self.start, None, route=route, step_tokens=inputs.shape[1])
             spans = list(self._spans)
             if not spans or not all(speaks_prefix_keys(s.span.server_info) for s in spans):
                 return 0
@@ -292,17 +322,24 @@ class InferenceSession:
         self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None, *, verify: bool = False
     ) -> torch.Tensor:
         position, step_id = self._position, self.forwarding.take_step_id()
+        # a watched server's steps are verified whatever the sample (decision 0190); not with deep prompts (as `verify`)
+        may_verify = prompts is None and self._zero_prompts is None
         may_forward = (
             prompts is None and hypo_ids is None and self._zero_prompts is None
         )  # see client.session.forwarding
         if hypo_ids is not None:
             for reordered in self._spans:
                 reordered.reorder(hypo_ids)
+            if self._first_outputs is not None:  # a race's reference for the last span: rows as the spans' now
+                self._first_outputs = self._first_outputs[hypo_ids]
         hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
+        # each span's inputs of this step by its index (`hidden`, `hidden_from`), to step it again where its outputs
+        # are disputed (decision 0186): the spans before `index` that answered since the step (re)started
+        step_inputs: dict[int, tuple[torch.Tensor, int]] = {}
         block, index, budget = self.start, 0, RetryBudget(self.manager)
         pending_replacement: SpanSession | None = None
         # won a race on the span's first positions and not yet answered the rest: if it stalls there, the next race
-        # sends every racer the whole history (decision 0176)
+        # sends every racer the trial's positions, then the rest of the step (decisions 0176, 0184)
         trial_winner: SpanSession | None = None
         while block < self.end:
             span_session = self._spans[index] if index < len(self._spans) else None
@@ -316,24 +353,38 @@ class InferenceSession:
                     # and would answer its old reply (the restart sends from position 0 instead)
                     step_id = self.forwarding.take_step_id()
                     block, index, hidden, hidden_from = self.start, 0, inputs, position
+                    step_inputs.clear()
                     continue
             try:
                 if span_session is None or span_session is pending_replacement:
                     # moved off a loris (decision 0163): raced among the span's servers, unless fewer than two hold it
-                    if span_session is not None and span_session.too_slow and may_forward:
+                    # or it was left for a chain of several servers (judged by delivery, decision 0193)
+                    move_to = None if span_session is None else span_session.move_to
+                    if span_session is not None and span_session.too_slow and (move_to is None or len(move_to) == 1):
                         whole = span_session is trial_winner
                         raced = await self._race_replacement(index, span_session, budget, hidden, hidden_from, whole)
                         if raced is not None:
                             pending_replacement = None
                             if raced is True:  # won on a trial: its next step sends the rest
                                 trial_winner = self._spans[index]
-                            else:  # won on the whole step: its outputs go on
+                            else:  # won on the whole step: verified as any step (a failure is the winner's own)
+                                span_session = self._spans[index]
+                                if verify or (may_verify and self.verifier.watches([span_session.span.peer_id])):
+                                    await self._verify_last_step(span_session)
                                 budget.on_success()
-                                hidden, hidden_from = raced
-                                block, index = self._spans[index].span.end, index + 1
+                                step_inputs[index], (hidden, hidden_from) = (hidden, hidden_from), raced
+                                block, index = span_session.span.end, index + 1
                             continue
                     waited_s = 0.0 if budget.failing_since_s is None else time.monotonic() - budget.failing_since_s
-                    await self._replace_spans(index, block, span_session, waited_s=waited_s)
+                    route = None
+                    if span_session is not None and span_session.move_to is not None:  # the chain judged faster
+                        route, span_session.move_to = list(span_session.move_to), None  # (once: a failure replans)
+                        self.manager.note_routed(route)
+                    # (the new chain's first step: the history's positions replayed, then this step's)
+                    await self._replace_spans(
+                        index, block, span_session, route=route, waited_s=waited_s,
+                        step_tokens=position + inputs.shape[1],
+                    )  # fmt: skip
                     pending_replacement = None
                     continue
                 span = span_session.span
@@ -351,7 +402,8 @@ class InferenceSession:
                     hidden_from,
                     position=position,
                     prompts=span_prompts,
-                    hypo_ids=hypo_ids if hypo_ids is not None else NO_HYPO_IDS,
+                    # (a trial's winner was sent the history as reordered: its cache has this step's rows already)
+                    hypo_ids=hypo_ids if hypo_ids is not None and span_session is not trial_winner else NO_HYPO_IDS,
                     step_id=step_id,
                     extra=self.forwarding.request_extra(self._spans, index, position, step_id, allowed=may_forward),
                 )
@@ -360,13 +412,13 @@ class InferenceSession:
                     self.shadows.after_step(
                         span_session, span_session.last_outputs, outputs_from, hypo_ids, span_prompts
                     )
-                if verify and span_session.last_outputs is not None and span_session.history is not None:
-                    await self.verifier.verify(span, span_session.history, span_session.last_outputs)
+                if verify or (may_verify and self.verifier.watches([span.peer_id])):
+                    await self._verify_last_step(span_session)
                 self.manager.on_request_success(span.peer_id)
                 budget.on_success()
                 if span_session is trial_winner:  # it answered the rest: a later stall races the trial again
                     trial_winner = None
-                hidden, hidden_from = outputs, outputs_from
+                step_inputs[index], (hidden, hidden_from) = (hidden, hidden_from), (outputs, outputs_from)
                 block, index = span.end, index + 1
             except Exception as e:
                 if isinstance(e, (AssertionError, asyncio.CancelledError)):
@@ -375,6 +427,19 @@ class InferenceSession:
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
                 if isinstance(e, SpanUnreachable):
                     failed = e.peer_id
+                if (
+                    isinstance(e, InputsOutOfRange)
+                    and failed == e.peer_id
+                    and index - 1 in step_inputs
+                    and hypo_ids is None
+                    and (producer := await self._judge_upstream(index, step_inputs, e)) is not None
+                ):  # an upstream's values, disputed: it fails in place of the float16 server
+                    index, e = producer
+                    span_session = self._spans[index]
+                    failed, block = span_session.span.peer_id, span_session.span.start
+                    hidden, hidden_from = step_inputs[index]
+                    for dropped in [i for i in step_inputs if i >= index]:
+                        del step_inputs[dropped]
                 if failed is not None and span_session is not None and (pushed := refusal_after_push(span_session, e)):
                     e = pushed  # a stock server's refusal after pushes into it: maybe a push's doing, not its own
                 if isinstance(e, PushedReplyRejected) and e.upstream is not None:  # the push or its target lied
@@ -410,6 +475,32 @@ class InferenceSession:
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]
 
+    async def _judge_upstream(
+        self, index: int, step_inputs: dict[int, tuple[torch.Tensor, int]], refused: InputsOutOfRange
+    ) -> tuple[int, ConnectionError] | None:
+        """Span `index`'s float16 server cannot hold the outputs of the span before it (`refused`, nothing sent):
+        None where they are the model's own (a replica agrees with it, and with each span before it whose outputs
+        were its inputs, as far as this step's spans go: `step_inputs`) or nothing can tell, so the float16 server is
+        routed around (decision 0170); else (the index of the span a replica disputed, its failure in the float16
+        server's place: `range_dispute.producer_failure`), and the spans after it replay from position 0: they may
+        hold states built from its earlier outputs (decision 0186)."""
+        zero = self._zero_prompts  # [blocks, B|1, P, H] of the whole chain, or None
+        producers = []
+        for before in range(index - 1, -1, -1):
+            upstream = self._spans[before]
+            if before not in step_inputs or upstream.history is None or upstream.last_outputs is None:
+                break
+            span = upstream.span
+            prompts = None if zero is None else zero[span.start - self.start : span.end - self.start]
+            producers.append(Produced(span, upstream.history, upstream.last_outputs, prompts))
+        found = await producer_failure(self.manager, producers, refused)
+        if found is None:
+            return None
+        disputed = index - 1 - found[0]
+        for later in self._spans[disputed + 1 :]:
+            later.position = 0
+        return disputed, found[1]
+
     async def _race_replacement(
         self,
         index: int,
@@ -419,64 +510,152 @@ class InferenceSession:
         hidden_from: int,
         whole: bool,
     ) -> tuple[torch.Tensor, int] | Literal[True] | None:
-        """Replaces `failed` (left for slowness; no deep prompts or beam reordering in this session) by the winner
-        of a race among the servers that hold its blocks alone (`client.session.replacement_race`). Each is sent the
-        span's first positions (of its history, then of this step's `hidden` [B, *, H], the span's inputs from
-        `hidden_from`) and the first to answer with outputs that agree with the span's earlier ones (the next span's
-        inputs there, where it has them: `check_trial`) takes the session (True: its next step sends the rest); or,
-        `whole` (`failed` won such a trial, then stalled on the rest: decision 0176), each is sent the whole step (the
-        history and this step's positions: a long step, judged as one, its first positions checked alike), and the
-        winner's outputs are returned ([B, n, H], their first position 0). None where fewer than two such servers are
-        in the view or the span's history is not all known (nothing raced), or where every racer failed and some
-        disagreed (not blamed: the usual replacement follows); RaceLost where every racer failed otherwise (each
-        blamed, banned or avoided as its failure called for)."""
+        """Replaces `failed` (left for slowness) by the winner of a race among the servers that hold its blocks alone
+        (`client.session.replacement_race`). Each is sent the span's first positions (of its history, then of this
+        step's `hidden` [B, *, H], the span's inputs from `hidden_from`; all of the deep prompts' positions at least,
+        sent with them; beams: the history as this step reordered it, no hypo ids: decision 0185) and the first to
+        answer with outputs that agree with the span's earlier ones (the next span's inputs there, where it has them:
+        `check_trial`), or two that agree with each other and not with those (the left server outvoted: decision
+        0183), takes the session (True: its next step sends the rest); or, `whole` (`failed` won such a trial, then
+        stalled on the rest: decisions 0176, 0184), each is sent the trial, then the rest of the history and this
+        step's positions (a long step, judged as one; every position of its history checked as the trial's are,
+        unless a pair outvoted the left server), the first to answer both wins, and its outputs are returned
+        ([B, position + T, H], their first position 0; the caller verifies them as any sampled step). None where
+        fewer than two such servers are in the view or the span's history is not all known (nothing raced), or where
+        every racer failed and some disagreed (not blamed: the usual replacement follows); RaceLost where every racer
+        failed otherwise (each blamed, banned or avoided as its failure called for)."""
         blocks = (failed.span.start, failed.span.end)
         history = failed.history if self._position > 0 else hidden[:, :0]
         if history is None or history.shape[1] < self._position:
             return None
-        candidates = race_candidates(self.manager, failed.span.peer_id, blocks, self.manager.rng)
+        # (a span left for what it delivers on decode steps: no racer this client saw deliver no better than a move
+        # there needed, decision 0201)
+        verdict = next((e for e in reversed(self.stall_events) if e.peer_id == failed.span.peer_id), None)
+        slower_than_s = None
+        if failed.move_to is not None and verdict is not None and verdict.action == "outpaced":
+            slower_than_s = verdict.detected_after_s / SLOW_RATIO if verdict.num_tokens <= DECODE_MAX_TOKENS else None
+        candidates = race_candidates(self.manager, failed.span.peer_id, blocks, self.manager.rng, slower_than_s)
         if len(candidates) < 2:
             return None
         await failed.close(drain=False)
         history = history[:, : self._position].clone()  # [B, position, H]
         new = hidden[:, self._position - hidden_from :]  # [B, T, H]: this step's positions
-        first = torch.cat([history[:, :TRIAL_TOKENS], new[:, : max(0, TRIAL_TOKENS - history.shape[1])]], dim=1)
+        # deep prompts go with position 0 (a replay's request), and a trial holds them all (a step's first positions)
+        prompts = self._prompts_for(failed, None, 0)  # [blocks, B or 1, P, H] or NO_PROMPTS
+        trial_tokens = max(TRIAL_TOKENS, prompts.shape[2] if prompts.ndim == 4 else 0)
+        first = torch.cat([history[:, :trial_tokens], new[:, : max(0, trial_tokens - history.shape[1])]], dim=1)
+        # a whole step's inputs [B, position + T, H], one tensor for every racer: a racer holds no copy of the
+        # history until it answered (up to `RACE_MAX` racers are started while none answers)
+        whole_inputs = torch.cat([history, new], dim=1) if whole else None
         upstream = self._spans[index - 1].span.peer_id if index > 0 else None
         step_id = self.forwarding.take_step_id()
-        # the span's outputs for the trial's positions: as the next span was sent them, or the chain's for the last
+        # the span's outputs for the positions a racer answers before this step's (the trial's, or the whole history):
+        # as the next span was sent them, or the chain's first ones for the last span. A whole step's are all checked
+        # (free: the client holds them): a racer that computed the trial's positions only, and made the rest up,
+        # would win the race on the whole step by its speed alone
         following = self._spans[index + 1].history if index + 1 < len(self._spans) else self._first_outputs
-        expected = None if following is None else following[:, : min(first.shape[1], following.shape[1])]
+        # (not past this step's position: after a rollback the kept outputs there are the taken-back ones)
+        known = self._position if whole else min(self._position, first.shape[1])
+        expected = None if following is None else following[:, : min(known, following.shape[1])]
         disagreed: list[str] = []
+        # racers whose trial disagreed with `expected`: (racer, its outputs there, their wire dtype); two of them that
+        # agree with each other outvote the left server (decision 0183)
+        dissent: list[tuple[SpanSession, torch.Tensor, torch.dtype]] = []
+        pair_wait_s = round_s(first.nbytes)
+        trial_s: dict[SpanSession, float] = {}  # each racer's trial step (a row's), once it answered
+        failures: list[str] = []  # racers that failed so far (any way)
+        a_racer_failed = asyncio.Event()
 
-        async def trial(racer: SpanSession) -> tuple[torch.Tensor, int]:
+        async def trial(racer: SpanSession) -> tuple[torch.Tensor, int, OutvotingPair | None]:
             try:
                 await racer.open()
             except Exception as e:  # the server we could not reach: the retry budget blames it
                 raise SpanUnreachable(racer.span.peer_id, e) from e
-            racer.history, racer.upstream_peer = history, upstream
-            if whole:  # the replay of a fresh session: positions [0, position + T)
-                outputs, outputs_from = await racer.step(
-                    new, self._position, position=self._position, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS,
-                    step_id=step_id,
-                )  # fmt: skip
-            else:
-                outputs, outputs_from = await racer.step(
-                    first, 0, position=0, prompts=NO_PROMPTS, hypo_ids=NO_HYPO_IDS, step_id=step_id
-                )
+            racer.upstream_peer = upstream
+            # a fresh session's first step, the trial's positions (beams: the history was reordered as the step
+            # began, so a fresh cache needs no hypo ids)
+            sent_s = time.monotonic()
+            outputs, outputs_from = await racer.step(
+                first, 0, position=0, prompts=prompts, hypo_ids=NO_HYPO_IDS, step_id=step_id
+            )
+            trial_s[racer] = (time.monotonic() - sent_s) / first.shape[0]
+            pair: OutvotingPair | None = None
+            rtol = 0.0
             if expected is not None:
                 # the tolerance of the dtypes the two servers sent in (the client's copies are cast to its own: a
                 # float32 client's would hold bfloat16 servers to float32's rounding)
-                sent = racer.last_outputs if racer.last_outputs is not None else outputs
+                sent = (racer.last_outputs if racer.last_outputs is not None else outputs).dtype
                 earlier = failed.last_outputs.dtype if failed.last_outputs is not None else expected.dtype
-                rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, failed.span), sent.dtype, earlier)
-                check_trial(racer.span.peer_id, outputs[:, : first.shape[1]], expected, rtol)
-            if whole:
-                return outputs, outputs_from
-            # the trial's reply wrote its positions; the next step sends the rest (from the history's end at most)
-            racer.history = history
-            return outputs, outputs_from
+                rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, failed.span), sent, earlier)
+                mine = outputs[:, : min(first.shape[1], expected.shape[1])]
+                try:
+                    check_trial(racer.span.peer_id, mine, expected[:, : mine.shape[1]], rtol)
+                except TrialDisagrees as disagrees:
+                    pair = await second_of_a_pair(racer, mine, sent, disagrees)
+            if whole_inputs is not None and first.shape[1] < whole_inputs.shape[1]:
+                # the rest: a long step, held by a loris that answers only short ones (the trial), as the trial is by
+                # one that answers only long ones; from the trial's end (not 0 where the step is the prompt's)
+                rest_from = max(self._position, first.shape[1])
+                rest, rest_start = await racer.step(
+                    whole_inputs, 0, position=rest_from, prompts=self._prompts_for(racer, None, rest_from),
+                    hypo_ids=NO_HYPO_IDS, step_id=self.forwarding.take_step_id(),
+                )  # fmt: skip
+                assert rest_start == outputs.shape[1], "the rest follows the trial"
+                outputs, outputs_from = torch.cat([outputs, rest], dim=1), 0  # [B, position + T, H]
+                if expected is not None and pair is None:  # (an outvoted server's outputs are only its word)
+                    check_trial(racer.span.peer_id, outputs, expected, rtol)
+            return outputs, outputs_from, pair
+
+        async def second_of_a_pair(
+            racer: SpanSession, mine: torch.Tensor, sent: torch.dtype, disagrees: TrialDisagrees
+        ) -> OutvotingPair:
+            """Raises `disagrees` unless `racer`'s outputs agree with an earlier dissenter's; then waits a round at
+            most, while other racers may still answer (one agreeing with the left server's outputs would win: they
+            break the tie), and returns the pair (the left server outvoted 2:1 if `racer` wins)."""
+            for other, theirs, their_dtype in dissent:
+                rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, other.span), sent, their_dtype)
+                if trial_error(mine, theirs) <= rtol:
+                    try:  # a round, while any other racer may still answer
+                        until = asyncio.get_running_loop().time() + pair_wait_s
+                        while len(failures) < len(racers) - 1:
+                            left_s = until - asyncio.get_running_loop().time()
+                            if left_s <= 0:
+                                break
+                            a_racer_failed.clear()
+                            with contextlib.suppress(asyncio.TimeoutError):
+                                await asyncio.wait_for(a_racer_failed.wait(), left_s)
+                        pair = [other.span.peer_id, racer.span.peer_id]
+                        # a pair short of standing may be one attacker's identities: its outputs rebuild the session
+                        # only where every server outside it that answered confirms them (decision 0190 "Attacked",
+                        # 0220: the attacker's third identity may be one of them); one with standing bans only so too
+                        # (its standing is not lent to a fresh partner: decision 0208)
+                        verdict: Recheck = "unchecked"
+                        if self.manager.config.witness_standing_steps > 0:  # (0: main's rule, every racer trusted)
+                            exclude = {failed.span.peer_id, *pair}
+                            verdict = await referee_pair(
+                                self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng
+                            )
+                    except asyncio.CancelledError:  # the earlier outputs won: its trial proved nothing either
+                        self.manager.unprove(racer.span.peer_id)
+                        raise
+                    if verdict in ("refuted", "split"):  # never banned: outside identities' word against two
+                        for peer in pair:
+                            self.manager.unprove(peer)
+                            if verdict == "refuted":  # (split: a referee sided with the pair, which is not avoided)
+                                refuted(self.manager, peer)  # standing lost (0208), avoided longer each time (0225)
+                        raise OutputsDisputed(
+                            racer.span.peer_id,
+                            f"its trial at blocks {racer.span.start}:{racer.span.end}, positions 0:{mine.shape[1]}, "
+                            f"agrees only with ...{other.span.peer_id[-6:]}'s, not with every outside referee's "
+                            f"({verdict})",
+                        )
+                    return pair, mine, verdict
+            dissent.append((racer, mine, sent))
+            raise disagrees
 
         async def lost(racer: SpanSession, error: Exception) -> None:
+            failures.append(racer.span.peer_id)
+            a_racer_failed.set()
             if isinstance(error, TrialDisagrees):  # not blamed, and not seen on time either (it answered too soon)
                 disagreed.append(racer.span.peer_id)
                 self.manager.unprove(racer.span.peer_id)
@@ -484,9 +663,14 @@ class InferenceSession:
             await asyncio.to_thread(budget.on_failure, error, racer.span.peer_id, blocks)
 
         racers = [self._new_span_session(span) for span in candidates]
-        sent = history.nbytes + new.nbytes if whole else first.nbytes
+        # (after a move for delivery, the servers this client measured delivering what the move needs race a round
+        # alone: a fresh identity answers a trial at once and crawls after, decision 0214)
+        first_width = first_round_width(self.manager, candidates, slower_than_s)
         try:
-            winner, outputs = await race(racers, trial, lost, round_s=round_s(sent))
+            winner, (outputs, outputs_from, pair) = await race(
+                racers, trial, lost, round_s=round_s(first.nbytes if whole_inputs is None else whole_inputs.nbytes),
+                first_width=first_width,
+            )  # fmt: skip
         except RaceLost:
             if not disagreed:
                 raise
@@ -495,8 +679,17 @@ class InferenceSession:
                 *blocks, len(disagreed), len(racers),
             )  # fmt: skip
             return None
+        if not whole and history.shape[1] > first.shape[1]:  # the trial wrote its positions; the next step sends
+            winner.history = history  # the rest (from the history's end)
         self._spans[index] = winner
         self._link_upstream(index, 1)
+        # (its figure was taken without this session: other sessions judging their spans wait for a new one; the
+        # delivery verdict marked the server it expected to win, which the race may not have picked, decision 0189)
+        self.manager.observed_steps.moving_to(winner.span.peer_id, time.monotonic())
+        if failed.move_to is not None:  # a move for delivery: what the winner showed is its promise too (0214)
+            self.pacer.promised(blocks, trial_s[winner])
+        if pair is not None:
+            self._outvoted(index, failed.span, *pair)
         self.manager.note_routed([winner.span])
         self.manager.on_request_success(winner.span.peer_id)
         if winner.last_outputs is not None:
@@ -505,12 +698,45 @@ class InferenceSession:
             "inference_session.race_won(blocks=%d:%d, peer=...%s, candidates=%d, %s_tokens=%d)",
             *blocks, winner.span.peer_id[-6:], len(racers), "whole" if whole else "trial", winner.position,
         )  # fmt: skip
-        return outputs if whole else True
+        return (outputs, outputs_from) if whole else True
+
+    async def _verify_last_step(self, span_session: SpanSession) -> None:
+        """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for
+        its server where they outvote it); a race's winner on the whole step too, whose positions past the trial's
+        nothing else checks."""
+        if span_session.last_outputs is not None and span_session.history is not None:
+            await self.verifier.verify(span_session.span, span_session.history, span_session.last_outputs)
+
+    def _outvoted(
+        self, index: int, liar: RemoteSpanInfo, pair: list[str], outputs: torch.Tensor, rechecked: Recheck
+    ) -> None:
+        """Two racers for span `index` agreed with each other on its first positions' `outputs` [B, n, H] and not
+        with what `liar` gave there before (decision 0183): outvoted 2:1 (`witnesses.outvote`: banned for good where
+        a racer has a witness's standing and `rechecked` (`pair_referee`) did not refute the pair, spent by the ban:
+        decision 0208; else avoided and the pair watched, its next steps verified: decision 0190; the pair's agreement
+        with each other earns it no standing), and what was built from its outputs is
+        rebuilt from the pair's: the next span's history there (then every later span sends from position 0), or the
+        chain's kept first outputs."""
+        where = f"its outputs at blocks {liar.start}:{liar.end}, positions 0:{outputs.shape[1]}, in a race"
+        outvote(self.manager, liar.peer_id, pair, where, rechecked=rechecked)
+        n = outputs.shape[1]
+        if index + 1 < len(self._spans):
+            following = self._spans[index + 1]
+            history = following.history
+            assert history is not None and history.shape[1] >= n, "a trial's reference is the next span's history"
+            fixed = history.clone()
+            fixed[:, :n] = outputs.to(fixed.dtype)
+            following.history = fixed
+            for later in self._spans[index + 1 :]:
+                later.position = 0
+        elif self._first_outputs is not None:
+            kept = self._first_outputs
+            self._first_outputs = torch.cat([outputs.to(kept.dtype), kept[:, n:]], dim=1)
 
     def _new_span_session(self, span: RemoteSpanInfo) -> SpanSession:
         """A session for `span` sharing this session's stall events and (where its server takes them) prefix keys."""
         session = SpanSession(self.manager, span, self.max_length)
-        session.stall_events = self.stall_events
+        session.stall_events, session.pacer = self.stall_events, self.pacer
         if self.prefix is not None and speaks_prefix_keys(span.server_info):
             session.prefix = self.prefix
         return session
@@ -537,10 +763,11 @@ class InferenceSession:
         *,
         route: list[RemoteSpanInfo] | None = None,
         waited_s: float = 0.0,
+        step_tokens: int = 0,
     ) -> None:
         """Swaps `_spans[index]` (failed or missing) for a fresh chain covering the same blocks (`route`, else one
-        planned now, `waited_s` after the step's first failure); the first new session inherits the failed one's
-        history so that its first step replays it."""
+        planned now, `waited_s` after the step's first failure, for a first step of `step_tokens` positions); the
+        first new session inherits the failed one's history so that its first step replays it."""
         end = failed.span.end if failed is not None else self.end
         if failed is not None:
             await failed.close(drain=False)
@@ -548,7 +775,7 @@ class InferenceSession:
             if route is None:
                 route = await asyncio.to_thread(
                     self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length,
-                    waited_s=waited_s,
+                    waited_s=waited_s, step_tokens=step_tokens,
                 )  # fmt: skip
         except MissingBlocksError:
             # its link went down, so the view lost it too (its DHT records are out of reach): while it is not
@@ -576,6 +803,9 @@ class InferenceSession:
             raise
         if failed is not None and failed.history is not None:
             new_sessions[0].history = failed.history[:, : self._position]
+        if failed is not None and failed.too_slow:  # moved off a slow server: where to, as after a race
+            for moved_to in new_sessions:
+                self.manager.observed_steps.moving_to(moved_to.span.peer_id, time.monotonic())
         self._spans[index : index + 1 if failed is not None else index] = new_sessions
         self._link_upstream(index, len(new_sessions))
         logger.debug(

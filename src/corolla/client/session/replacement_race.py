@@ -4,8 +4,9 @@ figures cost nothing, and so do identities: K lorises announcing the best figure
 by the usual routing, each holding the session its step deadline plus the late budget (the extra delay grew with K).
 
 Here the servers that cover the span alone (not banned, not avoided; those this client saw answer a step within its
-deadline first, the others in random order: nothing a server announces orders them; at most `RACE_MAX`) are each
-given a fresh session whose first step replays the span's first `TRIAL_TOKENS` positions (a decode step's size: a
+deadline first, the others in random order: nothing a server announces orders them; after a move for what a span
+delivered, those this client measured delivering what the move needs before all, racing a round alone, decision
+0214; at most `RACE_MAX`) are each given a fresh session whose first step replays the span's first `TRIAL_TOKENS` positions (a decode step's size: a
 slow uplink carries a few positions to each, not the whole history), `RACE_WIDTH` at once, `RACE_WIDTH` more every
 round (`round_s`: the decode floor `STALL_MIN_S` plus the round's trial bytes over a slow link; a round's racers are
 not dropped, any may still answer) while none answered; the first to answer keeps the session and is sent the rest,
@@ -14,17 +15,27 @@ the others are closed (an honest loser computed at most `TRIAL_TOKENS` positions
 that fails is banned or avoided as it would be on its own, and one slow within its deadline may still win. A trial's
 outputs must agree with the ones the span gave for those positions before, where the client holds them (the next
 span's inputs there; `check_trial`, the verification's tolerance): a loris answering the trial at once with outputs it
-never computed would win every race, and hold the rest.
+never computed would win every race, and hold the rest. Those earlier outputs are the left server's word: where two
+racers' trials agree with each other and not with them, the pair outvotes the left server (the verification's 2:1
+rule: a liar caught first-hand) and wins, unless a racer agreeing with the earlier outputs answers within a round
+(`round_s`) after the pair formed (decision 0183: the earlier outputs break the tie, so lorises answering one made-up
+trial at once do not outvote an honest server's outputs while honest racers compute theirs), and, where neither of
+the pair has a witness's standing, unless a server outside it recomputes the trial and disagrees
+(`verification.pair_referee`, decision 0190 "Attacked": its outputs rebuild the later spans).
 
 A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
-off before it answered the rest, the session's next race sends every racer the whole step instead (a long step, under
-its long-step deadline), which a server must compute to win (`InferenceSession`, decision 0176)."""
+off before it answered the rest, the session's next race sends every racer the trial and then the rest of the step (a
+long step, under its long-step deadline), and a racer must answer both to win: a loris answering only short steps
+holds the rest, one answering only long steps holds the trial (`InferenceSession`, decisions 0176, 0184): its
+outputs at every position of the history are checked as a trial's are, and its new positions are verified as any
+sampled step's."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -32,13 +43,14 @@ import torch
 
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session import stalls
+from corolla.client.session.delivery import delivered_under
 from corolla.client.session.span_session import SpanSession
 from corolla.client.verification.stretches import position_errors
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 
 RACE_WIDTH = 8  # racers started at once, and added each round while none answered
 RACE_MAX = 64  # racers of one race at most (the next race, if all of them fail, takes the servers left)
-TRIAL_TOKENS = stalls.DECODE_MAX_TOKENS  # positions a racer's first step replays (the winner is sent the rest after)
+TRIAL_TOKENS = DECODE_MAX_TOKENS  # positions a racer's first step replays (the winner is sent the rest after)
 
 R = TypeVar("R")
 
@@ -53,14 +65,20 @@ class TrialDisagrees(ConnectionError):
     blamed (the earlier outputs are a server's word too): where no racer agrees, the span is replaced the usual way."""
 
 
+def trial_error(outputs: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest per-position relative L2 error (as `verification.stretches` measures it) of `outputs` [B, T, H]'s
+    first n positions against `expected` [B, n <= T, H] (inf where the shapes do not match)."""
+    first = outputs[:, : expected.shape[1]]
+    return float(position_errors(first, expected).max()) if first.shape == expected.shape else math.inf
+
+
 def check_trial(peer_id: str, outputs: torch.Tensor, expected: torch.Tensor | None, rtol: float) -> None:
-    """TrialDisagrees unless the trial's `outputs` [B, T, H] agree position by position within `rtol` (the relative
-    L2 error `verification.stretches` uses) with `expected` [B, n <= T, H], the span's earlier outputs for its first
-    n positions (None or n = 0: none known, nothing checked)."""
+    """TrialDisagrees unless the trial's `outputs` [B, T, H] agree position by position within `rtol` with
+    `expected` [B, n <= T, H], the span's earlier outputs for its first n positions (None or n = 0: none known,
+    nothing checked)."""
     if expected is None or expected.shape[1] == 0:
         return
-    first = outputs[:, : expected.shape[1]]
-    error = float(position_errors(first, expected).max()) if first.shape == expected.shape else math.inf
+    error = trial_error(outputs, expected)
     if not error <= rtol:
         raise TrialDisagrees(
             f"server ...{peer_id[-6:]}'s trial outputs disagree with the span's earlier ones (error {error:.3g}, "
@@ -69,20 +87,56 @@ def check_trial(peer_id: str, outputs: torch.Tensor, expected: torch.Tensor | No
 
 
 def race_candidates(
-    manager: RemoteSequenceManager, failed_peer: str, blocks: tuple[int, int], rng: random.Random
+    manager: RemoteSequenceManager,
+    failed_peer: str,
+    blocks: tuple[int, int],
+    rng: random.Random,
+    slower_than_s: float | None = None,
 ) -> list[RemoteSpanInfo]:
     """The servers of the view that cover `blocks` alone, other than `failed_peer` and not banned or avoided, as
     spans of exactly `blocks`: those that answered a step of this client within its deadline first (not since
-    avoided or failed), then the others, each group in random order; at most `RACE_MAX`."""
+    avoided or failed), then the others, each group in random order; at most `RACE_MAX`. `slower_than_s`: a decode
+    step over `blocks` (of one row and token) that no racer may be known to deliver at or above: a server this
+    client saw deliver that slowly is left out (a race takes the first trial's answer, which a server crawling on
+    its decode steps gives at once: it would win the race of every move off a slow span, decision 0201); and
+    those it saw deliver under it go first, before the servers seen answering on time (decision 0214: such a race
+    lets them run a round alone, `first_round_width`)."""
     start, end = blocks
-    excluded = manager.bans.banned_peers() | manager.avoided_peers() | {failed_peer}
-    covering = [s for s in manager.spans if s.start <= start and end <= s.end and s.peer_id not in excluded]
-    on_time = manager.answered_on_time()
-    proven = [s for s in covering if s.peer_id in on_time]
-    others = [s for s in covering if s.peer_id not in on_time]
-    rng.shuffle(proven)
-    rng.shuffle(others)
-    return [RemoteSpanInfo(s.peer_id, start, end, s.server_info) for s in (proven + others)[:RACE_MAX]]
+    excluded = manager.excluded_peers() | {failed_peer}
+    covering = [
+        RemoteSpanInfo(s.peer_id, start, end, s.server_info)
+        for s in manager.spans
+        if s.start <= start and end <= s.end and s.peer_id not in excluded
+    ]
+    measured: list[RemoteSpanInfo] = []
+    if slower_than_s is not None:
+        now_s = time.monotonic()
+        seen = {s.peer_id: delivered_under(manager, s, slower_than_s, now_s) for s in covering}
+        covering = [s for s in covering if seen[s.peer_id] is not False]
+        measured = [s for s in covering if seen[s.peer_id]]
+    on_time, first = manager.answered_on_time(), {s.peer_id for s in measured}
+    proven = [s for s in covering if s.peer_id in on_time and s.peer_id not in first]
+    others = [s for s in covering if s.peer_id not in on_time and s.peer_id not in first]
+    for group in (measured, proven, others):
+        rng.shuffle(group)
+    return (measured + proven + others)[:RACE_MAX]
+
+
+def first_round_width(
+    manager: RemoteSequenceManager, candidates: Sequence[RemoteSpanInfo], step_s: float | None
+) -> int:
+    """How many racers start a race (`race`'s `first_width`): after a move for delivery (`step_s`: the bar its
+    racers were chosen by, `race_candidates`' `slower_than_s`), the leading candidates this client measured
+    delivering under it (`race_candidates` puts them first) race alone for a round, where there are any (decision
+    0214: a fresh identity answers a trial at once and crawls after; a server measured to deliver is not outrun by
+    one); else `RACE_WIDTH`."""
+    if step_s is None:
+        return RACE_WIDTH
+    now_s = time.monotonic()
+    measured = 0
+    while measured < len(candidates) and delivered_under(manager, candidates[measured], step_s, now_s):
+        measured += 1
+    return min(measured, RACE_WIDTH) or RACE_WIDTH
 
 
 def round_s(trial_nbytes: int) -> float:
@@ -98,8 +152,9 @@ async def race(
     lost: Callable[[SpanSession, Exception], Awaitable[None]],
     *,
     round_s: float,
+    first_width: int = RACE_WIDTH,
 ) -> tuple[SpanSession, R]:
-    """Runs `trial(racer)` for the first `RACE_WIDTH` racers at once, and for `RACE_WIDTH` more every `round_s`
+    """Runs `trial(racer)` for the first `first_width` racers at once, and for `RACE_WIDTH` more every `round_s`
     while none has answered (or at once where all started ones failed); the first to return wins (returned with its
     result), the others are cancelled and closed. Each failure is handed to `lost` as it comes (which may raise: the
     race ends there); RaceLost when every racer failed. An AssertionError (a bug, not a server's failure) ends it."""
@@ -108,14 +163,14 @@ async def race(
     pending: set[asyncio.Future[R]] = set()
     winner: SpanSession | None = None
 
-    def start_round() -> None:
-        for racer in racers[len(tasks) : len(tasks) + RACE_WIDTH]:
+    def start_round(width: int = RACE_WIDTH) -> None:
+        for racer in racers[len(tasks) : len(tasks) + width]:
             task = asyncio.ensure_future(trial(racer))
             tasks[task] = racer
             pending.add(task)
 
     try:
-        start_round()
+        start_round(first_width)
         next_round = loop.time() + round_s
         while pending:
             timeout_s = None if len(tasks) == len(racers) else max(0.0, next_round - loop.time())

@@ -9,8 +9,9 @@ key to it). Each position is recomputed once, against the shadow's own KV cache:
 not quadratic as recomputing stretches from position 0 was (docs/decisions/0042-shadow-sessions-built.md).
 
 A disagreement is the shadow's replica against the server: `stretches.StretchReferees.decide` asks a third replica
-to recompute the stretch [0, b) in one `rpc_forward` and bans whoever is outvoted 2:1 (with no third, nobody: a
-lying replica cannot get an honest server banned). The `Finding` of a server caught goes to the client's
+to recompute the stretch [0, b) in one `rpc_forward` and bans whoever is outvoted 2:1 by two replicas with a witness's
+standing (else it is only avoided: decision 0190; with no third, nobody: a lying replica cannot get an honest server
+banned). A request on which the two agree is a verified output of each (`BanList.record_verified`: that standing). The `Finding` of a server caught goes to the client's
 `FindingStore` (`RemoteSequenceManager.findings`), for its user to share; one nobody could decide is kept in
 `undecided`.
 
@@ -20,16 +21,10 @@ its cache is not mirrored). Beam search's reorders are mirrored with their steps
 prompt tuning: the span's slice of `[blocks, B|1, P, H]`, sent with the requests from position 0, in the
 `rpc_inference` tensor where Petals takes them); a span session sent deep prompts with a step after position 0 is
 no longer mirrored (a Petals server adds a step's prompts to that step's first positions, a corolla server to
-positions [0, P): honest servers of both kinds would disagree, and no one-pass `rpc_forward` could decide). A server
-corrupting a share q of its steps, in sessions of L steps each shadowed with probability f, escapes N of its steps
-with probability about (1 - f (1 - (1 - q)^L))^(N / L) (`benchmarks.field.catch_rate.escape_probability`: exact for
-lengths drawn uniformly from a range); measured
-with this class (`python -m benchmarks.field.catch_rate`, 5,000 seeded careers, sessions of 17-257 steps): f = 0.75
-catches a 1%-liar within 1,000 of its steps in >= 99% (`DEFAULT_SHADOW_FRACTION`; benchmarks/RESULTS.md). Lower
-rates cost fewer rows (0.70: 6.7% fewer) for less margin: over those lengths a 1%-liar escapes with 0.36% at 0.75,
-0.64% at 0.70, 1.08% at 0.65 (the same model), and the measured rate's 95% bound must stay under 1%
-(docs/decisions/0062). Longer sessions need more: sessions of 1,000 steps, every one (f > 0.99). The liar cannot tell which
-sessions are mirrored: the replica is another server, and the draw is the client's.
+positions [0, P): honest servers of both kinds would disagree, and no one-pass `rpc_forward` could decide).
+`DEFAULT_SHADOW_FRACTION` is the rate that catches a server lying on 1% of its steps within 1,000 of them in >= 99%
+of careers (the escape model and its measurement: `benchmarks.field.catch_rate`, docs/decisions/0062). The liar
+cannot tell which sessions are mirrored: the replica is another server, and the draw is the client's.
 
 Cost to the client: each mirrored step is sent twice (to the server, then in the background to the replica; a token
 never waits for its shadow). The replica gets a session's decode positions several at a time: `after_step` copies
@@ -38,9 +33,8 @@ queueing per step) until it holds `SHADOW_BATCH_ROWS` rows (positions x batch; a
 prompts or the session's end send what it holds first), then hands it to the shadow's worker, which sends it as one
 request of consecutive positions, which a corolla replica runs as that many spare rows of one merged decode forward
 (`server.core.engine_executor`) and a Petals replica as a short prefill: one request, one reply, one comparison per
-`SHADOW_BATCH_ROWS` positions instead of one per position (a replica's host work per shadowed step, not its device's,
-was what shadows cost a busy replica: docs/decisions/0066). A lie is then caught up to that many of the session's
-steps later, or at its end. A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS`."""
+`SHADOW_BATCH_ROWS` positions (a replica's host work per step was the cost: docs/decisions/0066). A lie is then
+caught up to that many of the session's steps later, or at its end. A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS`."""
 
 from __future__ import annotations
 
@@ -72,7 +66,10 @@ SHADOW_BATCH_ROWS = 16  # mirrored positions (x batch) sent to the replica toget
 MAX_SHADOW_LAG_STEPS = 4096  # mirrored steps a slow replica may have queued; past it the shadow is given up
 FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its shadows to catch up (the rest is not checked)
 
-ShadowState = Literal["mirroring", "agreed", "caught", "referee_lied", "undecided", "failed", "dropped"]
+# "disputed" / "referee_disputed": outvoted by replicas short of a witness's standing, avoided only (decision 0190)
+ShadowState = Literal[
+    "mirroring", "agreed", "caught", "referee_lied", "disputed", "referee_disputed", "undecided", "failed", "dropped"
+]
 
 
 @dataclass
@@ -332,7 +329,7 @@ class ShadowVerifier:
                     with shadow.lock:
                         shadow.queued -= steps
                     if shadow.state == "mirroring":
-                        await self._check(shadow, step)
+                        await self._check(shadow, step, steps)
                 finally:
                     queue.task_done()
         except Exception as e:
@@ -347,8 +344,9 @@ class ShadowVerifier:
                 queue.task_done()
             await self.close_stream(shadow)
 
-    async def _check(self, shadow: Shadow, step: Mirrored) -> None:
-        """Replays `step` on the shadow's replica and compares its outputs with the server's."""
+    async def _check(self, shadow: Shadow, step: Mirrored, steps: int = 1) -> None:
+        """Replays `step` (the request of `steps` mirrored steps) on the shadow's replica and compares its outputs with
+        the server's."""
         if step.first > shadow.sent_length:
             raise ConnectionError(f"the shadow lacks positions [{shadow.sent_length}, {step.first})")
         recomputed = await self.replay(shadow, step)
@@ -358,6 +356,11 @@ class ShadowVerifier:
         shadow.max_error = max(shadow.max_error, error)
         if not agrees:
             await self._disagreement(shadow, step, recomputed, error)
+        elif shadow.replica.peer_id not in self.manager.disputes.co_witnesses(shadow.span.peer_id):
+            # its steps verified, each of both: the standing a witness needs (co-witnesses vouch for nothing: 0190)
+            for _ in range(steps):
+                self.manager.bans.record_verified(shadow.span.peer_id, agreed=True)
+                self.manager.bans.record_verified(shadow.replica.peer_id, agreed=True)
 
     async def open_stream(self, shadow: Shadow) -> None:
         """Opens the shadow's stream to its replica."""

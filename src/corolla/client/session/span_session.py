@@ -44,14 +44,25 @@ from corolla.client.calls.retries import PushedReplyRejected, ServerTooSlow, has
 from corolla.client.calls.step_request import step_payload, uid_field
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
+from corolla.client.routing.announced_pace import announced_step_s, announced_token_s
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.delivery import (
+    JUDGE_MIN_STEPS,
+    JUDGE_PERIOD_S,
+    JUDGE_WINDOW_S,
+    JUDGE_WINDOW_STEPS,
+    MOVE_PERIOD_S,
+    MovePacer,
+    Workload,
+    judge,
+    observed_block_s,
+    pace_of,
+)
 from corolla.client.session.stalls import (
     SLOW_AVOID_S,
     StallAction,
     StallEvent,
     StepClock,
-    announced_step_s,
-    announced_token_s,
 )
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
@@ -63,7 +74,7 @@ from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PREFIX_KEY, parse_prefix_hit
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -181,6 +192,7 @@ class SpanSession:
         self.link_address: tuple[str, int] | None = None
         self.started = False  # the server opened the session (its first request sent: no max_length after it)
         self._closed = False
+        self._counted = False  # the manager counts its open stream (`stepping_through`) until it is closed
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
         # the upstream peer its server was told (it accepts pushes only from it)
         self.declared_upstream: str | None = None
@@ -198,9 +210,15 @@ class SpanSession:
             announced_token_s(span.length, info.forward_rps, info.inference_rps),
         )
         self.step_tokens = 0  # tokens the step in flight sends (a stall event names them: a decode step or a long one)
+        self.step_rows = 1  # its rows (what a step delivers is judged per row and token: `StepClock.delivered`)
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
         self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
+        # where it was left for what it delivers: the chain judged to run the session's rest faster (decision 0193)
+        self.move_to: tuple[RemoteSpanInfo, ...] | None = None
         self._noted_on_time = False  # told the manager its server answered a step within its deadline
+        # an inference session's spans share one (None: never judged by delivery, e.g. a verification's shadow)
+        self.pacer: MovePacer | None = None
+        self._judged_at_s = -math.inf  # when its delivery was last judged (`client.session.delivery`)
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -210,6 +228,9 @@ class SpanSession:
             self._stream = stream = await asyncio.wait_for(opening, self.manager.config.connect_timeout_s)
             self._direct = stream if isinstance(stream, FramedSocketStream) else None
             self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
+        if not self._closed:  # (closed meanwhile: `close` found no stream to close)
+            self.manager.stepping_through(self.span.peer_id)
+            self._counted = True
 
     @property
     def local(self) -> LocalInferenceStream | None:
@@ -458,6 +479,7 @@ class SpanSession:
         )
         self.started = True
         num_tokens = self.step_tokens = inputs.shape[1]
+        self.step_rows = inputs.shape[0]
         started_s = time.monotonic()
         stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
         await self.send(request)
@@ -503,6 +525,7 @@ class SpanSession:
             and not self._closed
             and self.started
             and self.manager.cached_input_compression(self.span.peer_id) is not None
+            and not self.too_slow
         )
 
     def step_here(
@@ -530,6 +553,7 @@ class SpanSession:
         )
         check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
         num_tokens = self.step_tokens = inputs.shape[1]
+        self.step_rows = inputs.shape[0]
         started_s = time.monotonic()
         stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
         # past its deadline and the span's late budget, the step may be left
@@ -565,8 +589,10 @@ class SpanSession:
         return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
 
     def time_step(self, num_tokens: int, stall_deadline_s: float | None, started_s: float, answered_s: float) -> None:
-        """After an answered step: its time feeds the clock, or, past its deadline, is charged to the late budget."""
+        """After an answered step: its time feeds the clock's deadlines, or, past its deadline, is charged to the late
+        budget; either way it counts in what the span delivers, which is judged at most once a `JUDGE_PERIOD_S`."""
         elapsed_s = answered_s - started_s
+        self.clock.delivered(num_tokens, elapsed_s, answered_s, rows=self.step_rows)
         if stall_deadline_s is not None and elapsed_s > stall_deadline_s:
             self.clock.charge_late(elapsed_s - stall_deadline_s, answered_s)
         else:
@@ -574,6 +600,60 @@ class SpanSession:
             if not self._noted_on_time:  # once a session: a replacement race tries such servers first (0163)
                 self._noted_on_time = True
                 self.manager.note_on_time(self.span.peer_id)
+        # (late steps too: one answering each step just past its deadline delivers slowly, decision 0201)
+        if num_tokens > DECODE_MAX_TOKENS:  # a prompt's or a replay's pace, for the client's next judgments (0193)
+            token_s = self.clock.delivered_token_s(JUDGE_WINDOW_STEPS)
+            if token_s is not None:
+                self.manager.observed_steps.note_long(self.span.peer_id, token_s / self.span.length, answered_s)
+        if self.pacer is not None and answered_s - self._judged_at_s >= JUDGE_PERIOD_S:
+            self._judged_at_s = answered_s
+            self.judge_delivery(answered_s)
+
+    def judge_delivery(self, now_s: float, step_tokens: int = 0) -> bool:
+        """Notes what the span delivers on decode steps for routes (`routing.observed_steps`) and marks it `too_slow`
+        (the session's next step replaces it, as after a stall: decision 0163's race, or the chain judged faster)
+        where another chain of its blocks would run the session's rest so much faster that moving pays
+        (`delivery.judge`, decisions 0189, 0193): after a step (`step_tokens` 0: the rest is decode steps, judged once
+        `JUDGE_MIN_STEPS` were seen), or before a long step of `step_tokens` (a new turn's prompt: judged where this
+        client saw the server's long steps); the server is avoided `MOVE_PERIOD_S`, not banned. True where it
+        moves."""
+        delivered_s = self.clock.delivered_step_s(JUDGE_MIN_STEPS, JUDGE_WINDOW_STEPS, JUDGE_WINDOW_S, now_s)
+        token_s = self.clock.delivered_token_s(JUDGE_WINDOW_STEPS)
+        peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
+        if delivered_s is not None:
+            block_s = observed_block_s(self.manager, peer_id, delivered_s, self.span.length)
+            self.manager.observed_steps.note(peer_id, block_s, now_s)
+        if step_tokens <= 0 and delivered_s is None:
+            return False
+        if step_tokens > 0 and token_s is None and self.manager.observed_steps.token_block_s(peer_id, now_s) is None:
+            return False  # its long steps never seen: its record's word against the others'
+        if self.pacer is None or self.too_slow or not self.pacer.may_move(now_s, blocks, delivered_s):
+            return False
+        history = self.history
+        work = Workload(
+            step_tokens, self.max_length - self.position - step_tokens, self.position,
+            0 if history is None else history.nbytes,
+        )  # fmt: skip
+        own = pace_of(self.manager, self.span, now_s, step_s=delivered_s, token_s=token_s)
+        verdict = judge(self.manager, self.span, own, work, now_s)
+        # (the region's other servers need not cover the blocks: the chain's RTTs are priced; decision 0196)
+        if verdict is None or not self.manager.avoid(peer_id, MOVE_PERIOD_S, keep_region=False):
+            return False
+        self.pacer.moved(now_s, blocks, verdict.promised_s)
+        # (the servers the session goes to are marked pending as it reaches them, the race's winner or the chain: not
+        # the verdict's, which a race may not pick; marked here, a loris winning the race against the verdict's
+        # server kept it no candidate for `PENDING_S`, and the session on the loris: decision 0214)
+        self.too_slow, self.move_to = True, verdict.route
+        tokens = step_tokens or self.step_tokens
+        self.stall_events.append(StallEvent(peer_id, blocks, verdict.delivered_s, verdict.other_s, "outpaced", tokens))
+        logger.warning(
+            "span_session.outpaced(peer=...%s, blocks=%d:%d, step_tokens=%d, step_s=%.3f, route=%s, "
+            "route_step_s=%.3f, saving_s=%.1f, price_s=%.1f): moving the session, the server avoided for %.0f s",
+            peer_id[-6:], *blocks, tokens, verdict.delivered_s,
+            " => ".join(f"{hop.start}:{hop.end} via ...{hop.peer_id[-6:]}" for hop in verdict.route),
+            verdict.other_s, verdict.saving_s, verdict.price_s, MOVE_PERIOD_S,
+        )  # fmt: skip
+        return True
 
     def _move_off(self, waited_s: float, stall_deadline_s: float) -> None:
         """The span's late budget ran out while another server holds its blocks: records the move, avoids the server
@@ -704,6 +784,9 @@ class SpanSession:
         if self._closed:
             return
         self._closed = True
+        if self._counted:
+            self._counted = False
+            self.manager.stepped_off(self.span.peer_id)
         stream = self._stream
         if stream is None:
             return

@@ -24,6 +24,11 @@ from corolla.protocol.records import DECODE_MAX_TOKENS
 STALL_FACTOR = 4.0  # a step this many times slower than the span's slowest recent step is suspect
 STALL_MIN_S = 1.0  # never suspect sooner: a busy CPU, a GC pause or a batch on the server can take this long
 STEP_TIMES_KEPT = 16  # recent step times a deadline is derived from
+# answered decode steps kept for what a span delivers (`StepClock.delivered_step_s`: its window in seconds holds this
+# many at most, ~26 KB a span session; 2 s of a GPU's 8 ms steps: still past the judgment's 1 s period, so a step slow
+# just after a judgment is in the next one's window unless 256 steps follow it within that second, its gain then
+# at most 1 s / 257 a step)
+DELIVERED_KEPT = 256
 LATE_BUDGET_S = 8.0  # a span's steps may run this long past their deadlines (net of the leak) before it is moved
 LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a server late 10% of the time is kept
 SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes this long (one refresh period)
@@ -37,7 +42,7 @@ SLOW_LINK_BYTES_PER_S = 1e6  # 8 Mbit/s: a slow home uplink, which the client's 
 # where another server holds the blocks
 STEP_MAX_S = 60.0
 
-StallAction = Literal["slow", "moved", "failed_over", "waited"]
+StallAction = Literal["slow", "moved", "failed_over", "waited", "outpaced"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,11 @@ class StallEvent:
     the step deadline it had, and what the client did (`slow`: it answered a ping, so we kept waiting; `moved`: it
     answered pings but its span's late budget ran out while another server holds its blocks; `failed_over`: it did
     not answer and another server holds its blocks; `waited`: it did not and it is the only one, so we kept waiting
-    for the link), and the tokens the step sent (more than `DECODE_MAX_TOKENS`: a prompt or a replay)."""
+    for the link; `outpaced`: it answered its steps, but delivered them so much slower than another server of its
+    blocks would that a move pays over the rest of the session: `detected_after_s` is then its delivered step (of
+    one row and token: `StepClock.delivered_step_s`), `step_deadline_s` the other server's expected step,
+    `client.session.delivery`), and the tokens the step
+    sent (more than `DECODE_MAX_TOKENS`: a prompt or a replay)."""
 
     peer_id: str
     blocks: tuple[int, int]
@@ -54,24 +63,6 @@ class StallEvent:
     step_deadline_s: float | None  # None: noticed by a liveness ping, not at a step deadline
     action: StallAction
     num_tokens: int = 0
-
-
-def announced_step_s(num_blocks: int, inference_rps: float | None) -> float | None:
-    """The decode step time a server's record implies for `num_blocks` of its blocks (`inference_rps` is per block:
-    a token through n blocks takes n / rps); None when it announces no figure."""
-    if inference_rps is None or not inference_rps > 0:
-        return None
-    return num_blocks / inference_rps
-
-
-def announced_token_s(num_blocks: int, forward_rps: float | None, inference_rps: float | None) -> float | None:
-    """The time a server's record implies for one token of a long step through `num_blocks` of its blocks: its
-    prefill rate (`forward_rps`, per block, measured on a batch of tokens), else its decode rate (a prefill costs no
-    more than its tokens as decode steps); None when it announces neither."""
-    for rps in (forward_rps, inference_rps):
-        if rps is not None and rps > 0:
-            return num_blocks / rps
-    return None
 
 
 class StepClock:
@@ -87,6 +78,10 @@ class StepClock:
 
     def __init__(self, announced_step_s: float | None = None, announced_token_s: float | None = None) -> None:
         self._times_s: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
+        # (when answered, seconds) of every answered decode step, late ones too: what the span delivered
+        self._delivered: collections.deque[tuple[float, float]] = collections.deque(maxlen=DELIVERED_KEPT)
+        # seconds a row and token of its recent long steps (prompts, replays), late ones too (decision 0193)
+        self._delivered_long: collections.deque[float] = collections.deque(maxlen=STEP_TIMES_KEPT)
         self._ceiling_s = STEP_MAX_S
         if announced_step_s is not None and math.isfinite(announced_step_s) and announced_step_s >= 0:
             self._ceiling_s = min(STEP_MAX_S, max(STALL_MIN_S, STALL_FACTOR * announced_step_s))
@@ -98,6 +93,44 @@ class StepClock:
     def record(self, num_tokens: int, elapsed_s: float) -> None:
         if 0 < num_tokens <= DECODE_MAX_TOKENS and elapsed_s >= 0:
             self._times_s.append(elapsed_s)
+
+    def delivered(self, num_tokens: int, elapsed_s: float, answered_s: float, rows: int = 1) -> None:
+        """After any answered step, late or not: its time counts in what the span delivers, per row and token (a
+        session of 16 rows, or of 8-token steps, is not judged slow against a one-token figure): a decode step's in
+        `delivered_step_s`, a long step's (a prompt's, a replay's: its overhead spread over its tokens) in
+        `delivered_token_s`."""
+        if num_tokens <= 0 or not elapsed_s >= 0 or rows <= 0:
+            return
+        if num_tokens <= DECODE_MAX_TOKENS:
+            self._delivered.append((answered_s, elapsed_s / (rows * num_tokens)))
+        else:
+            self._delivered_long.append(elapsed_s / (rows * num_tokens))
+
+    def delivered_token_s(self, window: int) -> float | None:
+        """What the span delivers on long steps now, in seconds a row and token: the mean of its last `window` (late
+        ones included); None before the first (decision 0193: a server that crawls on prompts and replays only, or
+        answers only them well, is judged on them, not on its decode steps)."""
+        if not self._delivered_long:
+            return None
+        times = list(self._delivered_long)[-window:]
+        return math.fsum(times) / len(times)
+
+    def delivered_step_s(self, min_steps: int, window_steps: int, window_s: float, now_s: float) -> float | None:
+        """What the span delivers now, as a step of one row and token (decision 0189: judged against what another
+        server would): the mean of the decode steps answered in the last `window_s` (the last `window_steps` where
+        fewer; at most `DELIVERED_KEPT`), late ones included, less the slowest one (a hiccup); None with fewer than
+        `min_steps` (at least 2). Decision 0201: not the median of the last 8 steps answered on time, which let a
+        server slow on 3 steps in 8 keep a fast median, one answering every step just past its deadline go unjudged
+        (the late budget's leak refilled it), and one slow between judgments (once a second) and fast on the 8 steps
+        before each go unseen; and per row and token, not per step, which moved an honest session of many rows or
+        tokens a step off a server as slow for it as any other."""
+        steps = self._delivered
+        times = [elapsed_s for answered_s, elapsed_s in steps if now_s - answered_s <= window_s]
+        if len(times) < window_steps:
+            times = [elapsed_s for _, elapsed_s in list(steps)[-window_steps:]]
+        if len(times) < max(2, min_steps):
+            return None
+        return (math.fsum(times) - max(times)) / (len(times) - 1)
 
     def deadline_s(self, num_tokens: int, nbytes: int = 0) -> float:
         if num_tokens > DECODE_MAX_TOKENS:

@@ -1,6 +1,7 @@
 """`RemoteSequential`: a range of remote blocks used like a local `nn.Module` — forward/backward as a torch autograd
 function through the swarm (re-planned on failure; with `ClientConfig.verify_fraction`, sampled spans' outputs and
-gradients are voted on by other servers), or step-by-step inside an inference session."""
+gradients are voted on by other servers; a span's outputs that the next span's float16 server cannot hold are put to
+a replica of it first, `verification.range_dispute`), or step-by-step inside an inference session."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from torch import nn
 
 from corolla.client import background_loop
+from corolla.client.calls.output_checks import InputsOutOfRange
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
 from corolla.client.calls.retries import RetryBudget
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession
+from corolla.client.verification.range_dispute import Produced, producer_failure
 from corolla.client.verification.step_verifier import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -57,7 +60,7 @@ async def sequential_forward(
             # prompts are indexed relative to `start` of the whole call; spans relative to the manager
             span_prompts = _prompt_slice(prompts, span, start)
             outputs = await run_remote_forward(manager, span, hidden, span_prompts)
-            if verifier is not None and verifier.sample():
+            if verifier is not None and verifier.sample([span.peer_id]):
                 await verifier.verify(span, hidden, outputs, prompts=span_prompts)
             manager.on_request_success(span.peer_id)
             budget.on_success()
@@ -66,8 +69,24 @@ async def sequential_forward(
             hidden, block, route = outputs, span.end, route[1:]
         except Exception as e:
             route = None
+            failed = span.peer_id if span is not None else None
             blocks = (block, span.end if span is not None else end)
-            await _retry(budget, span.peer_id if span is not None else None, e, blocks)
+            if isinstance(e, InputsOutOfRange) and e.peer_id == failed and spans:
+                # the spans before, nearest first, each with the outputs it gave: the last one's `hidden`, past the
+                # float16 server's range, maybe a liar's or carried on from one's by the spans between (0186)
+                gave = [*span_inputs[1:], hidden]
+                producers = [
+                    Produced(spans[k], span_inputs[k], gave[k], _prompt_slice(prompts, spans[k], start))
+                    for k in range(len(spans) - 1, -1, -1)
+                ]
+                found = await producer_failure(manager, producers, e)
+                if found is not None:  # that span fails in its place, and it and the spans after run again
+                    k = len(spans) - 1 - found[0]
+                    upstream = spans[k]
+                    e, failed, blocks = found[1], upstream.peer_id, (upstream.start, upstream.end)
+                    hidden, block = span_inputs[k], upstream.start
+                    del spans[k:], span_inputs[k:]
+            await _retry(budget, failed, e, blocks)
     return hidden, span_inputs, spans
 
 
@@ -92,7 +111,7 @@ async def sequential_backward(
             grad_inputs, span_grad_prompts = await run_remote_backward(
                 manager, span, inputs, grad_outputs, span_prompts
             )
-            if verifier is not None and verifier.sample():
+            if verifier is not None and verifier.sample([span.peer_id]):
                 await verifier.verify_backward(
                     span, inputs, grad_outputs, grad_inputs, span_grad_prompts, prompts=span_prompts
                 )

@@ -30,6 +30,7 @@ from corolla.client.transport.local_transport import frame_response, say_hello
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
+from corolla.utils.peer_tables import remember
 
 logger = get_logger(__name__)
 
@@ -167,7 +168,8 @@ async def open_direct(
 
 
 class DirectOffers:
-    """Each server's direct offer (or that it has none), for the client's sessions. `ask(peer_id)` runs the ticket
+    """Each server's direct offer (or that it has none), for the client's sessions, of the latest
+    `peer_tables.PEERS_KEPT_MAX` servers asked (an older one is asked again). `ask(peer_id)` runs the ticket
     RPC over p2p (the caller's code: it knows the p2p instance and the membership proof)."""
 
     def __init__(self, ask: Callable[[str], Awaitable[ds.DirectOffer]], *, time_fn: Callable[[], float] = time.time):
@@ -191,10 +193,10 @@ class DirectOffers:
             logger.debug(f"direct_transport.no_offer(peer=...{peer_id[-6:]}): {e!r}")
             self.unusable(peer_id)
             return None
-        self._offers[peer_id] = offer
+        remember(self._offers, peer_id, offer)
         return offer
 
     def unusable(self, peer_id: str) -> None:
         """`peer_id`'s direct port did not work: use p2p with it for `NO_DIRECT_RETRY_S`."""
         self._offers.pop(peer_id, None)
-        self._none_until[peer_id] = self._time() + NO_DIRECT_RETRY_S
+        remember(self._none_until, peer_id, self._time() + NO_DIRECT_RETRY_S)

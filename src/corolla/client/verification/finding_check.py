@@ -7,9 +7,10 @@ servers do not sign them), so the receiver asks the swarm itself:
 3. the accused is asked the same inputs itself; it is gone, fails, or answers as the replica did: "unverifiable"
    (the claim cannot be confirmed first-hand; a liar that lies rarely lands here too);
 4. its own answer differs from the replica's: further replicas (never the reporter) decide 2:1
-   (`StretchReferees.decide`, the rule shadows use): the accused outvoted is banned for good and its own answer
-   kept as this client's first-hand finding (`FindingStore.record_caught`): "caught"; the replica outvoted by the
-   accused and a third is banned instead, or no third answers: "unverifiable" for the accused.
+   (`StretchReferees.decide`, the rule shadows use): the accused outvoted by two replicas with a witness's standing
+   is banned for good and its own answer kept as this client's first-hand finding (`FindingStore.record_caught`):
+   "caught"; outvoted by replicas short of standing (only avoided, decision 0190), the replica outvoted by the
+   accused and a third banned instead, or no third answering: "unverifiable" for the accused.
 Only "caught" changes anything about the accused; a forged finding against an honest server ends in 2 or 3. A finding
 against a server this client has banned as a liar already is not re-checked ("unverifiable")."""
 
@@ -74,6 +75,8 @@ async def check_finding(
     if verdict == "referee_lied":  # the replica lied to us, outvoted by the accused and a third: first-hand too
         replica_finding = dataclasses.replace(finding, peer_id=replica.peer_id, claimed=reference)
         await asyncio.to_thread(manager.findings.record_caught, replica_finding)
+    if verdict == "disputed":  # (decision 0190)
+        return _unverifiable(finding, "outvoted by replicas short of a witness's standing: avoided, not banned")
     if verdict != "caught":
         return _unverifiable(finding, "no second replica sided with the first")
     await asyncio.to_thread(manager.findings.record_caught, own_finding)  # (disk: off the client loop)

@@ -2,7 +2,10 @@
 `rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
 banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
 (`remote_sequential`) are sampled and voted on the same way. A server outvoted 2:1 is banned for good (first-hand
-evidence, as in `client.verification.stretches`). A span served by one server only cannot be checked: at `verify_fraction` < 1
+evidence, as in `client.verification.stretches`) where a witness has standing with this client and no server outside
+them, asked first, refutes them (decision 0208: else a tie, nobody banned); else it is avoided and the
+witnesses are watched: every step of a watched server is verified, whatever the fraction
+(`sample(peers)`; decision 0190). A span served by one server only cannot be checked: at `verify_fraction` < 1
 its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) they are trusted only from a server
 whose last `LONE_TRUST_STEPS` verified outputs all agreed with other servers (a server lying on a share q of its
 steps builds such a record with probability (1 - q)^64: 0.1% at q = 10%, and is banned for good at its first lie
@@ -12,14 +15,21 @@ server, so the client waits (within `max_wait_s`) for a second server rather tha
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import torch
 
-from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange, comparison_rtol, relative_error
+from corolla.client.calls.output_checks import (
+    BadServerOutput,
+    InputsOutOfRange,
+    OutputsDisputed,
+    comparison_rtol,
+    relative_error,
+)
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
+from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck, refuted
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -54,8 +64,16 @@ class StepVerifier:
     def fraction(self) -> float:
         return self.manager.config.verify_fraction
 
-    def sample(self) -> bool:
-        return self.fraction > 0 and (self.fraction >= 1 or self.rng.random() < self.fraction)
+    def sample(self, peers: Iterable[str] = ()) -> bool:
+        """Whether to verify a step served by `peers`: a watched one always (decision 0190), else a `fraction`."""
+        if self.fraction > 0 and (self.fraction >= 1 or self.rng.random() < self.fraction):
+            return True
+        return self.watches(peers)
+
+    def watches(self, peers: Iterable[str]) -> bool:
+        """Whether any of `peers` is watched (`routing.disputes`): its steps are verified whatever the fraction."""
+        watched = self.manager.disputes.watched()
+        return bool(watched) and any(peer in watched for peer in peers)
 
     def _agree(
         self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], spans: tuple[RemoteSpanInfo, ...]
@@ -133,13 +151,32 @@ class StepVerifier:
                 continue
             agrees, error = self._agree(claimed, other, (span, referee))
             bans = self.manager.bans
+            vouching = referee.peer_id in self.manager.disputes.co_witnesses(span.peer_id)
+            if agrees and vouching and dissent:
+                # a watched server's co-witness against a referee from outside: one witness each (decision 0190)
+                self.num_verified += 1
+                self.num_rejected += 1
+                refuted(self.manager, span.peer_id)  # its standing lost, avoided longer each time (decision 0225)
+                raise OutputsDisputed(
+                    span.peer_id,
+                    f"{what} for blocks {span.start}:{span.end} agree only with its co-witness "
+                    f"...{referee.peer_id[-6:]}, not with ...{dissent[0][0].peer_id[-6:]}",
+                )
             if agrees:
                 self.num_verified += 1
-                bans.record_verified(span.peer_id, agreed=True)  # outvoting a dissenter too
-                bans.record_verified(referee.peer_id, agreed=True)
+                if not vouching:  # (co-witnesses earn no standing from each other: decision 0190)
+                    bans.record_verified(span.peer_id, agreed=True)  # outvoting a dissenter too
+                    bans.record_verified(referee.peer_id, agreed=True)
                 for liar, _ in dissent:  # outvoted: the span's server and this referee agree against it
-                    bans.ban_liar(liar.peer_id)
-                    self._ban(liar, f"outvoted by ...{span.peer_id[-6:]} and ...{referee.peer_id[-6:]}")
+                    witnesses = [span.peer_id, referee.peer_id]
+                    rechecked = await self._recheck(span, witnesses, claimed, liar, ask)
+                    outvote(self.manager, liar.peer_id, witnesses, f"{what} as a referee", rechecked=rechecked)
+                    if rechecked == "refuted":  # a tie: the server's outputs are one side's word (decision 0208)
+                        raise OutputsDisputed(
+                            span.peer_id,
+                            f"{what} for blocks {span.start}:{span.end} agree with ...{referee.peer_id[-6:]}, not with "
+                            f"...{liar.peer_id[-6:]}, and no server outside them confirms it",
+                        )
                 return
             logger.info(
                 "verification.disagreement(blocks=%d:%d, what=%s, server=...%s, referee=...%s, rel_error=%.3g)",
@@ -149,13 +186,20 @@ class StepVerifier:
                 if self._agree(other, earlier_out, (referee, earlier))[0]:  # two referees outvote the server
                     self.num_verified += 1
                     self.num_rejected += 1
-                    bans.ban_liar(span.peer_id)
-                    raise BadServerOutput(
-                        span.peer_id,
+                    message = (
                         f"{what} for blocks {span.start}:{span.end} disagree with ...{referee.peer_id[-6:]} and "
-                        f"...{earlier.peer_id[-6:]} (relative error {error:.3g})",
-                        taints_history=True,
+                        f"...{earlier.peer_id[-6:]} (relative error {error:.3g})"
                     )
+                    witnesses = [earlier.peer_id, referee.peer_id]
+                    rechecked = await self._recheck(span, witnesses, other, span, ask)
+                    if outvote(self.manager, span.peer_id, witnesses, message, rechecked=rechecked):
+                        raise BadServerOutput(span.peer_id, message, taints_history=True)
+                    why = {
+                        "refuted": "but no server outside them confirms them",
+                        "split": "but the servers outside split",
+                    }
+                    short = "who are short of a witness's standing"
+                    raise OutputsDisputed(span.peer_id, f"{message}, {why.get(rechecked, short)}")
             dissent.append((referee, other))
         if not dissent:
             return  # every referee failed: nothing was compared
@@ -171,6 +215,30 @@ class StepVerifier:
             f"{', '.join('...' + r.peer_id[-6:] for r, _ in dissent)} and no majority decides",
             taints_history=True,
         )
+
+    async def _recheck(
+        self,
+        span: RemoteSpanInfo,
+        witnesses: list[str],
+        agreed: tuple[torch.Tensor, ...],
+        accused: RemoteSpanInfo,
+        ask: Callable[[RemoteSpanInfo], Awaitable[tuple[torch.Tensor, ...]]],
+    ) -> Recheck:
+        """Where `witnesses` (agreeing on `agreed`) would ban `accused` on standing, servers of `span`'s blocks outside
+        the three answer the same request first (`ask`), each to confirm `agreed` (decision 0208)."""
+        if not needs_recheck(self.manager, accused.peer_id, witnesses):
+            return "unchecked"
+
+        async def confirms(outsider: RemoteSpanInfo) -> bool | None:
+            try:
+                theirs = await ask(outsider)
+            except Exception as e:  # a referee that failed is not a liar: not counted
+                logger.info("verification.recheck_failed(peer=...%s, error=%r)", outsider.peer_id[-6:], e)
+                return None
+            return self._agree(theirs, agreed, (outsider, span))[0]
+
+        outsiders = StretchReferees(self.manager, rng=self.rng).outsiders(span, {accused.peer_id, *witnesses})
+        return await recheck(outsiders, confirms)
 
     def _ban(self, span: RemoteSpanInfo, reason: str) -> None:
         logger.warning(

@@ -2,8 +2,11 @@
 replica of the span recomputes the stretch as ONE stateless `rpc_forward` over the span's inputs for positions
 [0, b) and its session's deep prompts, if any (an existing RPC, so stock Petals servers serve as referees and are checked too), and the outputs the server
 claimed for positions [first, b) are compared position by position within the dtype's tolerance. A disagreement is
-decided by a second replica: the server outvoted 2:1 is banned for good (`BanList.ban_liar`); with no second replica
-nobody is banned (an honest server must never be banned because one referee lied), and the finding is kept.
+decided by a second replica: the server outvoted 2:1 is banned for good (`BanList.ban_liar`) where one of the two
+replicas has a witness's standing and no replica outside the three refutes them (`recheck`, decision 0208), else
+avoided and the two watched (`verification.witnesses`, decision 0190: two fresh identities of one attacker must not
+get an honest server banned); with no second replica nobody is banned (an honest server must
+never be banned because one referee lied), and the finding is kept.
 
 Who asks: `client.session.shadows` (a sampled session's replica disagreed with its server: the shadow's outputs are the first
 referee's answer) and `client.verification.finding_check` (a shared finding, re-verified first-hand). Sessions are no longer verified
@@ -21,6 +24,7 @@ from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck, trusted
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -34,7 +38,9 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a32 - b32).norm(dim=-1) / scale
 
 
-Verdict = Literal["agreed", "caught", "undecided", "referee_lied"]
+# "caught" / "referee_lied": the server / the first referee outvoted 2:1 and banned for good; "disputed" /
+# "referee_disputed": outvoted by witnesses short of standing, avoided only (`witnesses.outvote`)
+Verdict = Literal["agreed", "caught", "undecided", "referee_lied", "disputed", "referee_disputed"]
 
 
 class StretchReferees:
@@ -45,7 +51,9 @@ class StretchReferees:
         self.rng = rng or random.Random()
 
     def replicas(self, span: RemoteSpanInfo, exclude: set[str]) -> list[RemoteSpanInfo]:
-        """Unbanned servers holding all of `span`'s blocks, not in `exclude`, in random order, as spans of them."""
+        """Unbanned servers holding all of `span`'s blocks, not in `exclude`, in random order, as spans of them; the
+        co-witnesses of its server in an open dispute last (`routing.disputes`: one attacker's identities would vouch
+        for each other; their agreement earns no standing, `Disputes.co_witnesses`)."""
         banned = self.manager.bans.banned_peers()
         others = [
             RemoteSpanInfo(peer_id=s.peer_id, start=span.start, end=span.end, server_info=s.server_info)
@@ -53,7 +61,34 @@ class StretchReferees:
             if s.peer_id not in exclude and s.peer_id not in banned and s.start <= span.start and span.end <= s.end
         ]
         self.rng.shuffle(others)
+        co_witnesses = self.manager.disputes.co_witnesses(span.peer_id)
+        others.sort(key=lambda other: other.peer_id in co_witnesses)
         return others
+
+    def outsiders(self, span: RemoteSpanInfo, parties: set[str]) -> list[RemoteSpanInfo]:
+        """Replicas of `span` outside a dispute's `parties` (the accused and its witnesses), to recheck it before a
+        ban on standing (decision 0208): those with a witness's standing first (an attacker's fresh identity is not
+        drawn before them), a co-witness of any party in an open dispute last."""
+        others = self.replicas(span, parties)
+        co_witnesses = set().union(*(self.manager.disputes.co_witnesses(peer) for peer in parties))
+        others.sort(key=lambda other: (other.peer_id in co_witnesses, not trusted(self.manager, other.peer_id)))
+        return others
+
+    async def recheck(
+        self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
+        agreed: torch.Tensor, accused: RemoteSpanInfo,
+    ) -> Recheck:  # fmt: skip
+        """Where `witnesses` (agreeing on `agreed` [B, b - first, H]) would ban `accused` on standing, replicas of
+        `span` outside the three recompute `finding`'s stretch first, each to confirm `agreed` (decision 0208)."""
+        if not needs_recheck(self.manager, accused.peer_id, [witness.peer_id for witness in witnesses]):
+            return "unchecked"
+
+        async def confirms(outsider: RemoteSpanInfo) -> bool | None:
+            theirs = await self.recompute(outsider, finding)
+            return None if theirs is None else self.compare(theirs, agreed, (outsider, witnesses[0]))[0]
+
+        parties = {accused.peer_id, *(witness.peer_id for witness in witnesses)}
+        return await recheck(self.outsiders(span, parties), confirms)
 
     async def recompute(self, replica: RemoteSpanInfo, finding: Finding) -> torch.Tensor | None:
         """The replica's outputs for positions [first, b) of `finding`'s inputs [B, b, H] (with its deep prompts, as
@@ -96,8 +131,9 @@ class StretchReferees:
     ) -> Verdict:
         """`referee` answered `recomputed` [B, b - first, H] where `span`'s server claimed `finding.claimed`: further
         replicas (`thirds`, default: every other) recompute the stretch until one sides with either. The one
-        outvoted 2:1 is banned for good ("caught": the server; "referee_lied"); with no third, "undecided":
-        nobody is banned."""
+        outvoted 2:1 is banned for good ("caught": the server; "referee_lied") where a witness has standing and no
+        replica outside the three refutes them (`recheck`, decision 0208), else avoided ("disputed",
+        "referee_disputed"); with no third, "undecided": nobody is banned."""
         logger.warning(
             "stretches.disagreement(blocks=%d:%d, server=...%s, referee=...%s, positions=%d:%d, max_error=%.3g)",
             span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:], finding.first, finding.inputs.shape[1],
@@ -109,21 +145,21 @@ class StretchReferees:
             decided = await self.recompute(third, finding)
             if decided is None:
                 continue
+            where = f"blocks {span.start}:{span.end}, positions {finding.first}:{finding.inputs.shape[1]}"
             if self.compare(decided, recomputed, (third, referee))[0]:  # two replicas outvote the server
-                self._ban_liar(span.peer_id, span, f"outvoted by ...{referee.peer_id[-6:]}, ...{third.peer_id[-6:]}")
-                return "caught"
+                rechecked = await self.recheck(span, finding, (referee, third), recomputed, span)
+                banned = outvote(
+                    self.manager, span.peer_id, [referee.peer_id, third.peer_id], where, rechecked=rechecked
+                )
+                return "caught" if banned else "disputed"
             if self.compare(decided, finding.claimed, (third, span))[0]:  # the first referee lied
-                self._ban_liar(referee.peer_id, span, f"outvoted by ...{span.peer_id[-6:]}, ...{third.peer_id[-6:]}")
-                return "referee_lied"
+                rechecked = await self.recheck(span, finding, (span, third), finding.claimed, referee)
+                banned = outvote(
+                    self.manager, referee.peer_id, [span.peer_id, third.peer_id], where, rechecked=rechecked
+                )
+                return "referee_lied" if banned else "referee_disputed"
         logger.warning(
             "stretches.undecided(blocks=%d:%d, server=...%s, referee=...%s): no third replica; nobody banned",
             span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:],
         )  # fmt: skip
         return "undecided"
-
-    def _ban_liar(self, peer_id: str, span: RemoteSpanInfo, reason: str) -> None:
-        logger.warning(
-            "stretches.liar_banned(peer=...%s, blocks=%d:%d): %s", peer_id[-6:], span.start, span.end, reason
-        )
-        self.manager.bans.ban_liar(peer_id)
-        self.manager.on_request_failure(peer_id)

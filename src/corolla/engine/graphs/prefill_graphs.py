@@ -8,8 +8,7 @@ H] and `index` [2 + max pages] int32 (the chunk's first position, its row count,
 graph derives the rows' positions and cache slots from `index` (padding rows: position 0, the pool's trash page),
 runs each layer's `chunk_pre` (norm, QKV projection, rotation, cache write), the attention over the sequence's pages
 (`prefill_attention_triton`: split over the keys, lengths read on the device, so one graph serves any prefix
-length) and `chunk_post` (output projection, MLP). Per layer boundary graphs with torch's flash attention eager in
-between (which needs the key count on the host) took 11.2 ms for the issue's turn on an H200.
+length) and `chunk_post` (output projection, MLP).
 
 `warmup(layers)` (the engine's warm-up, before serving) chooses the attention's launch for every row bucket
 (`ATTENTION_CONFIGS`, timed on the span's layers over a 4,096-position prefix, which compiles them) and runs each

@@ -1,15 +1,13 @@
 """Causal attention of a prefill chunk over its sequence's whole history: the chunk's T queries are the last T of
 the L positions whose keys and values it attends to.
 
-The chunk that follows a reused prefix (issue 34's next turn: 132 queries over ~4,100 cached positions) used to pass
-an explicit boolean [T, L] mask: torch then ran cuDNN's attention with a mask (3.3 ms over 32 Llama-3-8B layers on
-an H200) instead of flash attention. Flash attention's own causal mask is aligned to the lower right corner (the
-last query sees every key), exactly this case, and takes grouped K/V heads as they are: 2.1 ms. torch's public way to
-ask for it, `torch.nn.attention.bias.causal_lower_right`, dispatches in Python on a tensor subclass at about 0.2 ms
-of host time per call, more than the kernel, and the cached turn is host-bound; so where flash attention takes the
+An explicit [T, L] mask sends torch to a slower masked kernel; flash attention's own causal mask is aligned to the
+lower right corner (the last query sees every key), exactly this case, and takes grouped K/V heads as they are.
+torch's public way to ask for it, `causal_lower_right`, costs more host time per call than the kernel, and the
+cached turn is host-bound; so where flash attention takes the
 inputs (CUDA, half precision, equal key and value head sizes; checked once per shape) its op is called directly,
-and elsewhere (the CPU, MLA's value heads) the lower-right bias lets torch pick the memory-efficient kernel or
-materialize the mask (docs/decisions/0019)."""
+elsewhere on CUDA (MLA's value heads) the lower-right bias lets torch pick the memory-efficient kernel's own mask
+(docs/decisions/0019), and on the CPU the [T, L] mask that bias would materialize is built here (0223)."""
 
 from __future__ import annotations
 
@@ -34,6 +32,12 @@ def causal_prefill_attention(
     if flash_fits(q, k, v, enable_gqa):
         # flash attention's is_causal is the lower-right alignment when T < L (what torch's CausalBias calls too)
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    if q.device.type != "cuda":
+        # the mask torch's lower-right bias materializes here (no memory-efficient kernel off CUDA), built directly:
+        # the bias's module imports torch._dynamo (1.3-2.5 s of CPU), which a CPU server paid in its first chunk
+        # after a prefix, a new turn's first token (docs/decisions/0223)
+        mask = torch.ones((t, total), dtype=torch.bool, device=q.device).tril(total - t)  # [T, L], key j <= L-T+i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     # imported here, not at the top: torch.nn.attention.bias imports torch._dynamo (~2.5 s of CPU), which every
     # server and CLI process would pay at start-up for a path that most of them never take
     from torch.nn.attention.bias import causal_lower_right

@@ -4,15 +4,12 @@ chunk after a reused prefix, every layer, can then be one CUDA graph (`engine.gr
 prefix length (issue 34, docs/decisions/0019).
 
 torch's fixed-shape flash attention splits over the keys but takes its key count from the host (a graph would hold
-one prefix length), and its variable-length form reads lengths from the device but has no split over the keys (4.4
-ms against 2.1 ms over 32 Llama-3-8B layers on an H200 for 132 queries over 4,100 keys), and both need the keys
-gathered out of the pages first. Here a program takes `BLOCK_M` (query row, head) pairs of one K/V head group (the
+one prefix length), its variable-length form has no split over the keys (twice as slow), and both need the keys
+gathered out of the pages first (figures: 0019). Here a program takes `BLOCK_M` (query row, head) pairs of one K/V head group (the
 group's query heads share its keys: 132 rows x 4 heads make 528 rows for one K/V head in Llama-3-8B) and one of `S`
 equal ranges of the keys; a second kernel combines the ranges' partial softmax sums. Programs whose rows are all
 padding return at once; keys at or below every row's position need no mask (the long prefix), only the last blocks
-do. On an H200 (the issue's turn, 32 layers, inside the graph): 1.23 ms for the split kernel and 0.18 ms for the
-combine, against 1.82 + 0.19 ms for torch's split flash attention and 0.36 ms for its gathers. Importing fails
-without Triton; `prefill_attention.paged_prefill_attention_ref` is the reference."""
+do. Importing fails without Triton; `prefill_attention.paged_prefill_attention_ref` is the reference."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ class PrefillAttentionConfig:
     splits: int
 
 
-# the launches `PrefillGraphs` times per row bucket (each compiles once per process). NVIDIA H200, 160 rows x 32
-# heads over 4,096 keys, 32 Llama-3-8B layers: (64, 64, 4, 2, 8) 1.89 ms, (128, 64, 8, 2, 8) 2.12, (64, 64, 4, 2, 4)
-# 2.13; dropped: (128, 64, 8, 2, 2) 2.20, (128, 64, 8, 2, 4) 2.29, the same with 3 stages 2.32
+# the launches `PrefillGraphs` times per row bucket (each compiles once per process): the three best of an H200's
+# timing at 160 rows x 32 heads over 4,096 keys, 32 Llama-3-8B layers (0019)
 ATTENTION_CONFIGS = (
     PrefillAttentionConfig(64, 64, 4, 2, 8),
     PrefillAttentionConfig(128, 64, 8, 2, 8),

@@ -31,14 +31,12 @@ BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, pair, down splits); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0
 # (Int8): the codes converted and multiplied in one tl.dot; pair = 1 (NF4): the pair-table decode above (as
 # `quant_kernels`' NF4 kernel; no dequantized tile, no layout change; why NF4 has no other: docs/decisions/0077).
-# down splits > 1: the down projection's K (the intermediate size, 224 serial NF4
-# blocks per program at Mixtral's shape) is cut into that many ranges run by separate programs, their fp32 partial
-# sums added in split order by torch (no atomics), then rounded and weighted. The pair decode with 4 and 8 down
-# splits was withdrawn: in its one real-shape GPU run (H200, 4 layers, ...-h200-20261126-2113.json) it was the
-# fastest (0.55 vs 0.90 ms per layer at one token) but the span disagreed with the dequantized reference by 0.476
-# (relative), unexplained (Triton's interpreter at the real intermediate size agrees to 8e-4; a route flip is
-# possible): offer it again after a GPU check at the real shape. `moe.tune_experts` times every entry valid for the
-# kind at warm-up.
+# down splits > 1: the down projection's K (the intermediate size, 224 serial NF4 blocks per program at Mixtral's
+# shape) is cut into that many ranges run by separate programs, their fp32 partial sums added in split order by torch
+# (no atomics), then rounded and weighted. The pair decode with 4 and 8 down splits is not offered: the fastest in
+# its one real-shape run (H200, 4 layers: 0.55 vs 0.90 ms a layer at one token), it disagreed with the dequantized
+# reference there by 0.476 (relative), unexplained (Triton's interpreter agrees to 8e-4): check it on a GPU first.
+# `moe.tune_experts` times every entry valid for the kind at warm-up.
 QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
     (32, 128, 4, 3, 0, 1),
     (64, 128, 4, 3, 0, 1),

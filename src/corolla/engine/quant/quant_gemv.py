@@ -3,29 +3,21 @@ layouts of `engine.quant.quant_weights` in place without the matrix units: out[M
 
 Why not `tl.dot`: at one to a few rows a matrix instruction wastes 15/16 of its work and forces the decoded weight
 tile through a shared-memory layout change; here each program streams a [BLOCK_N, bytes] tile of packed weight
-rows with 16-byte loads, decodes it in registers and multiplies in fp32 on the CUDA cores. Measured on an H100
-(benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json): NF4 4.1-5.8x its bytes' floor per
-projection, bound by the decode (about nine instructions per weight value in the SASS: per byte a lookup with
-its 64-bit address, the nibble/byte extraction, and a shared-memory layout change between the byte load and the
-lookups, which Triton places in different layouts).
+rows with 16-byte loads, decodes it in registers and multiplies in fp32 on the CUDA cores (bound by the decode:
+docs/decisions/0017).
 
 NF4 decode: each nibble looked up in the 16-entry fp32 level table (64 bytes: one cache line, so a warp's lookups
 are served in one L1 pass); the two nibbles are interleaved back into element order in registers (`tl.join`), each
 64-value block is summed against x and scaled once by its decoded absmax (uint8 code -> nested code table *
 second-level absmax + offset), accumulated in fp32. This serves NF4 weights kept in fp32 (and steps before tuning);
-NF4 in 16-bit dtypes runs one-row steps on quant_tile_gemv's matrix-unit GEMV and 2-64 rows on quant_mma's matrix
-units, which beat every GEMV here on an H200 (docs/decisions/0015, 0017, 0060: the register-lookup, pair-table and
-streaming GEMVs are deleted).
+NF4 in 16-bit dtypes runs on the matrix units instead (quant_tile_gemv, quant_mma: 0015, 0017, 0060).
 
 Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
 rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its own accumulator, reduced in a
 fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
-arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
-up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
-(a `tl.dot` kernel); NF4 in 16-bit dtypes in three ranges: one row on quant_tile_gemv's GEMV, 2 to 16 and
-17 to 64 rows on quant_mma's matrix-unit kernel (16- and 64-row tiles). Those round differently, so a row's output
-depends on which row range its step
-fell in (each within fp32-accumulation error of the reference), never on the other rows' values.
+arrival count per tile, `quant_splits`). DecodeOps tunes one (kernel, config) per weight shape and row range; the
+ranges round differently, so a row's output depends on which range its step fell in (each within fp32-accumulation
+error of the reference), never on the other rows' values.
 CUDA-graph safe: static shapes, no host synchronization. Importing fails without Triton."""
 
 from __future__ import annotations
@@ -49,13 +41,9 @@ from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, counters_f
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, 0) for NF4 (the fp32 table GEMV); (BLOCK_N, BLOCK_K, K
-# splits, num_warps, 0) for Int8 (the byte GEMV). Splits are a run-time argument. The byte GEMV: [8, 256] won three
-# of four shapes on the H100 at 17:12, [16, 128] with 4 splits came within 4% on the fourth; on an H200 (2026-12-02)
-# the tl.dot block kernel beat it on every shape (docs/decisions/0017). The word GEMV (byte-permute conversion
-# instead of I2F, quant_int8_words) never won on either card and is deleted.
-# With the split sums in the GEMV (quant_splits, no second kernel) the H100 at 2026-11-27 02:32 also timed the byte
-# GEMV with 16 splits and with [8, 512] steps (2, 4, 8 splits): none came within 10% of the best on any shape
-# (w_o: 11.9-17.5 us vs 10.4), so they are not offered (each candidate costs warm-up time).
+# splits, num_warps, 0) for Int8 (the byte GEMV). Splits are a run-time argument. The byte GEMV's tilings are those
+# that won or came within 4% of an H100's best on some Llama-3-8B shape (docs/decisions/0017; each candidate costs
+# warm-up time).
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((32, 2, 8, 4, 0),)
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),

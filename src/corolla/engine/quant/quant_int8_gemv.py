@@ -1,15 +1,8 @@
 """The INT8 row GEMV for one-row decode steps, on the matrix units: out[M, N] = x[M, K] @ W[N, K]^T * row_absmax /
 127 (+ residual), LLM.int8's codes read in place, every x row on its own. The tuner (quant_choices) times it per
-weight shape against the Triton kernels; on an H200 it won every Llama-3-8B projection (docs/decisions/0050).
-
-Why hand-written: at one row the Triton kernels were bound by their instructions, not by the bytes (sm_90 SASS
-compiled on CPU, Triton 3.9): the tl.dot block kernel spends ~314 warp instructions per 4 KiB of codes (a trip
-through shared memory, the conversion to bf16, the matrix instruction), about 0.3 per byte, while the H200 must
-retire 16 bytes per cycle per multiprocessor to reach its copy bandwidth: at 4 issues a cycle that allows 0.25. The
-Triton byte GEMV converts each code with I2F, whose rate (16 a cycle per multiprocessor) is that same 16 bytes a
-cycle. This kernel spends ~0.055 warp instructions per byte (its SASS); a CUDA-core version of it (per code one byte
-permute under 2^23's exponent, one subtraction, one FMA: ~0.15 per byte) lost every shape to it and is deleted
-(0050).
+weight shape against the Triton kernels. Hand-written because at one row the Triton kernels were bound by their
+instruction count, not by the bytes (~0.3 warp instructions a byte against the 0.25 the copy bandwidth allows; this
+kernel ~0.055: docs/decisions/0050).
 
 Layout. `mma.m16n8k16` (fp16 x fp16 -> fp32): a program owns RT tiles of 16 rows; lane (g, t) of a warp loads the
 16 bytes 16 t .. 16 t + 15 of a 64-value chunk of rows g and g + 8 of a tile (a warp: one chunk of 16 rows, 1 KiB),
@@ -20,44 +13,27 @@ both. A code pair becomes an exact fp16 pair by one XOR per word (codes + 128 as
 that puts each byte under the exponent of 1024 (1024 + 128 + code) and one fp16x2 subtraction of 1152.
 
 Work. K's chunks go to the program's W warps in turn (chunk c to warp c mod W); each warp keeps the next P chunks' codes
-in flight (registers; the first P issued before anything else: in ungated builds by cp.async into a ring in shared
-memory, read into the registers after x's staging, because ptxas moved register loads written before the wait below
-`griddepcontrol.wait`, so that a program started early under the kernel ahead asked for its first codes only once that
-kernel had ended: w_qkv + RMSNorm 11.7 -> 10.3, w_o 6.6 -> 5.8, w_down 17.5 -> 15.7 us a call on an H200,
-docs/decisions/0114; the gated build keeps its loads above the wait and has no ring), each load asking the L2 for the
-256 bytes around it (`ld_stream_256`: the other warps' next chunks of the same rows; 2-4% faster per projection on an
-H200, docs/decisions/0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8, against
-overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory, then the
-row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the output dtype.
-Both are asked for at the program's start, a thread per output row (16 RT <= 32 W): the scale before the wait by
-cp.async into shared memory, the residual right after it by a volatile load (the compiler hoisted a plain one above the
-wait); read after the sums, the scale was a cold DRAM round trip at the end of every program, on the step's critical
-path (docs/decisions/0055: the step 2.644 -> 2.611 ms on an H200, same engine).
+in flight in registers, the first P issued before `griddepcontrol.wait` (ungated builds by cp.async into a shared
+ring, since ptxas moved plain register loads below the wait: 0114), each load asking the L2 for the 256 bytes around
+it (`ld_stream_256`: 0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8,
+against overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory,
+then the row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the
+output dtype. Both are asked for at the program's start so they are not a cold round trip on the critical path: the
+scale before the wait by cp.async, the residual right after it by a volatile load (a plain one was hoisted above the
+wait; 0055).
 
-The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"]): the norm before w_qkv and w_gate_up runs in the x
-staging, so that the step launches no norm kernel: x's squares are summed while x and the gain are staged raw (each
-thread in order, the warp by a fixed butterfly, the warps in order: every program forms the same 1/rms; the staging
-is nvrtc_kernels' stage_x, the NF4 tile GEMV's too), then x is normalized in place, rounded as
-triton_kernels.rms_norm rounds it (the same bits on an H200), and converted as a plain x is. A SiLU-gating prologue
-(silu(gate) x up staged from [gate | up] before w_down) lost to silu_mul + this kernel and is deleted
-(docs/decisions/0063).
+The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"], 0063): the norm before w_qkv and w_gate_up runs in the x
+staging (nvrtc_kernels' stage_x, shared with the NF4 tile GEMV), rounded as triton_kernels.rms_norm rounds it, so the
+step launches no norm kernel; every program forms the same 1/rms (fixed summation order).
 
-The gated form (`gated`, w_gate_up = [gate | up]): a program's first RT / 2 row tiles are gate rows and the other
-RT / 2 the same rows of the up half, so it holds both sums of each of its rows and writes silu(gate) * up [I] itself,
-gate and up rounded to the dtype first as the GEMV stores them, then gated as triton_kernels.silu_mul gates them
-(the same bits as the GEMV + silu_mul): the step launches no SiLU kernel and w_down reads I values, not 2I
-(docs/decisions/0048).
-
-Launch: programmatic (nvrtc_kernels): each program releases the next kernel at once and loads its first P chunks
-before it waits for the kernel ahead, so the codes' round trip and the launch overlap that kernel's tail
-(docs/decisions/0047).
+The gated form (`gated`, w_gate_up = [gate | up], 0048): a program's first RT / 2 row tiles are gate rows and the other
+RT / 2 the same rows of the up half, so it writes silu(gate) * up [I] itself, rounded as the GEMV + silu_mul would:
+no SiLU kernel, and w_down reads I values, not 2I. Launch is programmatic (nvrtc_kernels, 0047).
 
 Batch invariance and determinism: a row's value depends only on its own x row (grid [ceil(N / 16 RT), M]: programs
 never mix x rows; every sum's order is fixed by K and the config). Rows past N in the last tile read row N - 1 and
-store nothing. Numerics: exact codes, x in fp16 (as the NF4 tile GEMV's), exact products, fp32 sums: within the
-rounding of the dequantized weight. It reads the weight once per x row, so the tuner serves one-row steps with it
-(2-16 rows on the block kernel's 16-row tiles). Compiled at run time (nvrtc_kernels); CUDA-graph safe. Importing
-fails without Triton (quant_splits)."""
+store nothing. Numerics: exact codes, x in fp16, exact products, fp32 sums: within the rounding of the dequantized
+weight. Compiled at run time (nvrtc_kernels); CUDA-graph safe. Importing fails without Triton (quant_splits)."""
 
 from __future__ import annotations
 
@@ -72,16 +48,14 @@ from corolla.engine.quant.quant_weights import Int8Weight
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
 X_SCALE = 2.0**-8  # bf16 x into fp16 times this (range), the sums times its inverse (exact)
 # (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0; the zeros keep the tuner's
-# 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050: qkv (1, 8, 4), w_o (1, 16, 2),
-# w_gate_up (4, 4, 2); w_down (1, 16, 3), 48 KiB in flight a program, by ~1% over (1, 16, 2): 0114); (2, 8, 2),
-# (2, 4, 4) and (1, 4, 4) won none and are not offered
+# 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050, 0114); those that won none are
+# not offered
 INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (1, 8, 4, 0, 0), (1, 16, 2, 0, 0), (4, 4, 2, 0, 0), (1, 16, 3, 0, 0)
 )  # fmt: skip
 
 # the tilings offered for the gated form (w_gate_up: silu(gate) * up written; an even row-tile count: half of the
-# program's tiles gate rows, half the same up rows): (4, 4, 2) won on an H200, 33.6 us a layer against 38.4 for
-# (2, 8, 4) and 41.6 for (2, 16, 2), which are not offered (docs/decisions/0048)
+# program's tiles gate rows, half the same up rows): the one that won on an H200 (docs/decisions/0048)
 GATED_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((4, 4, 2, 0, 0),)
 
 # the prologues the kernel runs (quant_splits.PROLOGUES' codes): none and RMSNorm (SiLU gating lost: decision 0063)

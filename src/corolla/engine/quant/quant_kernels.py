@@ -33,12 +33,9 @@ TILE_M = 16
 
 # (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up on one row (against
 # quant_gemv's kernels, for steps of up to quant_gemv.GEMV_MAX_ROWS rows) and on 64 rows (against the NF4 tile kernel's,
-# for larger merged steps) by DecodeOps.tune_quantized. At 64 rows the 64-wide tile won every Llama-3-8B
-# projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json); the narrow ones are
-# kept for one row, where this kernel served INT8 at 1.58x its floor (quant-nvidia-h100-80gb-hbm3-20261126-1416)
-# and [32, 128] with 4 splits won INT8's w_o and w_down at 20:41; with the split sums in the kernel (no second
-# launch) [32, 128] with 8 splits won INT8's w_down (25.2 us vs 26.7 with 4; 2 splits won nothing) on the H100 at
-# 2026-11-27 02:32.
+# for larger merged steps) by DecodeOps.tune_quantized. On an H100 the 64-wide tile won every Llama-3-8B projection
+# at 64 rows; the narrow ones serve one row (INT8 at 1.58x its floor; [32, 128] won INT8's w_o and w_down with 4
+# splits, w_down with 8 once the split sums moved into the kernel: 25.2 us vs 26.7; 2 splits won nothing).
 QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (16, 128, 1, 4, 3),
     (16, 256, 1, 4, 3),

@@ -8,17 +8,15 @@ Each program decodes a 64-value block of BLOCK_N weight rows per step with the r
 - folded: each row's block gets its own table, the 16 levels times the block's absmax (fp32, rounded once to the
   compute dtype: `quant_prmt.SCALED_TABLE_PROGRAM`, 32 instructions per row and block), so the lookup yields
   bitsandbytes' dequantized weights themselves and the matrix units accumulate every block straight into one fp32
-  accumulator (no per-block product to zero, wait for and scale). Its block loop is 220 SASS instructions per warp
-  against 272 for the per-block product (sm_90a, 64x64 tiles). It serves 64-row tiles (faster on all four
-  Llama-3-8B projections of an H200: docs/decisions/0097-nf4-mma-folded-table.md) and competes at 16 rows.
+  accumulator (no per-block product to zero, wait for and scale). It serves 64-row tiles (docs/decisions/0097)
+  and competes at 16 rows.
 - levels: the table holds the levels in the compute dtype (`lut_words`: bf16 levels for bf16 weights, fp16 for
   fp16); each block's fp32 product is scaled by its decoded absmax into the accumulator (decision 0068). 16-row
   tiles only.
 The absmax is decoded as bitsandbytes decodes it (uint8 code -> nested code table * second-level absmax, rounded, +
 offset, rounded). The words and absmax codes of the next two blocks are in flight in registers, and with
-num_stages > 1 Triton's pipeliner streams the x tiles into shared memory ahead (cp.async). (Triton 3.6 waits for
-each block's wgmma right after issuing it, whichever decode: the SASS has WARPGROUP.DEPBAR right after the HGMMAs;
-kept in flight over the next block's decode it gained ~2% at the 64-row tilings in use: decision 0116.)
+num_stages > 1 Triton's pipeliner streams the x tiles into shared memory ahead (cp.async); Triton waits for each
+block's wgmma right after its issue (decision 0116).
 
 Numerics: folded, the weights are bitsandbytes' dequantized values bit for bit (a one-hot row reads them back
 exactly) and the exact products are summed in fp32; levels, each level is rounded once to the compute dtype (bf16:
@@ -55,8 +53,7 @@ MAX_REGS_64 = 128
 
 # (BLOCK_N, BLOCK_M, K splits, num_warps, num_stages): the tilings that came within 10% of the best on some Llama-3-8B
 # projection on an H200 (16 rows: 16-row tiles, both decodes; 64 rows: folded 64-row tiles with x pipelined in 3
-# stages, each better than its 1-stage twin on every projection; docs/decisions/0068, 0097: one warpgroup's 128-row
-# tiles lost on every projection)
+# stages; docs/decisions/0068, 0097)
 NF4_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((64, 16, s, 4, 1) for s in (2, 4, 8)),
     *((128, 16, s, 4, 1) for s in (2, 4, 8)),

@@ -8,14 +8,12 @@ each code is < 8, `prmt(L2, L3, codes & 7)` if each is >= 8, and a third `prmt` 
 bit3(code)` per byte merges the two by bit 3 of each code; the same for the high bytes; two more `prmt`s interleave
 low and high bytes into two words of 16-bit pairs in element order (element 2j in the low half). One packed 32-bit word (4
 bytes, 8 codes) costs 5 selector instructions + 2 x 8 permutes (`DECODE16_PROGRAM`), all in registers, instead of 8
-table loads: the operand of the matrix units (quant_mma). (The one-row streaming GEMV reads a shared-memory pair
-table instead, quant_pair_table: fewer integer instructions, docs/decisions/0021.)
+table loads: the operand of the matrix units (quant_mma).
 
 The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and the tests run the same
 list on CPU integers (the instructions' documented semantics, tests/helpers/kernel_emulation.py), so they check the
 exact sequence the GPU runs. Levels are rounded once to the table's type (fp16: relative error <= 2^-11; bf16: <= 2^-8, the size of
-the bf16 rounding of bitsandbytes' own dequantized weight). (The fp32 variant of the lookup, 8 conversions per word,
-served the register-lookup GEMV, deleted: docs/decisions/0017.)"""
+the bf16 rounding of bitsandbytes' own dequantized weight)."""
 
 from __future__ import annotations
 

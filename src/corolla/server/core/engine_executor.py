@@ -44,7 +44,7 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
 from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, SHADOW_LEAD_AFTER_S, Runtime, Task
-from corolla.server.core.step_rates import StepRates
+from corolla.server.core.step_rates import COUNT_EVERY_BATCHES, StepRates
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
@@ -312,7 +312,9 @@ class EngineExecutor:
         self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
         started = time.perf_counter()
         results = execute_steps(self.engine, requests)  # (its outputs are on the CPU: the device's work is done)
-        self.rates.record_batch(requests, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        # noted for the step rates (counted when read: `StepRates.ran`): each step's tokens and blocks
+        note_ran(self.rates, seconds, [r.num_tokens for r in requests], [r.session.num_layers for r in requests])
         return regroup(results, sizes)
 
     def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
@@ -535,9 +537,19 @@ def regroup(results: Sequence[StepResult], sizes: UnitSizes | None) -> list[Step
     return out
 
 
+def note_ran(rates: StepRates, seconds: float, tokens: Sequence[int], layers: Sequence[int]) -> None:
+    """Notes a batch the device thread ran for the step rates (its steps' tokens and blocks): a plain append
+    (`StepRates.ran`), counted when the rates are read, or here once `COUNT_EVERY_BATCHES` wait (no rate code runs per
+    step)."""
+    ran = rates.ran
+    ran.append((time.monotonic(), seconds, tokens, layers))
+    if len(ran) >= COUNT_EVERY_BATCHES:
+        rates.count()
+
+
 class PendingUnits:
     """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`) and
-    records the forward's decode rate (`StepRates.record_decode`: its steps over its blocks in its device seconds)."""
+    notes the forward for the step rates (`note_ran`: its steps over its blocks in its device seconds)."""
 
     def __init__(self, pending: PendingSteps, sizes: UnitSizes | None, rates: StepRates, steps: int, blocks: int):
         self._pending = pending
@@ -551,8 +563,8 @@ class PendingUnits:
     def wait(self) -> list[StepResult | list[StepResult]]:
         results = self._pending.wait()
         device_s = self._pending.device_s
-        if device_s is not None:  # the forward's own seconds on the device
-            self._rates.record_decode(self._steps, self._blocks, device_s)
+        if device_s is not None:  # the forward's own seconds on the device: its decode steps, counted as decode
+            note_ran(self._rates, device_s, (1,) * self._steps, (self._blocks,) * self._steps)
         return regroup(results, self._sizes)
 
 

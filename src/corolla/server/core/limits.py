@@ -82,7 +82,9 @@ class PeerLimits:
         None, "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))"
     )
     max_stream_bytes_total: int | None = _flag(
-        None, "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message))"
+        None,
+        "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message)); its top message (at "
+        "most half) only for peers within their fair share",
     )
     stream_idle_timeout_s: float = _flag(
         10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"

@@ -2,7 +2,10 @@
 holds (`front.stream_endpoint.StreamBudget`) and the KV hand-off imports in flight on the server (the core's
 `import_budget`, every front's). A peer past its
 share is refused as a peer (`PeerLimitExceeded`), any peer past the server's total as a full server
-(`ServerLimitExceeded`: retry later); either way nothing is taken."""
+(`ServerLimitExceeded`: retry later); either way nothing is taken. A total cap may keep its top `reserve_bytes` for
+peers within their fair share of it (the stream caps do, decision 0187): a peer holding more than its share is refused
+that much below the total, so that the others' next message finds room without waiting for anything; the stream
+caps' fronts also cut slow messages for a peer within its share that finds the total full (decision 0212)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ class ByteCap:
     name: str
     limit_bytes: int | None
     reason: str
+    # the top of the cap that a peer holding more than its fair share (the cap over the peers holding any, at least
+    # 2) may not take: the others' room, kept free of one peer's pressure (0: none)
+    reserve_bytes: int = 0
 
 
 class PeerBytes:
@@ -44,14 +50,34 @@ class PeerBytes:
                 reason=cap.reason,
             )
         cap = self.total_cap
-        if cap.limit_bytes and self.total_bytes + nbytes > cap.limit_bytes:
+        limit_bytes = self.total_limit_bytes(peer, nbytes)
+        if limit_bytes and self.total_bytes + nbytes > limit_bytes:
+            kept = cap.limit_bytes - limit_bytes if cap.limit_bytes else 0
             raise ServerLimitExceeded(
                 f"{self.what} of {nbytes} bytes refused: the server holds {self.total_bytes} bytes {self.held_as}, "
-                f"the limit is {cap.name}={cap.limit_bytes}; retry later",
+                f"the limit is {cap.name}={cap.limit_bytes}"
+                + (f" less {kept} bytes kept for peers within their share (this one holds {held})" if kept else "")
+                + "; retry later",
                 reason=cap.reason,
             )
         self.per_peer[peer] = held + nbytes
         self.total_bytes += nbytes
+
+    def total_limit_bytes(self, peer: str, nbytes: int) -> int | None:
+        """The total that `nbytes` more of `peer`'s may not pass: the total cap, less its reserve where they would
+        take the total into it and `peer` past its fair share (the cap over the peers holding any, itself counted,
+        at least 2: a lone peer keeps the reserve for the next)."""
+        cap = self.total_cap
+        limit_bytes = cap.limit_bytes
+        if not limit_bytes or not cap.reserve_bytes or self.total_bytes + nbytes <= limit_bytes - cap.reserve_bytes:
+            return limit_bytes
+        return limit_bytes if self.within_share(peer, nbytes) else limit_bytes - cap.reserve_bytes
+
+    def within_share(self, peer: str, nbytes: int) -> bool:
+        """Whether `peer` with `nbytes` more holds at most its fair share of the total cap: the cap over the peers
+        holding any, itself counted, at least 2."""
+        peers = len(self.per_peer) + (peer not in self.per_peer)
+        return self.per_peer.get(peer, 0) + nbytes <= (self.total_cap.limit_bytes or 0) // max(2, peers)
 
     def give_back(self, peer: str, nbytes: int) -> None:
         left = self.per_peer.get(peer, 0) - nbytes

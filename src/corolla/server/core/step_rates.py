@@ -17,7 +17,10 @@ stands) instead of holding forever. Samples are counted in log-spaced bins (`BIN
 figure errs slow by under 9%) in time buckets, so memory and the cost of an announcement do not grow with the step
 rate.
 
-`record_batch` runs in the device thread once per batch; `announced` in the announcer's loop (a lock between)."""
+The device thread only notes each batch it ran (`StepRates.ran`: a plain append of its end, its seconds and each
+step's tokens and blocks, by the executor), so no rate code runs per step; the notes are counted into the windows when
+the figures are read (`announced`, the announcer's loop) or, once `COUNT_EVERY_BATCHES` wait, by the device thread
+(`count`; a lock between)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from corolla.engine.step_request import StepRequest
 from corolla.protocol.records import DECODE_MAX_TOKENS
 
 WINDOW_S = 300.0  # steps older than this no longer count (5 announcements at Petals' default 60 s update period)
@@ -39,6 +41,13 @@ BINS_PER_OCTAVE = 8  # rate bins 2**(1/8) (9%) wide
 # finite and positive, and no block runs a billion tokens a second
 MIN_RATE = 1e-6
 MAX_RATE = 1e9
+# the device thread counts the noted batches itself once this many wait (a server whose figures nobody reads: a bound
+# on the notes' memory), else the announcer's read counts them
+COUNT_EVERY_BATCHES = 1024
+
+# a batch the device thread ran, as it notes it (`StepRates.ran`): (`time.monotonic()` at its end, the seconds it took,
+# the tokens of each of its steps, the blocks of each, in the same order)
+RanBatch = tuple[float, float, Sequence[int], Sequence[int]]
 
 
 class RateWindow:
@@ -95,47 +104,46 @@ class StepRates:
         self._decode = RateWindow(window_s, bucket_s)
         self._prefill = RateWindow(window_s, bucket_s)
         self._lock = threading.Lock()
+        # batches noted by the device thread and not counted yet, oldest first (deque: appended and taken without a
+        # lock from two threads)
+        self.ran: deque[RanBatch] = deque()
 
-    def record_decode(self, steps: int, blocks: int, seconds: float) -> None:
-        """A batch of `steps` decode steps over `blocks` blocks that took `seconds` (a launched forward's)."""
-        if seconds > 0:
-            with self._lock:
-                self._decode.add(blocks / seconds, steps, time.monotonic(), blocks)
+    def count(self) -> None:
+        """Counts the noted batches into the windows (any thread)."""
+        with self._lock:
+            ran = self.ran
+            while ran:
+                self._count_batch(*ran.popleft())
 
-    def record_batch(self, requests: Sequence[StepRequest], seconds: float) -> None:
-        """A batch of step requests that ran for `seconds` (each waited for all of it: the runtime answers a batch
-        at its end): a prefill sample per long step (more than `DECODE_MAX_TOKENS` tokens: its tokens x blocks over
-        the batch's seconds), else a decode sample for its steps of 1 to `DECODE_MAX_TOKENS` tokens (a client times
-        them all as decode steps), each at its own blocks over the batch's seconds (sessions may cover part of the
-        span: their forwards then run one after another). Decode steps that waited for a long step say nothing of
-        decode: not counted; zero-token steps (probes) compute nothing: not counted."""
-        if seconds <= 0 or not requests:
+    def _count_batch(self, now_s: float, seconds: float, tokens: Sequence[int], layers: Sequence[int]) -> None:
+        """A batch of steps of `tokens` over `layers` blocks each that ran for `seconds` until `now_s` (each waited for
+        all of it: the runtime answers a batch at its end): a prefill sample per long step (more than
+        `DECODE_MAX_TOKENS` tokens: its tokens x blocks over the batch's seconds), else a decode sample for its steps
+        of 1 to `DECODE_MAX_TOKENS` tokens (a client times them all as decode steps), each at its own blocks over the
+        batch's seconds (sessions may cover part of the span: their forwards then run one after another). Decode
+        steps that waited for a long step say nothing of decode: not counted; zero-token steps (probes) compute
+        nothing: not counted."""
+        if seconds <= 0 or not tokens:
             return
-        tokens = [request.num_tokens for request in requests]  # (one pass: this runs per batch in the device thread)
-        now_s = time.monotonic()
         if max(tokens) > DECODE_MAX_TOKENS:
-            with self._lock:
-                for request, num_tokens in zip(requests, tokens, strict=True):
-                    if num_tokens > DECODE_MAX_TOKENS:
-                        blocks = request.session.num_layers
-                        self._prefill.add(num_tokens * blocks / seconds, 1, now_s, blocks)
+            for num_tokens, blocks in zip(tokens, layers, strict=True):
+                if num_tokens > DECODE_MAX_TOKENS:
+                    self._prefill.add(num_tokens * blocks / seconds, 1, now_s, blocks)
             return
-        layers = [request.session.num_layers for request in requests]
         steps_by_blocks: dict[int, int] = {}  # decode steps by their blocks
         if layers.count(layers[0]) == len(layers):  # the usual batch: every session over the same blocks
             if any(tokens):
                 steps_by_blocks[layers[0]] = len(tokens) - tokens.count(0)
         else:  # some entered mid-span
-            for num_blocks, num_tokens in zip(layers, tokens, strict=True):
+            for num_tokens, blocks in zip(tokens, layers, strict=True):
                 if num_tokens:
-                    steps_by_blocks[num_blocks] = steps_by_blocks.get(num_blocks, 0) + 1
-        if steps_by_blocks:
-            with self._lock:
-                for num_blocks, steps in steps_by_blocks.items():
-                    self._decode.add(num_blocks / seconds, steps, now_s, num_blocks)
+                    steps_by_blocks[blocks] = steps_by_blocks.get(blocks, 0) + 1
+        for blocks, steps in steps_by_blocks.items():
+            self._decode.add(blocks / seconds, steps, now_s, blocks)
 
     def announced(self) -> dict[str, float | None]:
         """`{"inference_rps": ..., "forward_rps": ...}` now (None: too few steps in the window)."""
+        self.count()
         now_s = time.monotonic()
         with self._lock:
             return {

@@ -7,7 +7,9 @@ the core refuses as the front would, same reasons); it gives back what a peer di
 `LOAN_REBALANCE_S` (a note); the core takes back what a dead process held. A loan the core would refuse first recalls
 what the other processes hold idle (`StreamLoans.lend`: a note to each, answered once they gave back their idle
 loans, at most `RECALL_WAIT_S`), so a loan idle in one process never refuses a peer in another while the server's
-count has room; the refusal (same reasons) stands only when it has none. The bytes lent never pass the caps, and
+count has room; a loan of a peer within its fair share still short at the total also has the processes cut their
+slow messages' streams (`reclaim_bytes`, decision 0212: cheap identities each within their share filled 0187's reserve);
+the refusal (same reasons) stands only when neither frees room. The bytes lent never pass the caps, and
 a process never holds more of a peer's bytes than it was lent: with any N, a peer spreading its streams over the
 processes gets one cap, and the server one total. With N = 1 the one front counts alone (`StreamBudget`), as before."""
 
@@ -31,19 +33,28 @@ RECALL_WAIT_S = 2 * LOAN_REBALANCE_S
 
 
 def stream_caps(limits: PeerLimits) -> tuple[ByteCap, ByteCap]:
-    """The per-peer and total caps of unfinished streamed bytes (the limits with their stream defaults set)."""
+    """The per-peer and total caps of unfinished streamed bytes (the limits with their stream defaults set). The
+    total keeps one message's bytes (at most half of it) for peers within their fair share (decision 0187): a peer
+    past its share is refused that much below the total, so an honest peer's message finds room at once instead of
+    waiting for the recall of another's idle loans (`StreamLoans.lend`: a round trip to every handler process) or
+    being refused for another's held bytes. The defaults (per peer 2 messages or 96 MiB, in all 3 or 128 MiB) make
+    a lone peer meet its own cap first."""
+    total = limits.max_stream_bytes_total
+    reserve = min(limits.max_stream_message_bytes or 0, total // 2) if total else 0
     return (
         ByteCap("max_stream_bytes_per_peer", limits.max_stream_bytes_per_peer, "peer_stream_bytes"),
-        ByteCap("max_stream_bytes_total", limits.max_stream_bytes_total, "stream_bytes_full"),
+        ByteCap("max_stream_bytes_total", total, "stream_bytes_full", reserve),
     )
 
 
 class LoanHolder(Protocol):
     """A handler process as the core lends to it (`handlers.device_channel.DeviceChannel`, over its channel)."""
 
-    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
         """Asks the process to give back up to `peer_bytes` of `peer`'s loan it does not use, then its other idle
-        loans up to `any_bytes` in all (`peer`'s counted); returns once it answered (its repayments counted before)."""
+        loans up to `any_bytes` in all (`peer`'s counted), then, short of `reclaim_bytes`, the loans of other peers'
+        streams it cuts for their slow messages (`StreamBudget.reclaim`); returns once it answered (its repayments
+        counted before)."""
         ...
 
 
@@ -73,16 +84,18 @@ class StreamLoans(PeerBytes):
     async def _recall(self, borrower: LoanHolder, peer: str, nbytes: int) -> bool:
         """Asks back the idle loans that stand between `peer`'s loan of `nbytes` and the caps; False: nobody holds
         any that could (refused at once)."""
-        per_peer_cap, total_cap = self.per_peer_cap.limit_bytes, self.total_cap.limit_bytes
+        per_peer_cap, total_cap = self.per_peer_cap.limit_bytes, self.total_limit_bytes(peer, nbytes)
         peer_short = max(0, self.per_peer.get(peer, 0) + nbytes - per_peer_cap) if per_peer_cap else 0
         total_short = max(0, self.total_bytes + nbytes - total_cap) if total_cap else 0
+        # the full total refuses a peer within its share: slow messages' streams may be cut for it (decision 0212)
+        reclaim_bytes = total_short if total_short and self.within_share(peer, nbytes) else 0
         asks: list[Awaitable[None]] = []
         for holder, loans in self.holders.items():
             # the borrower's own loan of `peer` is in its shortfall already: only its other peers' count
             peer_bytes = peer_short if holder is not borrower and loans.get(peer) else 0
             any_bytes = total_short if any(p != peer or holder is not borrower for p in loans) else 0
             if peer_bytes or any_bytes:
-                asks.append(holder.recall_streams(peer, peer_bytes, any_bytes))
+                asks.append(holder.recall_streams(peer, peer_bytes, any_bytes, reclaim_bytes))
         if not asks:
             return False
         self.num_recalls += 1
@@ -124,9 +137,10 @@ class StreamLender(Protocol):
         """`nbytes` of `peer`'s loan given back (a note: nothing waits)."""
         ...
 
-    def answer_recalls(self, give_back: Callable[[str, int, int], None]) -> None:
-        """From now on the core's recalls call `give_back(peer, peer_bytes, any_bytes)` (`LoanHolder.recall_streams`:
-        it repays what it gives back, and the core learns it answered once it returned)."""
+    def answer_recalls(self, give_back: Callable[[str, int, int, int], None]) -> None:
+        """From now on the core's recalls call `give_back(peer, peer_bytes, any_bytes, reclaim_bytes)`
+        (`LoanHolder.recall_streams`: it repays what it gives back, and the core learns it answered once it
+        returned)."""
         ...
 
 

@@ -119,6 +119,7 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
+        self._pushes_in_flight: dict[str, int] = {}
         self.cache_bytes_per_token_block = max(1, core.cache_bytes_per_token((limits.start_block,)))
         self.max_stream_bytes = limits.max_stream_bytes
 

@@ -56,6 +56,9 @@ logger = get_logger(__name__)
 
 
 MAX_PUSH_QUEUE = 8  # pushed steps waiting per session; a session is driven one step at a time
+# a session's pushes waiting for the downstream server's answer at most (an honest server answers at once: `rpc_push`
+# queues the step; a session steps one at a time); beyond, a step's push is left out (`schedule_push`)
+PUSH_IN_FLIGHT_MAX = 8
 
 
 @dataclass
@@ -745,6 +748,7 @@ class InferenceStreams:
     prefix_trust: PrefixTrust  # whose cached prefixes a session reuses (the operator may share them all)
     p2p: P2P | None
     _push_tasks: set[asyncio.Task]
+    _pushes_in_flight: dict[str, int]  # pushes not answered yet, by the session they push for (`schedule_push`)
 
     async def serve_steps(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext, port: StepPort
@@ -929,11 +933,31 @@ class InferenceStreams:
     def schedule_push(
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
     ) -> None:
+        """Pushes the step's `output` to the first of `metadata.next_servers` in a task, unless `PUSH_IN_FLIGHT_MAX`
+        earlier pushes of this session still wait for their answers (`rpc_push` answers once it queued the step: a
+        downstream peer holding its answers held a task, the step's bytes and a stream here per step for
+        `request_timeout_s`, and a client naming ever new peers that hold them, as many; the client sends the next
+        server its own copy of every step, so a push left out costs latency, never correctness)."""
         if not metadata.next_servers or self.p2p is None:
             return
+        key = metadata.session_id or ""
+        in_flight = self._pushes_in_flight.get(key, 0)
+        if in_flight >= PUSH_IN_FLIGHT_MAX:
+            peer_id = metadata.next_servers[0].peer_id
+            logger.info(f"rpc_push.skipped(peer={peer_id:.12}): {in_flight} pushes of the session not answered yet")
+            return
+        self._pushes_in_flight[key] = in_flight + 1
         task = asyncio.create_task(self._push_outputs(request, output, metadata))
         self._push_tasks.add(task)
-        task.add_done_callback(self._push_tasks.discard)
+        task.add_done_callback(functools.partial(self._push_done, key))
+
+    def _push_done(self, key: str, task: asyncio.Task) -> None:
+        self._push_tasks.discard(task)
+        left = self._pushes_in_flight.get(key, 0) - 1
+        if left > 0:
+            self._pushes_in_flight[key] = left
+        else:
+            self._pushes_in_flight.pop(key, None)
 
     async def _push_outputs(
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata

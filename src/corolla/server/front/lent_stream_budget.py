@@ -4,11 +4,13 @@ per process. A message within the peer's loan is counted here, as the one front'
 trip); one past it borrows the shortfall from the core first (`LoanPending`: the stream takes the frame again once the
 core answered; its refusal is the stream's, reasons unchanged). Every `LOAN_REBALANCE_S` the process gives back what
 each peer did not use since the last time (the most it held meanwhile is kept: a peer streaming on keeps its loan), and
-at once what the core recalls of what its peers do not hold (`recall`: the core needs it for another process)."""
+at once what the core recalls of what its peers do not hold (`recall`: the core needs it for another process), and,
+for a peer within its share that finds the total full, the loans of slow messages' streams it cuts (decision 0212)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.stream_loans import LOAN_REBALANCE_S, LoanPending, LoanShort, StreamLender
@@ -32,6 +34,7 @@ class LentLease(StreamLease):
             self.pending = self.budget.borrow(self.peer, short.nbytes)
             raise LoanPending(self.pending) from None
         self.held += nbytes
+        self.charged_at = time.monotonic()
 
 
 class LentStreamBudget(StreamBudget):
@@ -95,15 +98,23 @@ class LentStreamBudget(StreamBudget):
         if self.lent:
             self._rebalance = asyncio.get_running_loop().call_later(LOAN_REBALANCE_S, self.rebalance)
 
-    def recall(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+    def recall(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int = 0) -> None:
         """The core needs loans back for another stream: gives back up to `peer_bytes` of `peer`'s loan it does not
         hold, then what its other peers do not hold, up to `any_bytes` in all (`peer`'s counted), the largest idle
-        loans first. A peer whose loan is being borrowed keeps it (its shortfall counted it as spent)."""
-        given = self._give_idle(peer, peer_bytes)
+        loans first; short of `reclaim_bytes` (a peer within its share refused at the full total), cuts other peers'
+        slow messages' streams for the rest (`reclaim`) and gives back their loans. A peer whose loan is being
+        borrowed keeps it (its shortfall counted it as spent)."""
+        given = self._give_others(self._give_idle(peer, peer_bytes), any_bytes)
+        if given < reclaim_bytes and self.reclaim(reclaim_bytes - given, sparing=peer):
+            self._give_others(given, any_bytes)
+
+    def _give_others(self, given: int, any_bytes: int) -> int:
+        """Gives back idle loans, the largest first, until `given` reaches `any_bytes`; the bytes given in all."""
         for other in sorted(self.lent, key=lambda p: self.per_peer.get(p, 0) - self.lent[p]):
             if given >= any_bytes:
                 break
             given += self._give_idle(other, any_bytes - given)
+        return given
 
     def _give_idle(self, peer: str, most: int) -> int:
         """Repays up to `most` of `peer`'s loan it does not hold (none while a borrow of `peer` is out); the bytes."""

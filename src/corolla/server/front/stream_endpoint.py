@@ -23,6 +23,8 @@ import ctypes
 import ctypes.util
 import gc
 import struct
+import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -66,21 +68,53 @@ DEFAULT_LIMIT_BYTES = 1 << 16
 INSIDE_A_MESSAGE = "inside a message"
 TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
 TRIM_DELAY_S = 0.5
+# a message whose payload is still arriving this long after its declared length was charged is slow: its stream may be
+# cut for a peer within its fair share that finds the stream total full (decision 0212). A decode step's message
+# arrives within a round trip; at the minimum rate (`min_stream_rate_kib_s`) a message may take hours
+RECLAIM_AFTER_S = 1.0
 
 
 class StreamBudget(PeerBytes):
     """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only), and each
     message within `max_stream_message_bytes`. The front's own count (the only front: `--num_handlers` 1); a handler
-    process's spends what the core lent it (`lent_stream_budget.LentStreamBudget`)."""
+    process's spends what the core lent it (`lent_stream_budget.LentStreamBudget`).
+
+    A message refused at the total although its peer is within its fair share (decision 0187's reserve filled by
+    peers each within theirs: cheap identities) takes the room of slow messages (`reclaim`): peer ids cost nothing, so
+    what tells a hoarder from a user is not its share but its pace (decision 0212)."""
 
     def __init__(self, limits: PeerLimits):
         super().__init__("stream message", "of unfinished requests", *stream_caps(limits))
         self.limits = limits
         self._freed_since_trim = 0
+        self.leases: weakref.WeakSet[StreamLease] = weakref.WeakSet()  # the streams' leases (what `reclaim` cuts)
+        self.num_reclaimed = 0  # streams cut by `reclaim` (a metric for tests and benches)
 
     def lease(self, peer: str) -> StreamLease:
         """A new stream's lease of `peer`'s bytes in this budget."""
         return StreamLease(self, peer)
+
+    def reclaim(self, nbytes: int, *, sparing: str) -> int:
+        """Cuts the streams of peers other than `sparing` whose message has been arriving for `RECLAIM_AFTER_S` or
+        more (their bytes given back at once), those of the peers holding most first, then the oldest, until `nbytes`
+        are free; cuts none where all of them would not free that much. Returns the bytes freed."""
+        now = time.monotonic()
+        slow = [lease for lease in self.leases if lease.peer != sparing and lease.slow_since(now, RECLAIM_AFTER_S)]
+        if sum(lease.held for lease in slow) < nbytes:
+            return 0
+        slow.sort(key=lambda lease: (-self.per_peer.get(lease.peer, 0), lease.charged_at))
+        freed = 0
+        for lease in slow:
+            if freed >= nbytes:
+                break
+            freed += lease.held
+            logger.info(
+                "stream_budget.reclaimed(peer=...%s, bytes=%d, arriving_s=%.1f)",
+                lease.peer[-6:], lease.held, now - lease.charged_at,
+            )  # fmt: skip
+            lease.cut()
+            self.num_reclaimed += 1
+        return freed
 
     def charge(self, peer: str, nbytes: int) -> None:
         if nbytes <= 0:
@@ -91,7 +125,13 @@ class StreamBudget(PeerBytes):
                 f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={max_message_bytes}",
                 reason="stream_message_too_big",
             )
-        self.take(peer, nbytes)
+        try:
+            self.take(peer, nbytes)
+        except ServerLimitExceeded:  # the total: a peer within its share takes slow messages' room (`reclaim`)
+            short = self.total_bytes + nbytes - (self.total_cap.limit_bytes or 0)
+            if not self.within_share(peer, nbytes) or not self.reclaim(short, sparing=peer):
+                raise
+            self.take(peer, nbytes)
 
     def release(self, peer: str, nbytes: int) -> None:
         if nbytes <= 0:
@@ -127,14 +167,30 @@ def malloc_trim() -> bool:
 
 
 class StreamLease:
-    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left."""
+    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left, `cut()` too and ends the
+    stream (the connection `conn` its port reads)."""
 
     def __init__(self, budget: StreamBudget, peer: str):
         self.budget, self.peer, self.held = budget, peer, 0
+        budget.leases.add(self)
+        self.conn: FrameConnection | None = None  # set by the port that reads the stream (`SocketPort`)
+        self.charged_at = 0.0  # time.monotonic() of the last charge: when its message's header was read
 
     def charge(self, nbytes: int) -> None:
         self.budget.charge(self.peer, nbytes)
         self.held += nbytes
+        self.charged_at = time.monotonic()
+
+    def slow_since(self, now: float, after_s: float) -> bool:
+        """Whether it holds bytes of a message whose payload has been arriving for `after_s` or more at `now`."""
+        conn = self.conn
+        return bool(self.held) and conn is not None and conn.frame_arriving and now - self.charged_at >= after_s
+
+    def cut(self) -> None:
+        """Gives back what it holds and aborts its connection (its stream ends as on a lost connection)."""
+        self.release(self.held)
+        if self.conn is not None and self.conn.transport is not None:
+            self.conn.transport.abort()
 
     def release(self, nbytes: int) -> None:
         nbytes = min(nbytes, self.held)
@@ -312,6 +368,11 @@ class FrameConnection(asyncio.Protocol):
         if len(buffer) <= self._limit:
             self._resume_reading()
         return kind, payload
+
+    @property
+    def frame_arriving(self) -> bool:
+        """A frame's header is read (its length charged where asked) and its payload is not all here yet."""
+        return self._header is not None
 
     @property
     def _started(self) -> bool:
@@ -721,6 +782,8 @@ class SocketPort:
     ):  # fmt: skip
         self.conn, self.codec, self.lease, self.idle_s, self.timeline = conn, codec, lease, idle_s, timeline
         self.pace = pace
+        if lease is not None:
+            lease.conn = conn  # (a reclaim cuts it, decision 0212)
         self.max_payload_bytes = max_frame_bytes + codec.overhead_bytes
         self.charged = 0  # the last message's bytes in `lease`, released once the handler takes the next
         self._charge = None if lease is None else self._charge_lease

@@ -904,14 +904,14 @@ class DeviceChannel:
         await self._loans().lend(self, peer, nbytes)
         return nbytes
 
-    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int) -> None:
+    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
         """Asks the handler process back for idle stream loans (`stream_loans.LoanHolder`): a "recall_stream" note,
         answered by its "recalled" after its repayments."""
         recall = next(self._recall_ids)
         answered = asyncio.get_running_loop().create_future()
         self._recalls[recall] = answered
         try:
-            self.send(wire.NOTE, 0, wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes)))
+            self.send(wire.NOTE, 0, wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes, reclaim_bytes)))
             await answered
         finally:
             self._recalls.pop(recall, None)

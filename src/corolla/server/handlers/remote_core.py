@@ -221,8 +221,9 @@ class RemoteCore:
         self.link = link
         self.pushes = PushTable()  # this process's sessions: where a push the core routes here goes
         self.link.notes["push"] = (tuple[str, str | None, bytes], self._deliver)
-        self.link.notes["recall_stream"] = (tuple[int, str, int, int], self._recall_stream)
-        self._give_back_loans: Callable[[str, int, int], None] | None = None  # the front's budget (`answer_recalls`)
+        self.link.notes["recall_stream"] = (tuple[int, str, int, int, int], self._recall_stream)
+        # the front's budget (`answer_recalls`)
+        self._give_back_loans: Callable[[str, int, int, int], None] | None = None
         # what the device told once (HELLO), and its drain state as its STATE frames keep it
         self.path, self.cache_bytes_per_token, self.drain = link.info.path, link.info.cache_bytes_per_token, link.drain
 
@@ -374,14 +375,14 @@ class RemoteCore:
     def repay_stream(self, peer: str, nbytes: int) -> None:
         self.link.note("repay_stream", peer, nbytes)
 
-    def answer_recalls(self, give_back: Callable[[str, int, int], None]) -> None:
+    def answer_recalls(self, give_back: Callable[[str, int, int, int], None]) -> None:
         self._give_back_loans = give_back
 
-    def _recall_stream(self, recall: int, peer: str, peer_bytes: int, any_bytes: int) -> None:
+    def _recall_stream(self, recall: int, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
         """The core recalls idle loans (a "recall_stream" note): the budget repays what it gives back ("repay_stream"
         notes), then "recalled" tells the core it answered (the notes arrive in order)."""
         if self._give_back_loans is not None:
-            self._give_back_loans(peer, peer_bytes, any_bytes)
+            self._give_back_loans(peer, peer_bytes, any_bytes, reclaim_bytes)
         self.link.note("recalled", recall)
 
     def _give_back_taken(self, call: asyncio.Future[object]) -> None:

@@ -1,0 +1,64 @@
+"""Whether a race's pair short of a witness's standing may rebuild a session from its outputs (decision 0190,
+"Attacked"). Two racers that agree with each other and not with the left server's earlier outputs outvote it
+(decision 0183), and their trial's outputs replace the left server's in what the session built from them: the next
+span's cache is rebuilt from them, or the chain's kept first outputs are (a later race's reference). Peer ids cost
+nothing: one attacker's two fresh identities racing first with the same made-up outputs would turn every later token
+of the session wrong (the watch of 0190 does not see it: the next span computes honestly on the inputs it was sent).
+So where neither has standing, servers outside the pair and the accused recompute the trial statelessly
+(`rpc_forward`) before the pair wins, and every one that answered must agree with it: the attacker runs referees too
+(a third free identity of the span, decision 0220), so one referee's agreement proves nothing while another
+disagrees. Up to `witnesses.OUTSIDERS_MAX` are asked at once, those with a witness's standing first (an honest one the
+client earned is not crowded out by fresh identities), the rest drawn at random (nothing announced orders them):
+"confirmed" where all that answered agree with the pair, "refuted" where all disagree (both avoided), "split" where
+they differ (the pair does not win, nobody is avoided: an attacker's referee siding with its lying loris against an
+honest pair must not get honest racers avoided, pair after pair), "unchecked" where none answered (the pair's word
+stands, as before, and it is watched). A pair with a witness's standing is refereed so too:
+one identity's standing, lent to a fresh partner, would ban the accused for good (decision 0208); the asking is
+`witnesses.recheck`, as for every ban on standing."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.stretches import StretchReferees
+from corolla.client.verification.witnesses import Recheck, recheck
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+async def referee_pair(
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    inputs: torch.Tensor,
+    prompts: torch.Tensor,
+    claimed: torch.Tensor,
+    exclude: set[str],
+    rng: random.Random,
+) -> Recheck:
+    """Has servers of `span`'s blocks (not banned, not in `exclude`: the pair and the accused; in
+    `StretchReferees.outsiders`' order) recompute the trial's `inputs` [B, n, H] (with `prompts`, the trial's deep
+    prompts) at once (`witnesses.recheck`) and compares their outputs at the first m positions with the pair's
+    `claimed` [B, m <= n, H], position by position (the verification's tolerance)."""
+    referees = StretchReferees(manager, rng=rng)
+
+    async def confirms(referee: RemoteSpanInfo) -> bool | None:
+        """Whether `referee`'s recompute agrees with the pair; None where it failed (not a liar: not counted)."""
+        try:
+            recomputed = (await run_remote_forward(manager, referee, inputs, prompts))[:, : claimed.shape[1]]
+        except Exception as e:
+            logger.info("pair_referee.referee_failed(peer=...%s, error=%r)", referee.peer_id[-6:], e)
+            return None
+        agrees, error = referees.compare(claimed, recomputed, (span, referee))
+        logger.info(
+            "pair_referee.recomputed(blocks=%d:%d, referee=...%s, agrees=%s, rel_error=%.3g)",
+            span.start, span.end, referee.peer_id[-6:], agrees, error,
+        )  # fmt: skip
+        return agrees
+
+    return await recheck(referees.outsiders(span, exclude), confirms)

@@ -1,0 +1,131 @@
+"""Who may get a server banned on the word of others (decisions 0190, 0208). Two servers that agree with each other
+and not with a third outvote it 2:1 (a race's pair against the left server, decision 0183; referees against a
+verified server, `step_verifier`; replicas against a shadowed server or an upstream, `stretches`). Peer ids cost
+nothing: one attacker's two fresh identities, answering the same made-up outputs first, would outvote an honest
+server, get it banned for good by this client, and take its sessions. So the outvoted server is banned for good (and
+may be the subject of a shared finding) only where a witness has standing with this client (the other agreeing with
+it): `witness_standing_steps` verified outputs in a row that agreed with another server (`BanList.agreed_in_a_row`:
+reset by any disagreement, never earned by agreeing with a co-witness of an open dispute, nor by a race pair's
+agreement with each other). Short of it, the accused is avoided for `DISPUTE_AVOID_S` (routed around: never banned,
+never in a finding) and the witnesses are watched for `WATCH_S` (`routing.disputes`): each of their steps is
+verified, by other referees first, a co-witness only where no other is left (the accused is no referee while it is
+avoided: it is out of the view).
+
+Standing is not lent (decision 0208): one identity that earned it, with any fresh partner, would ban every honest
+server it referees. So before a ban carried by standing, the client has servers outside the dispute recompute the
+same request (`recheck`, with the sites' own comparison; decision 0220's rule for a race's pair): none confirming
+the witnesses' outputs ("refuted") makes it a tie, words against words: nobody is banned, every party is avoided and
+the witnesses lose their standing; some confirming and some not ("split": an attacker's identity may be on either
+side) bans nobody either, the accused only avoided and the witnesses watched, as short of standing (nobody's standing
+lost on a word that may be the attacker's); all that answered confirming ("confirmed"), or none answering
+("unchecked"), ban, and the ban spends the standing that carried it (one ban per standing earned: the witness earns it again by
+`witness_standing_steps` more agreeing steps).
+
+A server that loses dispute after dispute is avoided longer each time (decision 0225, `routing.dispute_repeats`):
+300 s doubled per dispute lost, capped at a day, but never further than each witness has accused before (fresh
+identities cannot escalate), only after servers outside the dispute did not refute the witnesses (an avoidance past
+the first is rechecked as a ban on standing is), and forgotten after a long honest record; witnesses refuted lose
+the dispute themselves, avoided for their own count."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Literal, TypeVar
+
+from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S, REPEATS_FORGIVEN_STEPS
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+WATCH_S = DISPUTE_AVOID_S  # the witnesses' steps are verified this long
+
+Recheck = Literal["confirmed", "refuted", "split", "unchecked"]  # what servers outside a dispute recomputed
+Outsider = TypeVar("Outsider")
+
+# servers outside a dispute asked at most, at once (decision 0220): one honest one among them keeps a made-up answer
+# out, so an attacker with m free identities of the span against n honest ones fills every seat about
+# (m / (m + n)) ** 8 of the time (4% at m = 2n, where 2 seats, verify_max_referees' default, gave 44%); each is one
+# stateless forward of the disputed request, asked only where a fresh race pair forms or a ban would rest on a
+# witness's standing (decision 0208)
+OUTSIDERS_MAX = 8
+
+
+def trusted(manager: RemoteSequenceManager, peer_id: str) -> bool:
+    """Whether `peer_id` has a witness's standing with this client."""
+    return manager.bans.agreed_in_a_row(peer_id) >= manager.config.witness_standing_steps
+
+
+def needs_recheck(manager: RemoteSequenceManager, accused: str, witnesses: Sequence[str]) -> bool:
+    """Whether an outvote of `accused` by `witnesses` would ban on standing, or avoid past the first avoidance
+    (decision 0225): only then is an outside server asked first (never at `witness_standing_steps` 0: main's rule for
+    a swarm whose identities are not free, any two ban)."""
+    steps = manager.config.witness_standing_steps
+    return steps > 0 and (
+        any(trusted(manager, peer) for peer in witnesses) or manager.repeats.level(accused, witnesses) > 0
+    )
+
+
+def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
+    """Servers outside a dispute sided against `peer_id`, a witness (or a watched server whose output only its
+    co-witness confirmed): its standing lost, and it is avoided as the loser of the dispute, longer each time
+    (`DisputeRepeats.refuted`, decision 0225)."""
+    manager.bans.record_verified(peer_id, agreed=False)
+    manager.avoid(peer_id, manager.repeats.refuted(peer_id))
+
+
+async def recheck(outsiders: Sequence[Outsider], confirms: Callable[[Outsider], Awaitable[bool | None]]) -> Recheck:
+    """Asks the first `OUTSIDERS_MAX` of `outsiders` (servers outside the dispute, `StretchReferees.outsiders`: those
+    with standing first) at once whether they confirm the witnesses' outputs (`confirms(outsider)`: the disputed
+    request recomputed and compared; None where it failed: a failed server is no liar, not counted): "confirmed"
+    where every one that answered does, "refuted" where none does, "split" where they differ (the attacker's own
+    identities may be among them, on either side), "unchecked" where none answered."""
+    answers = [
+        answer for answer in await asyncio.gather(*map(confirms, outsiders[:OUTSIDERS_MAX])) if answer is not None
+    ]
+    if not answers:
+        return "unchecked"
+    return "confirmed" if all(answers) else "refuted" if not any(answers) else "split"
+
+
+def outvote(
+    manager: RemoteSequenceManager, accused: str, witnesses: Sequence[str], reason: str, *, rechecked: Recheck
+) -> bool:
+    """`witnesses` (two servers that agree with each other) outvoted `accused`'s outputs: banned for good (and
+    dropped from the view) where a witness has standing (spent by the ban) and every outside server that answered
+    confirmed them (`rechecked`: "confirmed", or "unchecked" where none did); else avoided and the witnesses watched:
+    `DISPUTE_AVOID_S` doubled per dispute it lost before, as far as the witnesses accused before (decision 0225;
+    "split": not doubled); "refuted": the accused avoided `DISPUTE_AVOID_S`, its disputes lost forgotten, the witnesses avoided
+    for their own disputes lost and their standing lost. Returns whether it was banned."""
+    standing = [peer for peer in witnesses if trusted(manager, peer)]
+    if manager.bans.agreed_in_a_row(accused) >= REPEATS_FORGIVEN_STEPS:  # a long honest record since (0225)
+        manager.repeats.forgive(accused)
+    manager.bans.record_verified(accused, agreed=False)  # outvoted either way: no witness until it earns it again
+    by = ", ".join("..." + peer[-6:] for peer in witnesses)
+    avoid_s = DISPUTE_AVOID_S
+    if rechecked == "refuted":  # the outside servers' word against theirs: a tie, the witnesses lose (0225)
+        for peer in witnesses:
+            refuted(manager, peer)
+        manager.repeats.forgive(accused)  # its earlier disputes lost are in doubt too: it was framed, or none was
+        why = "no server outside them confirmed: nobody banned, every party avoided"
+    elif rechecked == "split":  # either side may be an attacker's: counted, not escalated
+        avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
+        why = "the servers outside them split: not banned, the witnesses watched"
+    elif standing:
+        logger.warning("witnesses.liar_banned(peer=...%s, by=%s, %s): %s", accused[-6:], by, rechecked, reason)
+        manager.bans.ban_liar(accused)
+        manager.on_request_failure(accused)
+        for peer in standing:  # spent: one ban per standing earned, never lent to one fresh partner after another
+            manager.bans.record_verified(peer, agreed=False)
+        return True
+    else:
+        avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=True)
+        why = "short of a witness's standing: not banned, the witnesses watched"
+    avoided = manager.avoid(accused, avoid_s)
+    manager.disputes.open(accused, witnesses, WATCH_S)
+    logger.warning(
+        "witnesses.disputed(peer=...%s, by=%s, avoided=%s, avoid_s=%.0f): %s; %s",
+        accused[-6:], by, avoided, avoid_s, reason, why,
+    )  # fmt: skip
+    return False

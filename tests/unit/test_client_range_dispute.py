@@ -1,0 +1,62 @@
+"""Outputs past a float16 server's range in an inference session (decisions 0170, 0186), against in-process fakes:
+a liar two spans before the float16 server, its values carried on by an honest span between, is found by asking
+the spans before in turn (each replica agreeing with its span sends the question one span further up) and avoided
+in the float16 server's place; the tokens are the reference's."""
+
+from __future__ import annotations
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.session.inference_session import InferenceSession
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.records import ServerInfo
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, Referee, record_of, reference
+
+
+class HugeServer(Referee):
+    """A hostile server announced fastest: 1e6 (legal in float32, past float16's range) in the first value of the
+    last position of each step's outputs."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end, inference_rps=1e6)
+
+    async def rpc_inference(self, requests):
+        return self._lie(self._serve(requests))
+
+    async def _lie(self, responses):
+        async for response in responses:
+            outputs = deserialize_tensor(response.tensors[0]).clone()  # [B, T, H]
+            outputs[:, -1, 0] = 1e6
+            yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
+
+
+class Float16Server(FakeServer):
+    """Announces float16 (and the fastest figure): the client sends it nothing it cannot hold."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end, inference_rps=1e6)
+
+    def server_info(self) -> ServerInfo:
+        info = record_of(self.start, self.end, self.inference_rps)
+        info.torch_dtype = "float16"
+        return info
+
+
+def test_a_liar_two_spans_before_the_float16_server_is_avoided_in_its_place():
+    """U (0:1) lies 1e6 into its outputs; M (1:2, honest) carries it on; the float16 server of 2:4 cannot take it.
+    On main M's replica confirmed M, so the float16 server was routed around and U's value went on through the
+    float32 server (outputs 1e6 off). Now U's replica is asked next, disputes U, and U is avoided instead: the
+    session goes on through the float16 server, outputs the reference's."""
+    torch.manual_seed(0)
+    servers: dict[str, FakeServer] = {"U": HugeServer(0, 1), "A": Referee(0, 1)}
+    servers.update({"M": Referee(1, 2), "M2": Referee(1, 2), "f16": Float16Server(2, 4), "B": FakeServer(2, 4)})
+    manager = FakeManager(servers, 4, request_timeout_s=20.0)
+    x = torch.randn(1, 6, HIDDEN)
+    with InferenceSession(manager, max_length=6) as session:
+        outputs = torch.cat([session.step(x[:, t : t + 1]) for t in range(x.shape[1])], dim=1)
+        route = [s.peer_id for s, _ in session.route]
+    torch.testing.assert_close(outputs, reference(x, 4))
+    assert servers["U"].requests, "the liar was routed through first"
+    assert "U" in manager.avoided_peers() and "f16" not in manager.avoided_peers()
+    assert route[0] == "A" and route[-1] == "f16" and not manager.bans.banned_peers()
