@@ -122,6 +122,8 @@ class RemoteSequenceManager:
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
+        # the spans of servers avoided now (as last read): never routed, but asked to recheck a dispute (decision 0228)
+        self._set_aside: dict[str, RemoteSpanInfo] = {}
         # servers seen answering a step within its deadline, not avoided or failed since: raced first (decision 0163);
         # an ordered set, the latest seen last (`peer_tables`: the least recently seen go first past its bound)
         self._on_time: dict[str, None] = {}
@@ -195,6 +197,7 @@ class RemoteSequenceManager:
     def _read(self) -> None:
         self._read_started_at = time.monotonic()
         infos = self.fetch_module_infos()
+        set_aside = self._spans_avoided(infos)
         infos = self._filter_servers(infos)
         spans_by_peer = compute_spans(infos, min_state=ServerState.ONLINE)
         spans = sorted(spans_by_peer.values(), key=lambda span: span.length, reverse=True)
@@ -202,15 +205,19 @@ class RemoteSequenceManager:
         rtts = self.measure_rtts_s(to_ping) if to_ping else {}
         with self._lock:
             self._spans = spans
+            self._set_aside = set_aside
             for peer_id, rtt in rtts.items():
                 self._rtts.update(peer_id, rtt)
         self._ready.set()
         logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
 
-    def _filter_servers(self, infos: list[RemoteModuleInfo]) -> list[RemoteModuleInfo]:
+    def _filter_servers(
+        self, infos: list[RemoteModuleInfo], excluded: set[str] | None = None
+    ) -> list[RemoteModuleInfo]:
+        """`infos` with the servers the config allows, less `excluded` (default: `excluded_peers`)."""
         allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
         blocked = set(self.config.blocked_servers or ())
-        banned = self.excluded_peers()
+        banned = self.excluded_peers() if excluded is None else excluded
         adapter = self.config.active_adapter or None
         result = []
         for info in infos:
@@ -227,6 +234,17 @@ class RemoteSequenceManager:
                 usable = servers
             result.append(dataclasses.replace(info, servers=usable))
         return result
+
+    def _spans_avoided(self, infos: list[RemoteModuleInfo]) -> dict[str, RemoteSpanInfo]:
+        """The spans in `infos` of servers avoided now and not banned (`avoided_spans`)."""
+        avoided = self.avoided_peers() - self.bans.banned_peers()
+        if not avoided:
+            return {}
+        kept = [
+            dataclasses.replace(info, servers={peer: s for peer, s in info.servers.items() if peer in avoided})
+            for info in self._filter_servers(infos, excluded=set())
+        ]
+        return compute_spans(kept, min_state=ServerState.ONLINE)
 
     def _choose_peers_to_ping(self, infos: list[RemoteModuleInfo]) -> list[str]:
         """Samples up to `max_pinged` servers from each of the first, middle and last blocks (Petals' refresh); a
@@ -358,6 +376,16 @@ class RemoteSequenceManager:
                 del self._avoid_until[peer]
             return set(self._avoid_until)
 
+    def avoided_spans(self) -> list[RemoteSpanInfo]:
+        """The spans of servers avoided now (`avoid`) and not banned, as last read. Never routed, but asked to recheck
+        a dispute (`StretchReferees.outsiders`, decision 0228): an avoidance proves nothing against a server (it was
+        slow, out of cache, or outvoted by witnesses short of standing: two free identities get any server avoided),
+        so free identities that got the honest outsiders avoided first must not be left the recheck's seats."""
+        excluded = self.bans.banned_peers()
+        avoided = self.avoided_peers()
+        with self._lock:
+            return [span for peer, span in self._set_aside.items() if peer in avoided and peer not in excluded]
+
     def excluded_peers(self) -> set[str]:
         """Servers routes leave out now: banned (they failed) or avoided (`avoid`)."""
         return self.bans.banned_peers() | self.avoided_peers()
@@ -410,6 +438,7 @@ class RemoteSequenceManager:
                 return False
             until = max(self._avoid_until.get(peer_id, 0.0), time.monotonic() + duration_s)
             remember(self._avoid_until, peer_id, until, worth=worth_itself)  # (those over first, the longest kept)
+            self._set_aside.update((span.peer_id, span) for span in self._spans if span.peer_id == peer_id)
             self._spans = [span for span in self._spans if span.peer_id != peer_id]
             self._on_time.pop(peer_id, None)
         return True

@@ -50,14 +50,18 @@ class StretchReferees:
         self.manager = manager
         self.rng = rng or random.Random()
 
-    def replicas(self, span: RemoteSpanInfo, exclude: set[str]) -> list[RemoteSpanInfo]:
-        """Unbanned servers holding all of `span`'s blocks, not in `exclude`, in random order, as spans of them; the
-        co-witnesses of its server in an open dispute last (`routing.disputes`: one attacker's identities would vouch
-        for each other; their agreement earns no standing, `Disputes.co_witnesses`)."""
+    def replicas(self, span: RemoteSpanInfo, exclude: set[str], *, avoided: bool = False) -> list[RemoteSpanInfo]:
+        """Unbanned servers of the view (and, where `avoided`, those avoided now: `avoided_spans`) holding all of
+        `span`'s blocks, not in `exclude`, in random order, as spans of them; the co-witnesses of its server in an open
+        dispute last (`routing.disputes`: one attacker's identities would vouch for each other; their agreement earns
+        no standing, `Disputes.co_witnesses`)."""
         banned = self.manager.bans.banned_peers()
+        candidates = {s.peer_id: s for s in self.manager.spans}
+        if avoided:
+            candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | candidates
         others = [
             RemoteSpanInfo(peer_id=s.peer_id, start=span.start, end=span.end, server_info=s.server_info)
-            for s in self.manager.spans
+            for s in candidates.values()
             if s.peer_id not in exclude and s.peer_id not in banned and s.start <= span.start and span.end <= s.end
         ]
         self.rng.shuffle(others)
@@ -67,9 +71,10 @@ class StretchReferees:
 
     def outsiders(self, span: RemoteSpanInfo, parties: set[str]) -> list[RemoteSpanInfo]:
         """Replicas of `span` outside a dispute's `parties` (the accused and its witnesses), to recheck it before a
-        ban on standing (decision 0208): those with a witness's standing first (an attacker's fresh identity is not
-        drawn before them), a co-witness of any party in an open dispute last."""
-        others = self.replicas(span, parties)
+        ban on standing (decision 0208), avoided ones too (decision 0228: an attacker's fresh pair gets any honest
+        server avoided, and would empty the seats of honest outsiders first): those with a witness's standing first
+        (an attacker's fresh identity is not drawn before them), a co-witness of any party in an open dispute last."""
+        others = self.replicas(span, parties, avoided=True)
         co_witnesses = set().union(*(self.manager.disputes.co_witnesses(peer) for peer in parties))
         others.sort(key=lambda other: (other.peer_id in co_witnesses, not trusted(self.manager, other.peer_id)))
         return others
