@@ -126,6 +126,78 @@ def test_identities_within_their_share_hoarding_the_total_let_a_real_user_in_at_
     assert budget.num_reclaimed == 1 and cut == 1  # one stream freed the room: no more were cut
 
 
+async def _gather(requests, context):
+    """A training rpc's method: the request's parts gathered whole (up to the caller's END), then one reply."""
+    uids = [request.uid async for request in requests]
+    yield runtime_pb2.ExpertResponse(metadata=" ".join(uids).encode())
+
+
+PART_GAP_S = 0.25  # (a few hundred bytes a second: the hoarders stay within their 96 KiB for seconds)
+
+
+async def _hold_in_parts(sock: socket.socket, first: bytes, stop: asyncio.Event) -> None:
+    """A request's first part whole at once, then a tiny part every `PART_GAP_S` (each whole at once, inside the idle
+    timeout, for the request's pace) until `stop`: no frame is ever arriving for long."""
+    loop = asyncio.get_running_loop()
+    try:
+        await loop.sock_sendall(sock, first)
+        while not stop.is_set():
+            await asyncio.sleep(PART_GAP_S)
+            await loop.sock_sendall(sock, _peer_frame(_request(32)))
+    except OSError:  # the server cut the stream
+        pass
+
+
+def test_identities_holding_whole_parts_of_unfinished_requests_let_a_real_user_in_at_once() -> None:
+    """Decision 0228, against 0212. 2 identities (two forward streams each, 64 + 32 KiB) send their request's first
+    part whole at once, then a 32-byte part every 250 ms and never their END: the parts are kept charged until the
+    request is whole (a training rpc gathers it), and no frame is arriving for long, so 0212's reclaim saw no slow
+    message: the user's 4 KiB request a second later was refused as a full server, for the request's pace (26 s,
+    renewed at will). A request still arriving in parts after `RECLAIM_AFTER_S` is now as slow as a frame: the room of
+    the largest holder's oldest stream is taken, the user answered."""
+    rejected: list = []
+
+    async def run() -> tuple[float, bytes]:
+        loop = asyncio.get_running_loop()
+        budget = StreamBudget(LIMITS)
+        stop = asyncio.Event()
+        hoards = []
+        for peer in ("hoarder-a", "hoarder-b"):
+            for size in (63 * KiB, 31 * KiB):  # (room for the tiny parts within the share: 94 of 96 KiB)
+                before = budget.total_bytes
+                ours, theirs = socket.socketpair()
+                theirs.setblocking(False)
+                reader, writer = await asyncio.open_unix_connection(sock=ours)
+                handle = stream_guard.guarded_stream_handler(
+                    SimpleNamespace(peer_id="server"), "rpc_forward_stream", _gather, budget,
+                    on_reject=lambda name, e, peer=peer: rejected.append((peer, e)),
+                )  # fmt: skip
+                sending = asyncio.create_task(_hold_in_parts(theirs, _peer_frame(_request(size)), stop))
+                served = asyncio.create_task(handle(SimpleNamespace(peer_id=PeerID(peer.encode())), reader, writer))
+                hoards.append((served, theirs, sending))
+                while budget.total_bytes < before + size - 512:
+                    await asyncio.sleep(0.01)  # (its first part read and charged)
+        assert budget.total_bytes > 188 * KiB - 1024  # (the user's 4 KiB do not fit)
+        await asyncio.sleep(RECLAIM_AFTER_S + 0.1)
+        started = loop.time()
+        served, theirs, _ = await _open(budget, "user", _peer_frame(_request(4 * KiB)) + END, rejected, trickle=False)
+        await asyncio.wait_for(served, BOUND_S)
+        received = await asyncio.wait_for(loop.sock_recv(theirs, 1 << 16), BOUND_S)
+        elapsed = loop.time() - started
+        stop.set()
+        for task, sock, sending in hoards:
+            task.cancel()
+            sending.cancel()
+            sock.close()
+        theirs.close()
+        return elapsed, received
+
+    elapsed, received = asyncio.run(run())
+    assert [peer for peer, _ in rejected if peer == "user"] == [], rejected  # main: ServerLimitExceeded, total full
+    assert received[:1] == P2P.MESSAGE_MARKER and received.endswith(b"p.0")
+    assert elapsed < BOUND_S / 2, elapsed
+
+
 class _Conn:
     """A stream's connection as a reclaim sees it: a frame arriving or not, a transport to abort."""
 

@@ -10,7 +10,6 @@ for a peer within its share that finds the total full, the loans of slow message
 from __future__ import annotations
 
 import asyncio
-import time
 
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.stream_loans import LOAN_REBALANCE_S, LoanPending, LoanShort, StreamLender
@@ -33,8 +32,7 @@ class LentLease(StreamLease):
         except LoanShort as short:
             self.pending = self.budget.borrow(self.peer, short.nbytes)
             raise LoanPending(self.pending) from None
-        self.held += nbytes
-        self.charged_at = time.monotonic()
+        self.charged(nbytes)
 
 
 class LentStreamBudget(StreamBudget):

@@ -174,17 +174,29 @@ class StreamLease:
         self.budget, self.peer, self.held = budget, peer, 0
         budget.leases.add(self)
         self.conn: FrameConnection | None = None  # set by the port that reads the stream (`SocketPort`)
-        self.charged_at = 0.0  # time.monotonic() of the last charge: when its message's header was read
+        # time.monotonic() when its message's header was read; of a request in parts, its first part's
+        self.charged_at = 0.0
+        # a request in parts is being read (`SocketPort.requests(whole=True)`): its parts are kept charged while the
+        # next ones are waited for, the request slow as a frame is (decision 0228: whole parts sent one by one, never
+        # a frame arriving for long, held a training rpc's request unfinished at its pace and were never cut)
+        self.gathering = False
 
     def charge(self, nbytes: int) -> None:
         self.budget.charge(self.peer, nbytes)
+        self.charged(nbytes)
+
+    def charged(self, nbytes: int) -> None:
+        """`nbytes` of the next message were taken from the budget."""
+        if not (self.gathering and self.held):  # (the parts after a request's first keep its clock)
+            self.charged_at = time.monotonic()
         self.held += nbytes
-        self.charged_at = time.monotonic()
 
     def slow_since(self, now: float, after_s: float) -> bool:
-        """Whether it holds bytes of a message whose payload has been arriving for `after_s` or more at `now`."""
+        """Whether it holds bytes of a message (or a request in parts) that has been arriving for `after_s` or more at
+        `now`, and is not whole yet."""
         conn = self.conn
-        return bool(self.held) and conn is not None and conn.frame_arriving and now - self.charged_at >= after_s
+        arriving = conn is not None and (conn.frame_arriving or self.gathering)
+        return bool(self.held) and arriving and now - self.charged_at >= after_s
 
     def cut(self) -> None:
         """Gives back what it holds and aborts its connection (its stream ends as on a lost connection)."""
@@ -836,26 +848,32 @@ class SocketPort:
         conn = self.conn
         since = asyncio.get_running_loop().time() if whole else None
         received = 0  # the request's bytes so far, on the wire
-        while True:
-            if not whole:
-                self._release()
-            try:
-                kind, payload = await conn.read_frame(
-                    self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace, since=since,
-                    before_bytes=received,
-                )  # fmt: skip
-                received += conn.header_bytes + len(payload)
-                request = self._request(kind, payload)
-            except LoanPending as pending:  # (handler processes) the frame is taken again once the core answered
-                await asyncio.wait((pending.future,))
-                continue
-            except Exception as e:
-                if self._input_failed(e):
+        if whole and self.lease is not None:
+            self.lease.gathering = True  # (until its END: the parts wait for their peer, not for the handler)
+        try:
+            while True:
+                if not whole:
+                    self._release()
+                try:
+                    kind, payload = await conn.read_frame(
+                        self.max_payload_bytes, charge=self._charge, idle_s=self.idle_s, pace=self.pace, since=since,
+                        before_bytes=received,
+                    )  # fmt: skip
+                    received += conn.header_bytes + len(payload)
+                    request = self._request(kind, payload)
+                except LoanPending as pending:  # (handler processes) the frame is taken again once the core answered
+                    await asyncio.wait((pending.future,))
+                    continue
+                except Exception as e:
+                    if self._input_failed(e):
+                        return
+                    raise
+                if request is None:
                     return
-                raise
-            if request is None:
-                return
-            yield request
+                yield request
+        finally:
+            if self.lease is not None:
+                self.lease.gathering = False
 
     def attach(self, order: StepOrder, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         self.order = order  # (its requests come from the connection's data callback, not from `requests`)
