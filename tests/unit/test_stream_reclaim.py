@@ -233,6 +233,25 @@ def test_whole_or_fresh_messages_are_not_cut_and_a_peer_past_its_share_cuts_noth
     assert budget.num_reclaimed == 1 and sum(lease.conn.aborted for lease in fresh) == 1  # type: ignore[union-attr]
 
 
+def test_identities_holding_a_few_bytes_each_do_not_push_a_users_one_message_past_its_share() -> None:
+    """Decision 0228, against 0187 and 0212. A peer's fair share is the total over the peers holding any bytes, so
+    identities that each hold a few (a message's header charged, one byte of it kept back) shrink every other
+    peer's share at will: 22 of them at 100 bytes each beside 124 KiB of other streams made a user's first 8 KiB
+    message "past its share" (192 KiB / 25 = 7.7 KiB), kept out of the reserve and refused as a full server, and, past
+    its share, it could reclaim nothing (0212). A peer's one message (up to `max_stream_message_bytes`) is now
+    always within its share: the reserve is one message kept for whoever holds no more."""
+    budget = StreamBudget(LIMITS)
+    for peer in ("a", "b"):  # (whole messages waiting for the handler: nobody's to cut)
+        _lease(budget, peer, 62 * KiB, age_s=0.0, arriving=False)
+    for i in range(22):
+        _lease(budget, f"tiny-{i}", 100, age_s=2 * RECLAIM_AFTER_S)
+    assert budget.total_bytes + 8 * KiB > 192 * KiB - 64 * KiB  # (in the reserve)
+    budget.charge("user", 8 * KiB)  # main: ServerLimitExceeded, "less 65536 bytes kept for peers within their share"
+    assert budget.per_peer["user"] == 8 * KiB and budget.num_reclaimed == 0
+    with pytest.raises(ServerLimitExceeded, match="less 65536 bytes kept"):
+        budget.charge("user", 60 * KiB)  # a second message past its share still is kept out of the reserve
+
+
 def test_with_handler_processes_the_core_has_a_slow_hoarders_stream_cut_for_a_user_within_its_share() -> None:
     """`--num_handlers` 2: the hoarders' streams in one process, the user's in the other. On main the user's loan
     was refused after a recall (the hoarders' loans are not idle); now the recall cuts the hoarders' older stream."""

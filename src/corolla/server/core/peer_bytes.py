@@ -24,8 +24,8 @@ class ByteCap:
     name: str
     limit_bytes: int | None
     reason: str
-    # the top of the cap that a peer holding more than its fair share (the cap over the peers holding any, at least
-    # 2) may not take: the others' room, kept free of one peer's pressure (0: none)
+    # the top of the cap that a peer holding more than its fair share (`PeerBytes.within_share`) may not take: the
+    # others' room, kept free of one peer's pressure (0: none)
     reserve_bytes: int = 0
 
 
@@ -65,8 +65,8 @@ class PeerBytes:
 
     def total_limit_bytes(self, peer: str, nbytes: int) -> int | None:
         """The total that `nbytes` more of `peer`'s may not pass: the total cap, less its reserve where they would
-        take the total into it and `peer` past its fair share (the cap over the peers holding any, itself counted,
-        at least 2: a lone peer keeps the reserve for the next)."""
+        take the total into it and `peer` past its fair share (`within_share`: a lone peer keeps the reserve for the
+        next)."""
         cap = self.total_cap
         limit_bytes = cap.limit_bytes
         if not limit_bytes or not cap.reserve_bytes or self.total_bytes + nbytes <= limit_bytes - cap.reserve_bytes:
@@ -75,9 +75,13 @@ class PeerBytes:
 
     def within_share(self, peer: str, nbytes: int) -> bool:
         """Whether `peer` with `nbytes` more holds at most its fair share of the total cap: the cap over the peers
-        holding any, itself counted, at least 2."""
+        holding any, itself counted, at least 2, and never less than the reserve (a message: decision 0228, peer ids
+        cost nothing, and identities each holding a few bytes shrank every other peer's share at will, so that a
+        user's one message was kept out of the reserve and could reclaim nothing)."""
+        cap = self.total_cap
         peers = len(self.per_peer) + (peer not in self.per_peer)
-        return self.per_peer.get(peer, 0) + nbytes <= (self.total_cap.limit_bytes or 0) // max(2, peers)
+        share = max((cap.limit_bytes or 0) // max(2, peers), cap.reserve_bytes)
+        return self.per_peer.get(peer, 0) + nbytes <= share
 
     def give_back(self, peer: str, nbytes: int) -> None:
         left = self.per_peer.get(peer, 0) - nbytes
