@@ -5,10 +5,12 @@ themselves. In process fakes (`tests/helpers/fake_chain`), a fresh client, a sim
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 from tests.unit.test_client_distrust import Framer, FramersFirst, Server
 
 from corolla.client.routing import sequence_manager
@@ -22,6 +24,7 @@ from corolla.client.routing.dispute_repeats import (
 from corolla.client.routing.disputes import Disputes
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.verification.witnesses import outvote
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.utils.peer_tables import PEERS_KEPT_MAX
 from helpers.fake_chain import HIDDEN, FakeManager, reference
 
@@ -220,3 +223,70 @@ def test_repeat_counts_outlast_a_flood_of_fresh_disputes():
         repeats.outvoted(f"fresh{i}", [f"fa{i}", f"fb{i}"], escalate=True)
     assert repeats.lost("L") == 3 and repeats.level("L", ["W1", "W2"]) == 3
     assert sum(repeats.lost(f"fresh{i}") for i in range(10_000)) <= PEERS_KEPT_MAX
+
+
+class Smear(Server):
+    """An attacker's identity that serves honestly and, as a referee (`rpc_forward`), answers made-up outputs while
+    `lying` (set by the draw below: when it referees H1)."""
+
+    lying = False
+
+    async def rpc_forward(self, request, timeout=None):
+        honest = await super().rpc_forward(request, timeout)
+        if not self.lying:
+            return honest
+        return runtime_pb2.ExpertResponse(
+            tensors=[serialize_tensor(torch.randn(deserialize_tensor(honest.tensors[0]).shape))]
+        )
+
+
+class SmearH1(random.Random):
+    """The draw the attack hopes for, and the smear's cue: H1 and H2 referee L's steps; R referees H1's (a list
+    without H1 but with its co-witness H2: H1 is verified), lying then; nobody else's."""
+
+    def __init__(self, smear: Smear):
+        super().__init__(0)
+        self.smear = smear
+
+    def shuffle(self, x: list) -> None:  # type: ignore[override]
+        names = {span.peer_id for span in x}
+        self.smear.lying = "H1" not in names and "H2" in names
+        x.sort(key=lambda span: ["H1", "H2", "R"].index(span.peer_id) if span.peer_id in ("H1", "H2", "R") else 9)
+        if self.smear.lying:
+            x.sort(key=lambda span: span.peer_id != "R")
+
+
+def test_one_fresh_referee_against_a_watched_servers_co_witness_escalates_nothing(monkeypatch):
+    """Decision 0228, against 0225. L (a liar, the best figures) is outvoted by H1 and H2 (honest, fresh): L avoided,
+    H1 and H2 watched. The session moves to H1; its step is verified by R (the attacker's fresh identity, the only
+    referee outside the dispute) with made-up outputs and by H2, its co-witness, which agrees: one word each (0190),
+    H1's output not used. 0225 counted that as a dispute H1 lost (`refuted`: its accusations forgotten, avoided for
+    its own count): at L's next lie, 5 minutes on, L was avoided 300 s again (H1's accusations gone: level 0) and
+    H1 600 s, then 1,200 s ...: the liar and one fresh identity kept an honest server out longer each time, with
+    nothing rechecked, and the liar at 300 s. Now one referee's word against a co-witness's is no dispute lost: H1
+    avoided 300 s each time, its accusations kept, and L's second lie escalates (600 s, rechecked first)."""
+    smear = Smear(0, 2, inference_rps=1e2)
+    servers = {
+        "L": Server(0, 2, "garbage", inference_rps=1e6),
+        "H1": Server(0, 2, inference_rps=1e4),
+        "H2": Server(0, 2, inference_rps=1e3),
+        "R": smear,
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    manager, clock = _fresh_client(monkeypatch, servers)
+    hour = Hour(monkeypatch, manager, clock)
+    torch.manual_seed(0)
+    tokens = torch.randn(1, 5, HIDDEN)
+    for _ in range(2):  # L's first lie, and its next as it comes back
+        manager.update()
+        with InferenceSession(manager, max_length=5) as session:
+            session.verifier.rng = SmearH1(smear)
+            outputs = [session.step(tokens[:, :4]), session.step(tokens[:, 4:])]
+        torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+        clock.offset_s += DISPUTE_AVOID_S + 1
+    avoided = {peer: [end - start for p, start, end in hour.avoided if p == peer] for peer in ("L", "H1", "H2")}
+    assert avoided["H1"] == [DISPUTE_AVOID_S, DISPUTE_AVOID_S], avoided  # main: [300.0, 600.0]
+    # and the liar escalates again (rechecked by R, honest there): main kept it at 300 s, H1's accusation forgotten
+    assert avoided["L"] == [DISPUTE_AVOID_S, 2 * DISPUTE_AVOID_S], avoided
+    assert not avoided["H2"] and not manager.bans.banned_peers() & {"H1", "H2"}

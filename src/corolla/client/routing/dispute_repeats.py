@@ -72,9 +72,10 @@ class DisputeRepeats:
         return duration_s
 
     def refuted(self, witness: str) -> float:
-        """Servers outside a dispute sided against `witness` (or its output, confirmed only by a co-witness, against an
-        outside referee's): it lost that dispute. Returns its avoidance (its own count's), counts the loss and
-        forgets its accusations (its word is worth no escalation until it accuses again)."""
+        """Servers outside a dispute sided against `witness`: it lost that dispute. Returns its avoidance (its own
+        count's), counts the loss and forgets its accusations (its word is worth no escalation until it accuses
+        again). Not for a watched server's output confirmed only by its co-witness against one referee: one word
+        each, no dispute lost (decision 0228)."""
         with self._lock:
             lost = self._lost.get(witness, 0)
             remember(self._lost, witness, lost + 1, worth=worth_itself)

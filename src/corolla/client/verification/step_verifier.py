@@ -27,9 +27,10 @@ from corolla.client.calls.output_checks import (
     relative_error,
 )
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
+from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
-from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck, refuted
+from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -156,7 +157,12 @@ class StepVerifier:
                 # a watched server's co-witness against a referee from outside: one witness each (decision 0190)
                 self.num_verified += 1
                 self.num_rejected += 1
-                refuted(self.manager, span.peer_id)  # its standing lost, avoided longer each time (decision 0225)
+                # not a dispute lost (decision 0228): one referee's word against one, with nothing rechecked; counted
+                # as one (0225's `refuted`), a fresh identity's smear cleared the watched server's accusations and
+                # doubled its avoidance at each return of the liar it had outvoted. Its standing is lost, as at any
+                # disagreement, and it is avoided as the first time
+                self.manager.bans.record_verified(span.peer_id, agreed=False)
+                self.manager.avoid(span.peer_id, DISPUTE_AVOID_S)
                 raise OutputsDisputed(
                     span.peer_id,
                     f"{what} for blocks {span.start}:{span.end} agree only with its co-witness "

@@ -68,9 +68,8 @@ def needs_recheck(manager: RemoteSequenceManager, accused: str, witnesses: Seque
 
 
 def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
-    """Servers outside a dispute sided against `peer_id`, a witness (or a watched server whose output only its
-    co-witness confirmed): its standing lost, and it is avoided as the loser of the dispute, longer each time
-    (`DisputeRepeats.refuted`, decision 0225)."""
+    """Servers outside a dispute sided against `peer_id`, a witness: its standing lost, and it is avoided as the
+    loser of the dispute, longer each time (`DisputeRepeats.refuted`, decision 0225)."""
     manager.bans.record_verified(peer_id, agreed=False)
     manager.avoid(peer_id, manager.repeats.refuted(peer_id))
 
