@@ -60,3 +60,38 @@ def test_a_liar_two_spans_before_the_float16_server_is_avoided_in_its_place():
     assert servers["U"].requests, "the liar was routed through first"
     assert "U" in manager.avoided_peers() and "f16" not in manager.avoided_peers()
     assert route[0] == "A" and route[-1] == "f16" and not manager.bans.banned_peers()
+
+
+class VouchingReferee(Referee):
+    """An attacker's second identity of the liar's blocks: as a replica (`rpc_forward`) it answers the liar's value
+    too (1e6 in the first value of the last position), so it agrees with the liar's outputs."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end, inference_rps=1.0)  # (never routed: it only referees)
+
+    async def rpc_forward(self, request, timeout=None):
+        outputs = deserialize_tensor((await super().rpc_forward(request, timeout)).tensors[0]).clone()
+        outputs[:, -1, 0] = 1e6
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
+
+
+def test_a_liars_second_identity_among_the_replicas_does_not_get_its_value_used():
+    """Decision 0228, against 0186 (0220's rule for race pairs). U (0:2) writes 1e6 into its outputs; the float16
+    server of 2:4 cannot take it, so U's replicas are asked: A (honest) and W (the attacker's second identity, which
+    answers U's value). Main asked them one by one and took the first that agreed with U (or U and W outvoting A,
+    whichever was drawn first): "honest", the float16 server routed around and U's value went on through the float32
+    server (outputs 1e6 off, every time). Now every replica is asked at once and U's outputs are the model's own only
+    where all that answered agree: A and W split, U is avoided in the float16 server's place (nobody banned), and the
+    outputs are the reference's."""
+    torch.manual_seed(0)
+    servers: dict[str, FakeServer] = {"U": HugeServer(0, 2), "A": Referee(0, 2), "W": VouchingReferee(0, 2)}
+    servers.update({"f16": Float16Server(2, 4), "B": FakeServer(2, 4)})
+    manager = FakeManager(servers, 4, request_timeout_s=20.0)
+    x = torch.randn(1, 4, HIDDEN)
+    with InferenceSession(manager, max_length=4) as session:
+        outputs = torch.cat([session.step(x[:, t : t + 1]) for t in range(x.shape[1])], dim=1)
+        route = [s.peer_id for s, _ in session.route]
+    assert servers["U"].requests, "the liar was routed through first"
+    torch.testing.assert_close(outputs, reference(x, 4))  # main: 1e6 off
+    assert "U" in manager.avoided_peers() and "f16" not in manager.avoided_peers()
+    assert route == ["A", "f16"] and not manager.bans.banned_peers()

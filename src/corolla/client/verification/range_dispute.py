@@ -6,11 +6,14 @@ outlier activations do): then the float16 server of the next span is routed arou
 `retries.RANGE_AVOID_S` by every client it served, its own outputs (a lie) going on through a wider server. So the
 client asks a replica of the upstream's span to recompute the step (`StretchReferees`: one stateless rpc_forward
 over the span's inputs), before it routes around the float16 server:
-- "honest": a replica agrees with the values (or outvotes a referee that did not): the model's own range; the float16
-  server is routed around as before.
-- "caught": two replicas with a witness's standing outvote the upstream: banned for good (`StretchReferees.decide`).
-- "disputed": one replica disagrees and no third decides, or two short of standing outvote it (decision 0190): the
-  upstream is avoided instead of the float16 server (nobody is banned). Either way one server is avoided for a while; this way the one whose answer nothing confirmed.
+- "honest": every replica that answered (up to `witnesses.OUTSIDERS_MAX`, asked at once) agrees with the values: the
+  model's own range; the float16 server is routed around as before.
+- "caught": every replica that answered disagrees, and two with a witness's standing outvote the upstream: banned
+  for good (`StretchReferees.decide`).
+- "disputed": the replicas split (one side may be an attacker's identities: decision 0228, 0220's rule), or all
+  disagree and no third decides, or two short of standing outvote it (decision 0190): the upstream is avoided
+  instead of the float16 server (nobody is banned). Either way one server is avoided for a while; this way the one
+  whose answer nothing confirmed.
 - "unchecked": no replica answered (the upstream is the only server of its span): decision 0170 as it was.
 Where a replica confirms the upstream, its inputs may be what carried the values (a liar two spans before the float16
 server, an honest wider server between: the residual stream keeps them): the span before it is asked next, and so on
@@ -20,6 +23,7 @@ forward calls (`remote_sequential.sequential_forward`) ask it (`producer_failure
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -29,6 +33,7 @@ from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
+from corolla.client.verification.witnesses import OUTSIDERS_MAX
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -48,29 +53,39 @@ async def judge_producer(
     [B, n, H] (and deep prompts `prompts` [blocks, B|1, P, H] or None), values the next span's server cannot hold:
     the verdict of its replicas (see the module docstring)."""
     referees = StretchReferees(manager)
-    replicas = referees.replicas(span, {span.peer_id})
+    replicas = referees.replicas(span, {span.peer_id})[:OUTSIDERS_MAX]
     first = inputs.shape[1] - claimed.shape[1]
     asked = Finding(span.peer_id, (span.start, span.end), inputs, claimed, first, prompts)
-    for index, referee in enumerate(replicas):
-        recomputed = await referees.recompute(referee, asked)
-        if recomputed is None:  # a failed referee (a float16 one that cannot hold the inputs too) is not a liar
-            continue
-        agrees, error = referees.compare(claimed, recomputed, (span, referee))
-        if agrees:
-            verdict: RangeVerdict = "honest"
-        else:
-            finding = Finding(span.peer_id, (span.start, span.end), inputs, claimed, first, prompts, error)
-            decided = await referees.decide(span, referee, recomputed, finding, replicas[index + 1 :])
-            # (a third sided with the upstream: "honest"; replicas short of a witness's standing outvoted it, or
-            # nobody decided: "disputed", avoided only, decision 0190)
-            sided = decided in ("referee_lied", "referee_disputed")
-            verdict = "caught" if decided == "caught" else "honest" if sided else "disputed"
-        logger.info(
-            "range_dispute.verdict(blocks=%d:%d, peer=...%s, referee=...%s, verdict=%s, max_error=%.3g)",
-            span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:], verdict, error,
-        )  # fmt: skip
-        return verdict
-    return "unchecked"
+    # every replica at once, the upstream's values the model's own only where all that answered agree (decision
+    # 0228, 0220's rule): one by one, the first that agreed (an attacker's second identity of the span) decided, or it
+    # outvoted an honest one with the upstream as a third, and the lie went on through a wider server
+    recomputed = await asyncio.gather(*(referees.recompute(replica, asked) for replica in replicas))
+    answered = [(replica, theirs) for replica, theirs in zip(replicas, recomputed, strict=True) if theirs is not None]
+    if not answered:  # (failed referees, a float16 one that cannot hold the inputs too, are no liars)
+        return "unchecked"
+    comparisons = [referees.compare(claimed, theirs, (span, replica)) for replica, theirs in answered]
+    dissent = [
+        (replica, theirs, error)
+        for (replica, theirs), (agrees, error) in zip(answered, comparisons, strict=True)
+        if not agrees
+    ]
+    error = max(error for _, error in comparisons)
+    verdict: RangeVerdict = "honest"
+    if dissent and len(dissent) < len(answered):  # a split: one side may be an attacker's identities; not used
+        verdict = "disputed"
+    elif dissent:
+        referee, theirs, error = dissent[0]
+        finding = Finding(span.peer_id, (span.start, span.end), inputs, claimed, first, prompts, error)
+        thirds = [replica for replica, _ in answered if replica is not referee]
+        decided = await referees.decide(span, referee, theirs, finding, thirds)
+        # (replicas short of a witness's standing outvoted it, or nobody decided: "disputed", avoided only, decision
+        # 0190; every replica that answered disagreed, so a third siding with the upstream is no longer seen here)
+        verdict = "caught" if decided == "caught" else "disputed"
+    logger.info(
+        "range_dispute.verdict(blocks=%d:%d, peer=...%s, replicas=%d, disagreeing=%d, verdict=%s, max_error=%.3g)",
+        span.start, span.end, span.peer_id[-6:], len(answered), len(dissent), verdict, error,
+    )  # fmt: skip
+    return verdict
 
 
 class Produced(NamedTuple):
