@@ -23,7 +23,7 @@ from corolla.client.routing.dispute_repeats import (
 )
 from corolla.client.routing.disputes import Disputes
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.verification.witnesses import outvote
+from corolla.client.verification.witnesses import UNCHECKED, outvote
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.utils.peer_tables import PEERS_KEPT_MAX
 from helpers.fake_chain import HIDDEN, FakeManager, reference
@@ -204,12 +204,12 @@ def test_a_long_honest_record_clears_a_servers_disputes(monkeypatch):
     servers = {"A": Server(0, 2), "W1": Server(0, 2), "W2": Server(0, 2), "W3": Server(0, 2), "B": Server(2, 4)}
     manager, clock = _fresh_client(monkeypatch, servers)
     for _ in range(3):
-        outvote(manager, "A", ["W1", "W2"], "test", rechecked="unchecked")
+        outvote(manager, "A", ["W1", "W2"], "test", rechecked=UNCHECKED)
     assert manager.repeats.lost("A") == 3
     for _ in range(REPEATS_FORGIVEN_STEPS):
         manager.bans.record_verified("A", agreed=True)
     assert manager.repeats.level("A", ["W1", "W2"]) == 3
-    outvote(manager, "A", ["W1", "W2"], "test", rechecked="unchecked")
+    outvote(manager, "A", ["W1", "W2"], "test", rechecked=UNCHECKED)
     assert manager.repeats.lost("A") == 1  # forgiven, then this dispute counted
 
 

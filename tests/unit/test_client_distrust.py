@@ -19,6 +19,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.client.verification.step_verifier import LONE_TRUST_STEPS
+from corolla.client.verification.witnesses import UNCHECKED, Rechecked, outvote, trusted
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
@@ -258,6 +259,83 @@ def test_standing_earned_by_one_identity_is_not_lent_to_a_fresh_one():
     assert servers["SA"].forward_calls > standing  # it lied after earning standing
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert not manager.bans.agreed_in_a_row("SA") and {"SA", "SB"} <= manager.avoided_peers()
+
+
+class Drawn(random.Random):
+    """Draws referees and outside servers in the order of `order` (the rest after them), for one session: which
+    honest servers witness a lie and which rechecks it, fixed."""
+
+    def __init__(self, order: list[str]):
+        super().__init__(0)
+        self.order = order
+
+    def shuffle(self, x: list) -> None:  # type: ignore[override]
+        x.sort(key=lambda span: self.order.index(span.peer_id) if span.peer_id in self.order else len(self.order))
+
+
+@pytest.mark.parametrize(
+    "draws",
+    [
+        [["H1", "H2", "H3"], ["H3", "H1", "H2"], ["H2", "H3", "H1"]],  # two witnesses, then the outsider
+        [["H1", "H2"], ["H2", "H1"], ["H1", "H2"]],  # nobody outside the dispute
+    ],
+    ids=["an_outsider_with_standing", "none_outside"],
+)
+def test_fresh_liars_outvoted_do_not_drain_the_honest_witnesses_standing(draws):
+    """Decision 0226 (issue 37; 0208's spending attacked). H1, H2 (and H3) are honest servers this client verified
+    before (each with a witness's standing). Fresh identities F0 and F1 (free) each serve one session's first step
+    with garbage, the fastest of the span: two of the honest servers outvote it (the third, outside, rechecks and
+    confirms), and it is banned for good. Main spent the standing of the witnesses of each ban, though it rested on
+    two standings or three: after the two liars (rotating which honest servers witness and which rechecks), no
+    honest server had standing, and the real liar L that came next, outvoted by two of them, was only avoided
+    (300 s, then back) instead of banned. Now a ban carried by two standings or more spends none: every honest
+    server keeps its standing and L is banned for good; every session's outputs are the reference's."""
+    torch.manual_seed(7)
+    honest = tuple(draws[0])
+    servers = {name: Server(0, 2) for name in honest} | {"B": Server(2, 4), "B2": Server(2, 4)}
+    tokens = torch.randn(1, 4, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    vouch(manager, *honest, "B", "B2")  # (a client that verified them before)
+
+    def session(liar: str, order: list[str]) -> None:
+        servers[liar] = Server(0, 2, "garbage", inference_rps=1e6)  # the fastest: routed first, lies at once
+        manager.update()
+        with InferenceSession(manager, max_length=tokens.shape[1]) as inference:
+            inference.verifier.rng = Drawn(order)
+            outputs = inference.step(tokens)
+        torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+
+    for liar, order in zip(("F0", "F1"), draws[:2], strict=True):
+        session(liar, order)
+        assert manager.bans.is_liar(liar), (liar, manager.avoided_peers())
+    assert {peer: trusted(manager, peer) for peer in honest} == dict.fromkeys(honest, True), {
+        peer: manager.bans.agreed_in_a_row(peer) for peer in honest
+    }
+    session("L", draws[2])
+    assert manager.bans.is_liar("L"), manager.avoided_peers()
+    assert not manager.bans.banned_peers() & set(honest) and not manager.avoided_peers() & set(honest)
+
+
+@pytest.mark.parametrize(
+    ("partner", "rechecked", "spent"),
+    [
+        ("SB", UNCHECKED, True),  # nobody outside answered: the ban rests on SA's standing alone (0208)
+        ("SB", Rechecked("confirmed", ("SC",)), True),  # confirmed by fresh outsiders only: maybe the attacker's
+        ("SB", Rechecked("confirmed", ("SC", "H3")), False),  # an outsider with standing confirmed too (0226)
+        ("H4", UNCHECKED, False),  # both witnesses with standing (0226)
+    ],
+    ids=["unchecked", "fresh_outsiders", "an_outsider_with_standing", "both_witnesses_with_standing"],
+)
+def test_a_ban_on_one_standing_spends_it_and_on_two_spends_none(partner, rechecked, spent):
+    """Decision 0226 (0208's spending kept where it is the backstop): SA (standing) and `partner` outvote X, which is
+    banned for good either way. SA's standing is spent where the ban rests on it alone (a fresh partner, no outside
+    server with standing among those that confirmed): SA with fresh identities of its own as the partner and the
+    outsiders (or none outside) still bans once per standing earned."""
+    servers = {name: Server(0, 2) for name in ("X", "SA", "SB", "SC", "H3", "H4")} | {"B": Server(2, 4)}
+    manager = FakeManager(servers, 4)
+    vouch(manager, "SA", "H3", "H4")
+    assert outvote(manager, "X", ["SA", partner], "test", rechecked=rechecked)
+    assert manager.bans.is_liar("X") and trusted(manager, "SA") is not spent and trusted(manager, "H3")
 
 
 def test_without_verification_finite_garbage_goes_unnoticed():

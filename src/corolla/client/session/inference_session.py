@@ -45,7 +45,7 @@ from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_a
 from corolla.client.verification.pair_referee import referee_pair
 from corolla.client.verification.range_dispute import Produced, producer_failure
 from corolla.client.verification.step_verifier import StepVerifier
-from corolla.client.verification.witnesses import Recheck, outvote, refuted
+from corolla.client.verification.witnesses import UNCHECKED, Rechecked, outvote, refuted
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -54,7 +54,7 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 # two racers that agreed with each other against a left server's outputs: their peer ids, their outputs [B, n, H]
-OutvotingPair = tuple[list[str], torch.Tensor, Recheck]  # the pair, its outputs, what an outsider said
+OutvotingPair = tuple[list[str], torch.Tensor, Rechecked]  # the pair, its outputs, what an outsider said
 
 
 class InferenceSession:
@@ -629,27 +629,28 @@ class InferenceSession:
                         # only where every server outside it that answered confirms them (decision 0190 "Attacked",
                         # 0220: the attacker's third identity may be one of them); one with standing bans only so too
                         # (its standing is not lent to a fresh partner: decision 0208)
-                        verdict: Recheck = "unchecked"
+                        rechecked = UNCHECKED
                         if self.manager.config.witness_standing_steps > 0:  # (0: main's rule, every racer trusted)
                             exclude = {failed.span.peer_id, *pair}
-                            verdict = await referee_pair(
+                            rechecked = await referee_pair(
                                 self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng
                             )
                     except asyncio.CancelledError:  # the earlier outputs won: its trial proved nothing either
                         self.manager.unprove(racer.span.peer_id)
                         raise
-                    if verdict in ("refuted", "split"):  # never banned: outside identities' word against two
+                    if rechecked.verdict in ("refuted", "split"):  # never banned: outside identities' word against two
                         for peer in pair:
                             self.manager.unprove(peer)
-                            if verdict == "refuted":  # (split: a referee sided with the pair, which is not avoided)
+                            # (split: a referee sided with the pair, which is not avoided)
+                            if rechecked.verdict == "refuted":
                                 refuted(self.manager, peer)  # standing lost (0208), avoided longer each time (0225)
                         raise OutputsDisputed(
                             racer.span.peer_id,
                             f"its trial at blocks {racer.span.start}:{racer.span.end}, positions 0:{mine.shape[1]}, "
                             f"agrees only with ...{other.span.peer_id[-6:]}'s, not with every outside referee's "
-                            f"({verdict})",
+                            f"({rechecked.verdict})",
                         )
-                    return pair, mine, verdict
+                    return pair, mine, rechecked
             dissent.append((racer, mine, sent))
             raise disagrees
 
@@ -708,7 +709,7 @@ class InferenceSession:
             await self.verifier.verify(span_session.span, span_session.history, span_session.last_outputs)
 
     def _outvoted(
-        self, index: int, liar: RemoteSpanInfo, pair: list[str], outputs: torch.Tensor, rechecked: Recheck
+        self, index: int, liar: RemoteSpanInfo, pair: list[str], outputs: torch.Tensor, rechecked: Rechecked
     ) -> None:
         """Two racers for span `index` agreed with each other on its first positions' `outputs` [B, n, H] and not
         with what `liar` gave there before (decision 0183): outvoted 2:1 (`witnesses.outvote`: banned for good where

@@ -25,7 +25,7 @@ import torch
 from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
-from corolla.client.verification.witnesses import Recheck, recheck
+from corolla.client.verification.witnesses import Rechecked, recheck
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -40,7 +40,7 @@ async def referee_pair(
     claimed: torch.Tensor,
     exclude: set[str],
     rng: random.Random,
-) -> Recheck:
+) -> Rechecked:
     """Has servers of `span`'s blocks (not banned, not in `exclude`: the pair and the accused; in
     `StretchReferees.outsiders`' order) recompute the trial's `inputs` [B, n, H] (with `prompts`, the trial's deep
     prompts) at once (`witnesses.recheck`) and compares their outputs at the first m positions with the pair's

@@ -30,7 +30,7 @@ from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_
 from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
-from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck
+from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -177,7 +177,7 @@ class StepVerifier:
                     witnesses = [span.peer_id, referee.peer_id]
                     rechecked = await self._recheck(span, witnesses, claimed, liar, ask)
                     outvote(self.manager, liar.peer_id, witnesses, f"{what} as a referee", rechecked=rechecked)
-                    if rechecked == "refuted":  # a tie: the server's outputs are one side's word (decision 0208)
+                    if rechecked.verdict == "refuted":  # a tie: the server's outputs are one side's word (0208)
                         raise OutputsDisputed(
                             span.peer_id,
                             f"{what} for blocks {span.start}:{span.end} agree with ...{referee.peer_id[-6:]}, not with "
@@ -205,7 +205,7 @@ class StepVerifier:
                         "split": "but the servers outside split",
                     }
                     short = "who are short of a witness's standing"
-                    raise OutputsDisputed(span.peer_id, f"{message}, {why.get(rechecked, short)}")
+                    raise OutputsDisputed(span.peer_id, f"{message}, {why.get(rechecked.verdict, short)}")
             dissent.append((referee, other))
         if not dissent:
             return  # every referee failed: nothing was compared
@@ -229,11 +229,11 @@ class StepVerifier:
         agreed: tuple[torch.Tensor, ...],
         accused: RemoteSpanInfo,
         ask: Callable[[RemoteSpanInfo], Awaitable[tuple[torch.Tensor, ...]]],
-    ) -> Recheck:
+    ) -> Rechecked:
         """Where `witnesses` (agreeing on `agreed`) would ban `accused` on standing, servers of `span`'s blocks outside
         the three answer the same request first (`ask`), each to confirm `agreed` (decision 0208)."""
         if not needs_recheck(self.manager, accused.peer_id, witnesses):
-            return "unchecked"
+            return UNCHECKED
 
         async def confirms(outsider: RemoteSpanInfo) -> bool | None:
             try:

@@ -24,7 +24,7 @@ from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.witnesses import Recheck, needs_recheck, outvote, recheck, trusted
+from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck, trusted
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -82,11 +82,11 @@ class StretchReferees:
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
         agreed: torch.Tensor, accused: RemoteSpanInfo,
-    ) -> Recheck:  # fmt: skip
+    ) -> Rechecked:  # fmt: skip
         """Where `witnesses` (agreeing on `agreed` [B, b - first, H]) would ban `accused` on standing, replicas of
         `span` outside the three recompute `finding`'s stretch first, each to confirm `agreed` (decision 0208)."""
         if not needs_recheck(self.manager, accused.peer_id, [witness.peer_id for witness in witnesses]):
-            return "unchecked"
+            return UNCHECKED
 
         async def confirms(outsider: RemoteSpanInfo) -> bool | None:
             theirs = await self.recompute(outsider, finding)

@@ -18,8 +18,12 @@ the witnesses' outputs ("refuted") makes it a tie, words against words: nobody i
 the witnesses lose their standing; some confirming and some not ("split": an attacker's identity may be on either
 side) bans nobody either, the accused only avoided and the witnesses watched, as short of standing (nobody's standing
 lost on a word that may be the attacker's); all that answered confirming ("confirmed"), or none answering
-("unchecked"), ban, and the ban spends the standing that carried it (one ban per standing earned: the witness earns it again by
-`witness_standing_steps` more agreeing steps).
+("unchecked"), ban. A ban that rests on one standing spends it (one ban per standing earned: the witness earns it again
+by `witness_standing_steps` more agreeing steps): one witness with standing, and no outside server with standing
+among those that confirmed (nobody outside, or only servers short of standing, which may be the attacker's fresh
+identities). One that rests on two standings or more (both witnesses', or a witness's and a confirming outsider's)
+spends nothing (decision 0226): spending there let free identities drain honest servers' standing, each a throwaway
+lie outvoted by two honest servers, until no real liar could be banned.
 
 A server that loses dispute after dispute is avoided longer each time (decision 0225, `routing.dispute_repeats`):
 300 s doubled per dispute lost, capped at a day, but never further than each witness has accused before (fresh
@@ -31,10 +35,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal, TypeVar
+from dataclasses import dataclass
+from typing import Literal
 
 from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S, REPEATS_FORGIVEN_STEPS
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -42,7 +48,18 @@ logger = get_logger(__name__)
 WATCH_S = DISPUTE_AVOID_S  # the witnesses' steps are verified this long
 
 Recheck = Literal["confirmed", "refuted", "split", "unchecked"]  # what servers outside a dispute recomputed
-Outsider = TypeVar("Outsider")
+
+
+@dataclass(frozen=True)
+class Rechecked:
+    """What servers outside a dispute said (`recheck`): the verdict, and which of them confirmed the witnesses (their
+    peer ids: one with standing is a second standing under the ban, which then spends none, decision 0226)."""
+
+    verdict: Recheck
+    confirmed_by: tuple[str, ...] = ()
+
+
+UNCHECKED = Rechecked("unchecked")  # nobody outside was asked, or none answered
 
 # servers outside a dispute asked at most, at once (decision 0220): one honest one among them keeps a made-up answer
 # out, so an attacker with m free identities of the span against n honest ones fills every seat about
@@ -74,26 +91,36 @@ def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
     manager.avoid(peer_id, manager.repeats.refuted(peer_id))
 
 
-async def recheck(outsiders: Sequence[Outsider], confirms: Callable[[Outsider], Awaitable[bool | None]]) -> Recheck:
+async def recheck(
+    outsiders: Sequence[RemoteSpanInfo], confirms: Callable[[RemoteSpanInfo], Awaitable[bool | None]]
+) -> Rechecked:
     """Asks the first `OUTSIDERS_MAX` of `outsiders` (servers outside the dispute, `StretchReferees.outsiders`: those
     with standing first) at once whether they confirm the witnesses' outputs (`confirms(outsider)`: the disputed
     request recomputed and compared; None where it failed: a failed server is no liar, not counted): "confirmed"
     where every one that answered does, "refuted" where none does, "split" where they differ (the attacker's own
-    identities may be among them, on either side), "unchecked" where none answered."""
-    answers = [
-        answer for answer in await asyncio.gather(*map(confirms, outsiders[:OUTSIDERS_MAX])) if answer is not None
+    identities may be among them, on either side), "unchecked" where none answered; with the peers that confirmed."""
+    asked = outsiders[:OUTSIDERS_MAX]
+    answered = [
+        (outsider.peer_id, answer)
+        for outsider, answer in zip(asked, await asyncio.gather(*map(confirms, asked)), strict=True)
+        if answer is not None
     ]
-    if not answers:
-        return "unchecked"
-    return "confirmed" if all(answers) else "refuted" if not any(answers) else "split"
+    if not answered:
+        return UNCHECKED
+    confirmed_by = tuple(peer for peer, answer in answered if answer)
+    if len(confirmed_by) == len(answered):
+        return Rechecked("confirmed", confirmed_by)
+    return Rechecked("split" if confirmed_by else "refuted", confirmed_by)
 
 
 def outvote(
-    manager: RemoteSequenceManager, accused: str, witnesses: Sequence[str], reason: str, *, rechecked: Recheck
+    manager: RemoteSequenceManager, accused: str, witnesses: Sequence[str], reason: str, *, rechecked: Rechecked
 ) -> bool:
     """`witnesses` (two servers that agree with each other) outvoted `accused`'s outputs: banned for good (and
-    dropped from the view) where a witness has standing (spent by the ban) and every outside server that answered
-    confirmed them (`rechecked`: "confirmed", or "unchecked" where none did); else avoided and the witnesses watched:
+    dropped from the view) where a witness has standing and every outside server that answered confirmed them
+    (`rechecked`: "confirmed", or "unchecked" where none did), the witness's standing spent by the ban where it rests
+    on that one standing (no second witness nor confirming outsider with standing: decision 0226); else avoided and
+    the witnesses watched:
     `DISPUTE_AVOID_S` doubled per dispute it lost before, as far as the witnesses accused before (decision 0225;
     "split": not doubled); "refuted": the accused avoided `DISPUTE_AVOID_S`, its disputes lost forgotten, the witnesses avoided
     for their own disputes lost and their standing lost. Returns whether it was banned."""
@@ -103,20 +130,29 @@ def outvote(
     manager.bans.record_verified(accused, agreed=False)  # outvoted either way: no witness until it earns it again
     by = ", ".join("..." + peer[-6:] for peer in witnesses)
     avoid_s = DISPUTE_AVOID_S
-    if rechecked == "refuted":  # the outside servers' word against theirs: a tie, the witnesses lose (0225)
+    if rechecked.verdict == "refuted":  # the outside servers' word against theirs: a tie, the witnesses lose (0225)
         for peer in witnesses:
             refuted(manager, peer)
         manager.repeats.forgive(accused)  # its earlier disputes lost are in doubt too: it was framed, or none was
         why = "no server outside them confirmed: nobody banned, every party avoided"
-    elif rechecked == "split":  # either side may be an attacker's: counted, not escalated
+    elif rechecked.verdict == "split":  # either side may be an attacker's: counted, not escalated
         avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
         why = "the servers outside them split: not banned, the witnesses watched"
     elif standing:
-        logger.warning("witnesses.liar_banned(peer=...%s, by=%s, %s): %s", accused[-6:], by, rechecked, reason)
+        # the standings the ban rests on: the witnesses' and the confirming outsiders' (decision 0226)
+        carried = {*standing, *(peer for peer in rechecked.confirmed_by if trusted(manager, peer))}
+        logger.warning(
+            "witnesses.liar_banned(peer=...%s, by=%s, %s, standings=%d): %s",
+            accused[-6:], by, rechecked.verdict, len(carried), reason,
+        )  # fmt: skip
         manager.bans.ban_liar(accused)
         manager.on_request_failure(accused)
-        for peer in standing:  # spent: one ban per standing earned, never lent to one fresh partner after another
-            manager.bans.record_verified(peer, agreed=False)
+        # resting on one standing, the ban spends it: one ban per standing earned, never lent to one fresh partner
+        # after another (0208); on two or more it spends none, as against a real liar: else each free identity that
+        # lies once and is outvoted by two honest servers would drain their standing until no liar could be banned
+        if len(carried) < 2:
+            for peer in standing:
+                manager.bans.record_verified(peer, agreed=False)
         return True
     else:
         avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=True)
