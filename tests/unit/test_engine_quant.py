@@ -10,11 +10,10 @@ import types
 import pytest
 import torch
 
-from benchmarks.common.quantize import quantize_int8, quantize_nf4
+from benchmarks.common.quantize import NF4_LEVELS, quantize_int8, quantize_nf4
 from corolla.engine.config import EngineConfig
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.quant.quant_weights import (
-    NF4_LEVELS,
     Int8Weight,
     NF4Weight,
     quantized_weight_of,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.common.quantize import NF4_LEVELS
 from corolla.engine.quant import quant_pair_table
-from corolla.engine.quant.quant_weights import NF4_LEVELS
 
 
 @pytest.mark.parametrize("table", ["nf4", "random"])

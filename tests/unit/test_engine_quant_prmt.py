@@ -12,9 +12,8 @@ import pytest
 import torch
 from tests.helpers.kernel_emulation import emulate_decode16, emulate_scaled_table
 
-from benchmarks.common.quantize import quantize_nf4
+from benchmarks.common.quantize import NF4_LEVELS, quantize_nf4
 from corolla.engine.quant import quant_prmt
-from corolla.engine.quant.quant_weights import NF4_LEVELS
 
 
 def _expected(word: int, levels: list[float]) -> list[float]:
