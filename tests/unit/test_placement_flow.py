@@ -24,10 +24,6 @@ def test_exact_boundaries_need_a_server_starting_where_another_ends() -> None:
     assert placement_max_flow(spans, caps, 4, exact_boundaries=False) == pytest.approx(10.0, rel=1e-6)
 
 
-def test_links_cap_the_flow_between_servers() -> None:
-    assert placement_max_flow([(0, 2), (2, 4)], [10.0, 10.0], 4, link_tps=2.5) == pytest.approx(2.5, rel=1e-6)
-
-
 def test_gaps_and_bad_spans() -> None:
     assert placement_max_flow([(0, 2)], [10.0], 4) == 0.0
     assert placement_max_flow([], [], 4) == 0.0

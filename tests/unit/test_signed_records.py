@@ -154,10 +154,9 @@ def test_validator_leaves_other_records_alone_and_refuses_plain_values(honest):
     # a look-alike signed subkey under a block key is garbage for that key's readers, not a reason to drop the key
     look_alike = signed_record_key(PREFIX, honest.peer_id)
     assert validator.validate(_dht_record("tiny-test.0", look_alike, b"junk", exp))
-    # plain values would replace whole dictionaries: refused (unless configured otherwise)
+    # plain values would replace whole dictionaries: refused
     plain = DHTRecord(key_id_bytes("_petals.models"), MSGPackSerializer.dumps(None), b"\x01", exp)
     assert not validator.validate(plain)
-    assert SignedRecordValidator(refuse_plain_values=False).validate(plain)
 
 
 def test_garbage_under_a_signed_key_is_refused_never_raises(honest):

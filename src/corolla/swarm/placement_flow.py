@@ -3,7 +3,6 @@ from a client through every block and back. The health monitor's bound; `benchma
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,7 +20,6 @@ def placement_max_flow(
     capacities_tps: Sequence[float],
     num_blocks: int,
     *,
-    link_tps: float = math.inf,
     exact_boundaries: bool = True,
 ) -> float:
     """Max tokens/s from a client through servers covering blocks `[0, num_blocks)` and back (Helix's model).
@@ -29,7 +27,7 @@ def placement_max_flow(
     Each server is a node of capacity `capacities_tps[i]` (tokens/s at its span). Edges: source -> servers starting
     at block 0, servers ending at `num_blocks` -> sink, and server i -> server j when j starts where i ends
     (`exact_boundaries`, Helix's ILP) or, as Petals' routing allows, anywhere inside j's span (start_j <= end_i <
-    end_j); each server-to-server edge carries at most `link_tps` (the link's bytes/s over bytes per token)."""
+    end_j); server-to-server edges are unbounded."""
     if len(spans) != len(capacities_tps):
         raise ValueError(f"{len(spans)} spans but {len(capacities_tps)} capacities")
     n = len(spans)
@@ -42,7 +40,6 @@ def placement_max_flow(
     # node i is split into in = 2i and out = 2i+1 so that its capacity is an edge; source = 2n, sink = 2n+1
     scale = INT_CAPACITY_LIMIT / (2 * total + 1)
     unbounded = int(2 * total * scale)
-    link = unbounded if math.isinf(link_tps) else min(unbounded, int(link_tps * scale))
     rows: list[int] = []
     cols: list[int] = []
     caps: list[int] = []
@@ -71,7 +68,7 @@ def placement_max_flow(
         targets = by_start.get(end, []) if exact_boundaries else np.flatnonzero((starts <= end) & (end < ends)).tolist()
         for j in targets:
             if j != i:
-                edge(2 * i + 1, 2 * j, link)
+                edge(2 * i + 1, 2 * j, unbounded)
     graph = csr_matrix(coo_matrix((caps, (rows, cols)), shape=(2 * n + 2, 2 * n + 2), dtype=np.int32))
     graph.sum_duplicates()
     return float(maximum_flow(graph, source, sink).flow_value) / scale

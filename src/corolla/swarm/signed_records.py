@@ -218,16 +218,13 @@ class SignedRecordValidator(RecordValidatorBase):
     stored under that key must verify and expire within `MAX_EXPIRATION_AHEAD_S`, else the node neither stores it nor
     accepts it from a lookup. Every other record passes untouched (Petals' unsigned ones included: a refusal drops the
     whole dictionary of a lookup's answer, every server of a block; readers skip a far-future one themselves,
-    `records_io`), except plain (non-dictionary) values when
-    `refuse_plain_values`: neither Petals nor corolla stores any, and one with a later expiration would replace a
-    whole dictionary (every server of a block, or the whole `_petals.models` index) at a node that accepts it."""
-
-    def __init__(self, *, refuse_plain_values: bool = True):
-        self.refuse_plain_values = refuse_plain_values
+    `records_io`), except plain (non-dictionary) values: neither Petals nor corolla stores any, and one with a later
+    expiration would replace a whole dictionary (every server of a block, or the whole `_petals.models` index) at a
+    node that accepts it."""
 
     def validate(self, record: DHTRecord) -> bool:
         if record.subkey == _PLAIN_VALUE_SUBKEY:
-            return not self.refuse_plain_values
+            return False
         if len(record.subkey) > MAX_SUBKEY_BYTES + 3 or SIGNED_KEY_PREFIX.encode() not in record.subkey:
             return True
         try:
