@@ -395,8 +395,8 @@ class RemoteSequenceManager:
         the refresh does not ping it: its steps measure it (each answer proves it alive, a silent one is pinged by its
         session, `SpanSession.next_response`), and a ping dials through p2pd. A ping that raced the link's failure
         dialled into the outage, and a dial that fails puts the address in libp2p's dial back-off (5 s + n^2 s, no
-        call clears it), so the session's own dial once the link was back met "dial backoff" for seconds (stop 57's
-        flake: an 8 s drop cost 10.07 s; decision 0217)."""
+        call clears it), so the session's own dial once the link was back met "dial backoff" for seconds (decision
+        0217)."""
         with self._lock:
             self._in_use[peer_id] = self._in_use.get(peer_id, 0) + 1
 

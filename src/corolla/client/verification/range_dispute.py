@@ -17,9 +17,10 @@ over the span's inputs), before it routes around the float16 server:
 - "unchecked": no replica answered (the upstream is the only server of its span): decision 0170 as it was.
 Where a replica confirms the upstream, its inputs may be what carried the values (a liar two spans before the float16
 server, an honest wider server between: the residual stream keeps them): the span before it is asked next, and so on
-back (`producer_failure`, hrev12's review of 0186). The check runs once a step is refused this way (no cost on any
-other step); the float16 server is then avoided or the upstream is, so the next steps do not ask again. Inference sessions (`InferenceSession._step`) and training's
-forward calls (`remote_sequential.sequential_forward`) ask it (`producer_failure`)."""
+back (`producer_failure`). The check runs once a step is refused this way (no cost on any other step); the float16
+server is then avoided or the upstream is, so the next steps do not ask again. Inference sessions
+(`InferenceSession._step`) and training's forward calls (`remote_sequential.sequential_forward`) ask it
+(`producer_failure`)."""
 
 from __future__ import annotations
 

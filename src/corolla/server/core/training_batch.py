@@ -8,7 +8,7 @@ round trip through the event loop.
 
 Training works queue behind inference steps and hold the device for at most one merged block call
 (`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); block calls are background launched batches of the runtime
-(`TrainingBatcher._launch`: decision 0026), replayed as CUDA graphs where they can (`training_graphs`: decision 0057),
+(`TrainingBatcher._launch`: decision 0027), replayed as CUDA graphs where they can (`training_graphs`: decision 0057),
 and run by their requests' arrival (`Task.ranks_at`: decision 0045)."""
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # the most tokens (rows x length) of one merged block task, by phase: an inference step that arrives meanwhile waits for
 # at most one such task, so this bounds what training adds to a concurrent session's step (one request larger than
 # this still runs, alone). A backward work holds the device about twice as long as a forward work of as many tokens,
-# yet halving its limit lost on both counts (NVIDIA H200, 8 clients: 2,854 vs 3,115 tok/s, decode step 8.78 vs
-# 8.32 ms): each block call also holds the device thread for its launch (~3.5 ms, whatever its size), during which
-# a returning decode step waits too (docs/decisions/0026)
+# yet halving its limit lost on throughput and on the decode step (docs/decisions/0027): each block call also holds
+# the device thread for its launch (~3.5 ms, whatever its size), during which a returning decode step waits too
 FORWARD_MERGE_TOKENS = 2048
 BACKWARD_MERGE_TOKENS = 2048
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
@@ -328,7 +327,7 @@ class TrainingBatcher:
         """The runtime's launcher for training block calls: runs `_execute` at once, so that the runtime queues the
         call on the device before it waits for the batch it launched before (a decode step: its ~4.5 ms of device
         time hide this call's launch, ~2.5-3.5 ms of the device thread on an H200, where the device used to idle
-        through the launch afterwards: docs/decisions/0026); the chains went on inside `_execute`."""
+        through the launch afterwards: docs/decisions/0027); the chains went on inside `_execute`."""
         return LaunchedWorks(self._execute(tasks))
 
     def _execute(self, tasks: list[Task]) -> list[None]:
