@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -147,6 +148,53 @@ class Referee(FakeServer):
         for uid in request.uid.split(" "):
             x = block_fn(int(uid.split(".")[1]), x, x[:, :0])
         return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(x)])
+
+
+class Judgements:
+    """What `manager`'s client made of servers' answers from now on (made at a test's turn): a server's answer is judged
+    once the client took it (a step answered, a race won: `on_request_success`) or found it unusable (a race's trial
+    that disagreed: `unprove`). `of(*peers)`: an event set at the first judgement of any of them. A racer that must
+    lose a race to another answers only once the other's answer was judged (the race over, or that answer lost): the
+    race's order is the test's, not its fake servers' delays, which a pause of the client's loop reorders (a GC or
+    CPU-starved pause of 0.58 s made a trial answered 20 ms late beat one answered at once)."""
+
+    def __init__(self, manager: RemoteSequenceManager) -> None:
+        self._events: list[tuple[frozenset[str], asyncio.Event]] = []
+        for name in ("on_request_success", "unprove"):
+            setattr(manager, name, self._judging(getattr(manager, name)))
+
+    def _judging(self, method: Callable[[str], None]) -> Callable[[str], None]:
+        def judged(peer_id: str) -> None:
+            method(peer_id)
+            for peers, event in self._events:  # (called on the client's loop, as the events' waiters are)
+                if peer_id in peers:
+                    event.set()
+
+        return judged
+
+    def of(self, *peers: str) -> asyncio.Event:
+        event = asyncio.Event()
+        self._events.append((frozenset(peers), event))
+        return event
+
+
+class AnswersAfter(FakeServer):
+    """Honest; once `after` is given (at a test's turn), a session's first step (a race's trial, or a replay) is
+    answered only once `after` is set (`Judgements`: another racer's answer judged), its later ones as usual."""
+
+    after: asyncio.Event | None = None
+
+    async def _serve(self, requests):
+        first = True
+        async for response in super()._serve(requests):
+            if first and self.after is not None:
+                await self.after.wait()
+            first = False
+            yield response
+
+
+class RefereeAnswersAfter(AnswersAfter, Referee):
+    """`AnswersAfter` that answers `rpc_forward` too (a referee), at once."""
 
 
 class FakeStream:

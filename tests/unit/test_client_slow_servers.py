@@ -31,7 +31,18 @@ from corolla.protocol import local_stream as ls
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.route_planning import proven_where_they_cover
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, Referee, record_of, reference, vouch
+from helpers.fake_chain import (
+    HIDDEN,
+    AnswersAfter,
+    FakeManager,
+    FakeServer,
+    Judgements,
+    Referee,
+    RefereeAnswersAfter,
+    record_of,
+    reference,
+    vouch,
+)
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")  # steps timed in real time: no pause of the heap's GC
 
@@ -961,15 +972,15 @@ def test_lorises_that_answer_short_steps_cost_two_moves(small_long_step_floor, l
 
 class WholeStepLiar(Referee):
     """Honest until `holding`; then it holds every step of a session it had before (just under `request_timeout_s`);
-    a fresh session's (a racer's) short first step (a race's trial) is answered honestly, `trial_delay_s` late, and
-    its later steps (the rest after a trial, or after a race's trial on the whole step: decision 0184) are held, or,
-    with `answers_rest`, answered at once with the positions up to `honest_positions` computed (negative: all but the
-    step's new ones, as many) and noise of the same scale after. A fresh session's long first step is answered at
-    once the same way. As a referee (`rpc_forward`) it is honest."""
+    a fresh session's (a racer's) short first step (a race's trial) is answered honestly, once `trial_after` is set
+    where one is given, and its later steps (the rest after a trial, or after a race's trial on the whole step:
+    decision 0184) are held, or, with `answers_rest`, answered at once with the positions up to `honest_positions`
+    computed (negative: all but the step's new ones, as many) and noise of the same scale after. A fresh session's
+    long first step is answered at once the same way. As a referee (`rpc_forward`) it is honest."""
 
     holding = False
     honest_positions = TRIAL_TOKENS
-    trial_delay_s = 0.0
+    trial_after: asyncio.Event | None = None
     answers_rest = False
 
     async def _serve(self, requests):
@@ -986,42 +997,58 @@ class WholeStepLiar(Referee):
                 made_up = outputs[:, max(0, honest) if honest >= 0 else honest :]
                 made_up.copy_(torch.randn_like(made_up) * outputs.std())
                 response = runtime_pb2.ExpertResponse(tensors=[serialize_tensor(outputs)])
-            elif self.holding:
-                await asyncio.sleep(self.trial_delay_s)
+            elif self.holding and self.trial_after is not None:
+                await self.trial_after.wait()
             yield response
 
 
 def _whole_step_liars(honest_positions: int) -> dict[str, FakeServer]:
     """L0 and L1 (the best figures: one of them serves the session) hold a trial's rest; L2 (announcing less, never
-    routed first) answers its trial 20 ms late (before H, after L0 and L1) and the rest at once, with noise after
+    routed first) answers its trial (after L0's or L1's: `_whole_step_turn`) and the rest at once, with noise after
     `honest_positions`."""
     servers: dict[str, FakeServer] = {}
     for i in range(3):
         liar = servers[f"L{i}"] = WholeStepLiar(0, 2, inference_rps=1000.0 if i < 2 else 200.0)
         liar.honest_positions = honest_positions
-    liar.answers_rest, liar.trial_delay_s = True, 0.02
+    liar.answers_rest = True
     return servers
+
+
+def _whole_step_turn(manager: FakeManager, servers: dict[str, FakeServer]) -> Callable[[], None]:
+    """The liars of `_whole_step_liars` turn, and the races after are ordered by events (`Judgements`), not delays:
+    L2 answers a trial once L0's or L1's answer was judged (the first race's winner, which holds the rest: L2 loses
+    that race), H and H2 (`AnswersAfter`) a session's first step once L2's answer was judged (they lose the race on
+    the whole step to L2, or win it after L2's answer disagreed)."""
+
+    def turn() -> None:
+        judgements = Judgements(manager)
+        servers["L2"].trial_after = judgements.of("L0", "L1")  # type: ignore[attr-defined]
+        for name in ("H", "H2"):
+            servers[name].after = judgements.of("L2")  # type: ignore[attr-defined]
+        _hold(servers, WholeStepLiar)()
+
+    return turn
 
 
 def test_a_whole_step_race_winner_is_verified_as_any_step(small_long_step_floor):
     """Every step is verified (`verify_fraction` 1.0). Three liars of blocks 0:2 (the best figures) turn at token 12:
     the one serving the session holds its step (moved); another answers the race's trial at once and honestly, then
-    holds the rest (moved: decision 0176); the third wins the race on the whole step (its trial, 20 ms late, then the
-    rest at once: decision 0184), with the history's positions computed and noise at the step's new one (which no
-    earlier output can check). That step is
+    holds the rest (moved: decision 0176); the third wins the race on the whole step (its trial, after the first race's
+    winner's, then the rest at once: decision 0184; the honest racers answer after it), with the history's positions
+    computed and noise at the step's new one (which no earlier output can check). That step is
     verified as any other: the liar is outvoted by the honest referees and banned, the span replaced, the outputs the
     reference's. Before, a whole-step race's winner went unverified: its noise reached the next span and the output at
     token 12 was wrong, the liar unbanned."""
     torch.manual_seed(10)
     servers = _whole_step_liars(-1)
-    servers.update(H=Referee(0, 2), H2=Referee(0, 2), C=Referee(2, 4), C2=Referee(2, 4))
+    servers.update(H=RefereeAnswersAfter(0, 2), H2=RefereeAnswersAfter(0, 2), C=Referee(2, 4), C2=Referee(2, 4))
     for name in ("H", "H2"):
         servers[name].delay_s = HONEST_STEP_S
     manager = FakeManager(
         servers, 4, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=1.0, verify_fraction=1.0
     )
     vouch(manager, "H", "H2")  # referees with a witness's standing (decision 0190)
-    tokens, outputs, route, events = _sixteen_steps(manager, _hold(servers, WholeStepLiar))
+    tokens, outputs, route, events = _sixteen_steps(manager, _whole_step_turn(manager, servers))
     assert route[0] in ("H", "H2")
     torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
     moved = [e.peer_id for e in events if e.action == "moved"]
@@ -1038,11 +1065,11 @@ def test_a_whole_step_race_checks_every_position_the_span_gave_before(small_long
     compared: the first answer won, made up, and the output at token 12 was wrong."""
     torch.manual_seed(10)
     servers = _whole_step_liars(TRIAL_TOKENS)
-    servers.update(H=FakeServer(0, 2), H2=FakeServer(0, 2), C=FakeServer(2, 4))
+    servers.update(H=AnswersAfter(0, 2), H2=AnswersAfter(0, 2), C=FakeServer(2, 4))
     for name in ("H", "H2"):
         servers[name].delay_s = HONEST_STEP_S
     manager = _manager(servers)
-    tokens, outputs, route, events = _sixteen_steps(manager, _hold(servers, WholeStepLiar))
+    tokens, outputs, route, events = _sixteen_steps(manager, _whole_step_turn(manager, servers))
     assert route[0] in ("H", "H2")
     torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
     moved = [e.peer_id for e in events if e.action == "moved"]
