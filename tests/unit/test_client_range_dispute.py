@@ -11,7 +11,7 @@ from hivemind.proto import runtime_pb2
 from corolla.client.session.inference_session import InferenceSession
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.records import ServerInfo
-from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, Referee, record_of, reference
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, Referee, record_of, reference, vouch
 
 
 class HugeServer(Referee):
@@ -95,3 +95,26 @@ def test_a_liars_second_identity_among_the_replicas_does_not_get_its_value_used(
     torch.testing.assert_close(outputs, reference(x, 4))  # main: 1e6 off
     assert "U" in manager.avoided_peers() and "f16" not in manager.avoided_peers()
     assert route == ["A", "f16"] and not manager.bans.banned_peers()
+
+
+def test_a_liars_range_dispute_asks_each_replica_once():
+    """Decision 0232 (amplification, against 0228's replicas asked at once). U (0:2) writes 1e6 into its outputs;
+    the float16 server of 2:4 cannot take it, so U's six honest replicas (each with a witness's standing, as with a
+    client that verified them before) are asked at once, and all disagree. Main then put the first one's answer to
+    `StretchReferees.decide`, which asked a second replica again, and the ban on their standing rechecked with the
+    outsiders, the four others, asked again: 11 stateless forwards of the whole prefix where 6 answers were held, the
+    honest replicas' work nearly doubled by each lie of each free identity. Now the answers already held decide: U
+    is banned for good on the same answers, each replica asked once, the outputs the reference's."""
+    torch.manual_seed(0)
+    replicas = [f"R{i}" for i in range(6)]
+    servers: dict[str, FakeServer] = {"U": HugeServer(0, 2), **{name: Referee(0, 2) for name in replicas}}
+    servers.update({"f16": Float16Server(2, 4), "B": FakeServer(2, 4)})
+    manager = FakeManager(servers, 4, request_timeout_s=20.0)
+    vouch(manager, *replicas)
+    x = torch.randn(1, 4, HIDDEN)
+    with InferenceSession(manager, max_length=4) as session:
+        outputs = torch.cat([session.step(x[:, t : t + 1]) for t in range(x.shape[1])], dim=1)
+    assert servers["U"].requests, "the liar was routed through first"
+    torch.testing.assert_close(outputs, reference(x, 4))
+    assert manager.bans.banned_peers() == {"U"}
+    assert [servers[name].forward_calls for name in replicas] == [1] * 6  # main: 11 calls, five replicas twice

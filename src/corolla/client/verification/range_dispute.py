@@ -78,7 +78,9 @@ async def judge_producer(
         referee, theirs, error = dissent[0]
         finding = Finding(span.peer_id, (span.start, span.end), inputs, claimed, first, prompts, error)
         thirds = [replica for replica, _ in answered if replica is not referee]
-        decided = await referees.decide(span, referee, theirs, finding, thirds)
+        # (the answers held decide, the recheck of a ban included: each replica asked once, decision 0232)
+        known = {replica.peer_id: answer for replica, answer in zip(replicas, recomputed, strict=True)}
+        decided = await referees.decide(span, referee, theirs, finding, thirds, known)
         # (replicas short of a witness's standing outvoted it, or nobody decided: "disputed", avoided only, decision
         # 0190; every replica that answered disagreed, so a third siding with the upstream is no longer seen here)
         verdict = "caught" if decided == "caught" else "disputed"

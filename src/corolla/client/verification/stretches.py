@@ -16,6 +16,7 @@ its decode time, against the spare rows of a shadow session (docs/decisions/0042
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -81,15 +82,16 @@ class StretchReferees:
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
-        agreed: torch.Tensor, accused: RemoteSpanInfo,
+        agreed: torch.Tensor, accused: RemoteSpanInfo, known: Mapping[str, torch.Tensor | None] | None = None,
     ) -> Rechecked:  # fmt: skip
         """Where `witnesses` (agreeing on `agreed` [B, b - first, H]) would ban `accused` on standing, replicas of
-        `span` outside the three recompute `finding`'s stretch first, each to confirm `agreed` (decision 0208)."""
+        `span` outside the three recompute `finding`'s stretch first, each to confirm `agreed` (decision 0208); those
+        in `known` answered it already (`answer`)."""
         if not needs_recheck(self.manager, accused.peer_id, [witness.peer_id for witness in witnesses]):
             return UNCHECKED
 
         async def confirms(outsider: RemoteSpanInfo) -> bool | None:
-            theirs = await self.recompute(outsider, finding)
+            theirs = await self.answer(outsider, finding, known)
             return None if theirs is None else self.compare(theirs, agreed, (outsider, witnesses[0]))[0]
 
         parties = {accused.peer_id, *(witness.peer_id for witness in witnesses)}
@@ -104,6 +106,16 @@ class StretchReferees:
         except Exception as e:
             logger.info("stretches.replica_failed(peer=...%s, error=%r)", replica.peer_id[-6:], e)
             return None
+
+    async def answer(
+        self, replica: RemoteSpanInfo, finding: Finding, known: Mapping[str, torch.Tensor | None] | None
+    ) -> torch.Tensor | None:
+        """`recompute`, or the answer `replica` already gave to `finding`'s stretch (`known`: by peer id, None where
+        it failed): each replica is asked a stretch once (decision 0232: a range dispute's replicas, asked at once,
+        were asked again by `decide` and by the recheck of the ban, nearly twice the work per lie of a free identity)."""
+        if known is not None and replica.peer_id in known:
+            return known[replica.peer_id]
+        return await self.recompute(replica, finding)
 
     def compare(self, a: torch.Tensor, b: torch.Tensor, spans: tuple[RemoteSpanInfo, ...]) -> tuple[bool, float]:
         """(every position of `a` and `b` [B, T, H] agrees within the tolerance (`output_checks.comparison_rtol`, per
@@ -133,12 +145,14 @@ class StretchReferees:
         recomputed: torch.Tensor,
         finding: Finding,
         thirds: list[RemoteSpanInfo] | None = None,
+        known: Mapping[str, torch.Tensor | None] | None = None,
     ) -> Verdict:
         """`referee` answered `recomputed` [B, b - first, H] where `span`'s server claimed `finding.claimed`: further
         replicas (`thirds`, default: every other) recompute the stretch until one sides with either. The one
         outvoted 2:1 is banned for good ("caught": the server; "referee_lied") where a witness has standing and no
         replica outside the three refutes them (`recheck`, decision 0208), else avoided ("disputed",
-        "referee_disputed"); with no third, "undecided": nobody is banned."""
+        "referee_disputed"); with no third, "undecided": nobody is banned. Replicas in `known` (by peer id) answered
+        the stretch already (`answer`): neither a third nor the recheck asks them again."""
         logger.warning(
             "stretches.disagreement(blocks=%d:%d, server=...%s, referee=...%s, positions=%d:%d, max_error=%.3g)",
             span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:], finding.first, finding.inputs.shape[1],
@@ -147,18 +161,18 @@ class StretchReferees:
         if thirds is None:
             thirds = self.replicas(span, {span.peer_id, referee.peer_id})
         for third in thirds:
-            decided = await self.recompute(third, finding)
+            decided = await self.answer(third, finding, known)
             if decided is None:
                 continue
             where = f"blocks {span.start}:{span.end}, positions {finding.first}:{finding.inputs.shape[1]}"
             if self.compare(decided, recomputed, (third, referee))[0]:  # two replicas outvote the server
-                rechecked = await self.recheck(span, finding, (referee, third), recomputed, span)
+                rechecked = await self.recheck(span, finding, (referee, third), recomputed, span, known)
                 banned = outvote(
                     self.manager, span.peer_id, [referee.peer_id, third.peer_id], where, rechecked=rechecked
                 )
                 return "caught" if banned else "disputed"
             if self.compare(decided, finding.claimed, (third, span))[0]:  # the first referee lied
-                rechecked = await self.recheck(span, finding, (span, third), finding.claimed, referee)
+                rechecked = await self.recheck(span, finding, (span, third), finding.claimed, referee, known)
                 banned = outvote(
                     self.manager, referee.peer_id, [span.peer_id, third.peer_id], where, rechecked=rechecked
                 )
