@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -147,3 +150,70 @@ def test_remember_keeps_the_latest_or_the_worthiest():
     worthy = {f"p{i}": i for i in range(16)}
     forget_least(worthy, 8, lambda peer, value: -value)  # the largest values worth least here
     assert sorted(worthy.values()) == list(range(7))  # down to 7/8 of 8
+
+
+class _LockWatched:
+    """The manager's lock, telling `reached` when thread `by` reaches for it (before it waits for it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reached = threading.Event()
+        self.by: threading.Thread | None = None
+
+    def __enter__(self) -> bool:
+        if threading.current_thread() is self.by:
+            self.reached.set()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.__exit__(*exc_info)
+
+
+class _TrimPaused(dict):
+    """The on-time table, whose trim (`peer_tables.forget_least`, in thread `trimmer`) chooses its oldest entry, says
+    so (`chosen`) and waits for `go` before dropping it: another thread's call then runs between the two."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.trimmer: threading.Thread | None = None
+        self.chosen = threading.Event()
+        self.go = threading.Event()
+
+    def __iter__(self) -> Iterator[str]:
+        if threading.current_thread() is not self.trimmer or self.chosen.is_set():
+            return super().__iter__()
+        oldest = next(super().__iter__())
+        self.chosen.set()
+        assert self.go.wait(30), "the failure never reached the manager's lock"
+        return iter([oldest])
+
+
+def test_a_failure_of_the_oldest_server_seen_on_time_while_the_table_is_trimmed_breaks_neither_call():
+    """`on_request_failure` forgot its server's on-time mark outside the manager's lock while `note_on_time` trims the
+    same table under it (hrev15's finding 1 in 0231): the failure of the server the trim chose ran between the choice
+    and the drop, and the trim raised KeyError out of `note_on_time` (a session's step). Ordered by events: the trim
+    waits, after choosing, until the failure reaches for the lock (on main it had forgotten the mark by then)."""
+    manager = FloodedManager([0.0])
+    lock, table = _LockWatched(), _TrimPaused((f"p{i}", None) for i in range(PEERS_KEPT_MAX))
+    manager._lock, manager._on_time = lock, table  # type: ignore[assignment]  # (the seams of this race)
+    lock.reached = table.go
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except BaseException as e:  # the test's verdict, not a crash of the thread
+            errors.append(e)
+
+    trimmer = threading.Thread(target=run, args=(lambda: manager.note_on_time("new"),))
+    failer = threading.Thread(target=run, args=(lambda: manager.on_request_failure("p0"),))
+    table.trimmer, lock.by = trimmer, failer
+    trimmer.start()
+    assert table.chosen.wait(30)
+    failer.start()
+    for thread in (trimmer, failer):
+        thread.join(30)
+        assert not thread.is_alive()
+    assert errors == []
+    on_time = manager.answered_on_time()
+    assert "new" in on_time and "p0" not in on_time and len(on_time) <= PEERS_KEPT_MAX

@@ -358,11 +358,11 @@ class RemoteSequenceManager:
         if not self._rtts.measured(peer_id):
             self._unmeasured_suspect_until = time.monotonic() + self.config.update_period_s
             self.request_update()
-        self._on_time.pop(peer_id, None)
         duration_s = self.bans.ban(peer_id)
         if duration_s:
             logger.info("routing.ban(peer=...%s, duration_s=%.0f)", peer_id[-6:], duration_s)
-        with self._lock:
+        with self._lock:  # (`note_on_time` trims the on-time table under it: decision 0231)
+            self._on_time.pop(peer_id, None)
             remaining = [span for span in self._spans if span.peer_id != peer_id]
             self._spans = remaining
         if not covers(remaining, 0, self.num_blocks):
