@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import threading
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from benchmarks.sim.policies import make_policy
 from corolla.client.config import ClientConfig
+from corolla.client.routing import sequence_manager
 from corolla.client.routing.bans import BanList
+from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.transport.direct_transport import DirectOffers
 from corolla.client.verification.witnesses import trusted
@@ -217,3 +221,42 @@ def test_a_failure_of_the_oldest_server_seen_on_time_while_the_table_is_trimmed_
     assert errors == []
     on_time = manager.answered_on_time()
     assert "new" in on_time and "p0" not in on_time and len(on_time) <= PEERS_KEPT_MAX
+
+
+class _TwoServers(RemoteSequenceManager):
+    """Records of `honest` (measured at 10 ms) and the attacker's identity `proven` (20 ms), each holding both blocks;
+    the routing's clock is `clock[0]`."""
+
+    def __init__(self) -> None:
+        super().__init__(ClientConfig(), ["m.0", "m.1"], start_updates=False, policy=make_policy("corolla"))
+
+    def fetch_module_infos(self) -> list[RemoteModuleInfo]:
+        record = ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=2, throughput=1.0)
+        return [RemoteModuleInfo(uid, {"honest": record, "proven": record}) for uid in self.block_uids]
+
+    def measure_rtts_s(self, peer_ids):
+        return {peer: 0.01 if peer == "honest" else 0.02 for peer in peer_ids}
+
+
+def test_an_avoidance_that_says_nothing_of_a_servers_pace_keeps_its_on_time_mark(monkeypatch: pytest.MonkeyPatch):
+    """`avoid` forgot the server's on-time mark whatever the avoidance was for (hrev15's finding 2 in 0231). Two free
+    identities outvoting an honest server get it avoided (`witnesses`, short of standing: `DISPUTE_AVOID_S`); once
+    back, while a caught loris has the routes leave out servers never seen on time (0163, 60 s each), it was left
+    out in favour of the attacker's identity seen on time, and its RTT lost the protection of the mark (0211). An
+    avoidance for its pace (`slow`: late past the budget, or outpaced) still forgets the mark."""
+    clock = [100.0]
+    monkeypatch.setattr(sequence_manager, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    manager = _TwoServers()
+    manager.update()
+    manager.note_on_time("honest")
+    manager.note_on_time("proven")
+    assert manager.avoid("honest", DISPUTE_AVOID_S)  # framed: outvoted by two fresh identities
+    assert manager.answered_on_time() == {"honest", "proven"}
+    clock[0] += DISPUTE_AVOID_S + 1
+    manager.update()
+    manager.suspect_unproven(60.0)  # a loris of the attacker's caught meanwhile
+    manager.rng = random.Random(0)  # (the policy draws among near routes)
+    routed = {span.peer_id for _ in range(8) for span in manager.make_sequence(mode="min_latency")}
+    assert "honest" in routed  # on main never: only the attacker's identity was seen on time since
+    assert manager.avoid("honest", 60.0, slow=True)
+    assert manager.answered_on_time() == {"proven"}

@@ -868,7 +868,7 @@ def test_race_candidates_measured_first_announced_figures_ignored(monkeypatch: p
     manager = _manager(servers)
     manager.note_on_time("H")
     manager.note_on_time("W")
-    manager.avoid("W", 60.0)  # avoided since: neither a candidate nor measured any more
+    manager.avoid("W", 60.0, slow=True)  # avoided since for its pace: neither a candidate nor seen on time
     manager.on_request_failure("X")  # banned
     rng = random.Random(0)
     for _ in range(20):

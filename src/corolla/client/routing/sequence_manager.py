@@ -124,8 +124,9 @@ class RemoteSequenceManager:
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
         # the spans of servers avoided now (as last read): never routed, but asked to recheck a dispute (decision 0228)
         self._set_aside: dict[str, RemoteSpanInfo] = {}
-        # servers seen answering a step within its deadline, not avoided or failed since: raced first (decision 0163);
-        # an ordered set, the latest seen last (`peer_tables`: the least recently seen go first past its bound)
+        # servers seen answering a step within its deadline, not avoided for their pace or failed since: raced first
+        # (decisions 0163, 0231); an ordered set, the latest seen last (`peer_tables`: the least recently seen go first
+        # past its bound)
         self._on_time: dict[str, None] = {}
         # servers some session of this client steps through or knocks on (`stepping_through`, `link_down`) -> how many
         # sessions: the refresh does not ping them
@@ -424,13 +425,17 @@ class RemoteSequenceManager:
         with self._lock:
             return may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s)
 
-    def avoid(self, peer_id: str, duration_s: float, *, keep_region: bool = True) -> bool:
+    def avoid(self, peer_id: str, duration_s: float, *, keep_region: bool = True, slow: bool = False) -> bool:
         """Skips `peer_id` in routes for `duration_s` (not a failure: its ban record stays as it was), and drops it
         from the view now; returns whether it did. Like a ban, it is ignored where `may_avoid` says no (not recorded
         at all then: every re-read would drop it from the view again); `keep_region` False: only where the rest of
         the view would lose a block (a session leaving a server for a chain it priced, RTTs included, faster:
-        decision 0196). Used for a server out of KV cache (`on_cache_refusal`) and one too slow to keep a session
-        (`client.session.stalls`, decisions 0144 and 0189)."""
+        decision 0196). Used for a server out of KV cache (`on_cache_refusal`), one too slow to keep a session
+        (`client.session.stalls`, decisions 0144 and 0189), and one outvoted or out of range (`verification`).
+        `slow`: avoided for its pace (late past its budget, or outpaced): no longer seen on time either
+        (`answered_on_time`). Any other avoidance says nothing of its pace and keeps that mark: two free identities
+        outvoting a server get it avoided, and forgetting the mark left it out of routes whenever a caught loris
+        made the routes keep to servers seen on time, in favour of the attacker's (decision 0231)."""
         rtts = self.client_rtts_s
         region_rtt_s = self.policy.route_region_rtt_s if keep_region else None
         with self._lock:
@@ -440,7 +445,8 @@ class RemoteSequenceManager:
             remember(self._avoid_until, peer_id, until, worth=worth_itself)  # (those over first, the longest kept)
             self._set_aside.update((span.peer_id, span) for span in self._spans if span.peer_id == peer_id)
             self._spans = [span for span in self._spans if span.peer_id != peer_id]
-            self._on_time.pop(peer_id, None)
+            if slow:
+                self._on_time.pop(peer_id, None)
         return True
 
     def suspect_unproven(self, duration_s: float) -> None:
@@ -463,8 +469,8 @@ class RemoteSequenceManager:
             self._on_time.pop(peer_id, None)
 
     def answered_on_time(self) -> set[str]:
-        """Servers seen answering a step within its deadline and not avoided or failed since: a replacement race
-        tries them first (`client.session.replacement_race`)."""
+        """Servers seen answering a step within its deadline and not avoided for their pace (`avoid`'s `slow`) or
+        failed since: a replacement race tries them first (`client.session.replacement_race`)."""
         with self._lock:
             return set(self._on_time)
 

@@ -637,7 +637,7 @@ class SpanSession:
         own = pace_of(self.manager, self.span, now_s, step_s=delivered_s, token_s=token_s)
         verdict = judge(self.manager, self.span, own, work, now_s)
         # (the region's other servers need not cover the blocks: the chain's RTTs are priced; decision 0196)
-        if verdict is None or not self.manager.avoid(peer_id, MOVE_PERIOD_S, keep_region=False):
+        if verdict is None or not self.manager.avoid(peer_id, MOVE_PERIOD_S, keep_region=False, slow=True):
             return False
         self.pacer.moved(now_s, blocks, verdict.promised_s)
         # (the servers the session goes to are marked pending as it reaches them, the race's winner or the chain: not
@@ -667,7 +667,7 @@ class SpanSession:
             " the server avoided for %.0f s", peer_id[-6:], blocks[0], blocks[1], waited_s, stall_deadline_s,
             SLOW_AVOID_S,
         )  # fmt: skip
-        self.manager.avoid(peer_id, SLOW_AVOID_S)  # replacement chains are planned without it
+        self.manager.avoid(peer_id, SLOW_AVOID_S, slow=True)  # replacement chains are planned without it
         self.manager.suspect_unproven(SLOW_AVOID_S)  # and new sessions' chains over servers seen on time (0163)
         raise ServerTooSlow(
             peer_id, f"server ...{peer_id[-6:]} answers pings but its steps ran past their deadlines (last one "
