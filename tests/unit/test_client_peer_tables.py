@@ -107,6 +107,22 @@ def test_a_ban_in_force_outlasts_a_flood_of_bans_that_end_before_it():
     assert len(bans.banned_peers()) <= PEERS_KEPT_MAX
 
 
+def test_a_repeat_failers_back_off_count_outlasts_a_flood_of_first_bans_in_force():
+    """The ban table dropped ended bans first (0211: worth the ban's end), so fresh identities failing once each
+    erased the count of a server failing again after each of its bans (hrev15's finding 4 in 0231): its next ban
+    was the first's 15 s, not 15 x 2^4 = 240 s. A record is worth its count now; the flood's, one each, go first."""
+    clock = [0.0]
+    bans = BanList(15.0, 2.0, clock=lambda: clock[0])
+    for _ in range(4):  # banned 15, 30, 60, 120 s; each ban over before its next failure
+        bans.ban("flapping")
+        clock[0] += bans.base_timeout_s * 2**4
+    assert not bans.is_banned("flapping")
+    for i in range(3 * PEERS_KEPT_MAX):
+        bans.ban(f"fake{i}")
+    assert bans.ban("flapping") == 15.0 * 2**4
+    assert len(bans.banned_peers()) <= PEERS_KEPT_MAX
+
+
 def test_standing_is_not_kept_for_a_disagreement_and_the_shortest_records_go_first():
     bans = BanList(15.0)
     bans.record_verified("w", agreed=True)

@@ -2,9 +2,9 @@
 servers caught lying (outvoted 2:1 by `client.verification.stretches` or `client.verification.step_verifier`) are banned for the client's
 lifetime. Also each server's record of verified steps in a row that agreed with other servers (`agreed_in_a_row`):
 what lets `client.verification.step_verifier` trust a server when it is the only one left to answer. Both tables are
-kept within `peer_tables.PEERS_KEPT_MAX` peers (decision 0211): past it, the bans ending soonest (those over first) and
-the shortest records of agreement go; the liars are never forgotten (each cost its identity a step caught lying
-against a witness with standing, where a ban record costs a failed request)."""
+kept within `peer_tables.PEERS_KEPT_MAX` peers (decision 0211): past it, the ban records of fewest bans (those over
+first among equals: 0231) and the shortest records of agreement go; the liars are never forgotten (each cost its
+identity a step caught lying against a witness with standing, where a ban record costs a failed request)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class BanList:
             num_bans = record.num_bans if record is not None else 0
             duration_s = self.base_timeout_s * self.backoff_rate**num_bans
             record = _BanRecord(banned_until_s=now + duration_s, num_bans=num_bans + 1)
-            remember(self._records, peer_id, record, worth=_ban_end)
+            remember(self._records, peer_id, record, worth=lambda _peer, kept: _ban_worth(kept, now))
             return duration_s
 
     def clear(self, peer_id: str) -> None:
@@ -84,6 +84,9 @@ class BanList:
             return {peer for peer, record in self._records.items() if record.banned_until_s > now} | self._liars
 
 
-def _ban_end(_peer_id: str, record: _BanRecord) -> float:
-    """A ban is worth its end: one over only keeps its back-off count, a longer one keeps a failing server out."""
-    return record.banned_until_s
+def _ban_worth(record: _BanRecord, now: float) -> float:
+    """A ban record is worth its back-off count (the next ban's length: `base_timeout_s * backoff_rate ** num_bans`),
+    one in force more than one over of the same count. Worth its end (0211), the records over went first, so fresh
+    identities failing once each erased the count of a server failing again after each ban (decision 0231): each
+    identity's first ban is worth one failed request, a repeat failer's count as many."""
+    return record.num_bans + (0.5 if record.banned_until_s > now else 0.0)
