@@ -526,7 +526,8 @@ def test_observed_steps_price_only_servers_slower_than_their_discounted_figure(m
     assert table.block_s("S", later) is None and table.priced([slow], later)[0].server_info.inference_rps == 1e6
     monkeypatch.setattr(observed_steps, "OBSERVED_MAX_PEERS", 2)
     table.note("X", 0.1, 2.0)
-    assert table.block_s("F", 2.0) is None and table.block_s("X", 2.0) == 0.1  # the oldest went first
+    assert table.block_s("S", 2.0) is None and table.block_s("N", 2.0) is None  # the slowest, then the oldest
+    assert table.block_s("F", 2.0) == 3.0 / 100 and table.block_s("X", 2.0) == 0.1  # (decision 0231)
 
 
 def test_observed_steps_price_a_long_steps_route_by_the_long_steps_seen():

@@ -20,6 +20,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.routing import sequence_manager
 from corolla.client.routing.bans import BanList
 from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S
+from corolla.client.routing.observed_steps import OBSERVED_TTL_S, ObservedSteps
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.transport.direct_transport import DirectOffers
 from corolla.client.verification.witnesses import trusted
@@ -121,6 +122,25 @@ def test_a_repeat_failers_back_off_count_outlasts_a_flood_of_first_bans_in_force
         bans.ban(f"fake{i}")
     assert bans.ban("flapping") == 15.0 * 2**4
     assert len(bans.banned_peers()) <= PEERS_KEPT_MAX
+
+
+def test_a_flood_of_identities_measured_slower_does_not_push_out_a_server_measured_fast():
+    """`ObservedSteps` dropped its oldest observation first: identities this client measured after an honest server
+    (each delivering a judgment's decode steps) pushed it out, and with it out of 0214's first round of a move's race
+    (`race_candidates`' measured first), where a fresh identity answering the trial at once wins (hrev15's finding 3
+    in 0231). The slowest observation goes first now, those past `OBSERVED_TTL_S` before any."""
+    table = ObservedSteps()
+    table.note("stale", 0.001, 0.0)  # the fastest, but past its time by the flood's end
+    table.note("honest", 0.01, OBSERVED_TTL_S / 2)
+    table.note_long("honest", 0.002, OBSERVED_TTL_S / 2)
+    now = OBSERVED_TTL_S + 1.0
+    for i in range(3 * PEERS_KEPT_MAX):
+        table.note(f"fake{i}", 0.05, now)  # measured, and slower
+        table.note_long(f"fake{i}", 0.02, now)
+    assert table.block_s("honest", now) == 0.01 and table.token_block_s("honest", now) == 0.002
+    assert table.block_s("stale", 0.0) is None  # went first (at `now` it counts for nothing anyway)
+    kept = sum(table.block_s(f"fake{i}", now) is not None for i in range(3 * PEERS_KEPT_MAX))
+    assert 0 < kept < PEERS_KEPT_MAX
 
 
 def test_standing_is_not_kept_for_a_disagreement_and_the_shortest_records_go_first():

@@ -22,7 +22,7 @@ from corolla.utils.peer_tables import PEERS_KEPT_MAX, remember
 # at 16 sessions on the dev VM; the step deadlines' `stalls.STALL_FACTOR` is the same 4x)
 ANNOUNCED_DISCOUNT = 4.0
 OBSERVED_TTL_S = 300.0  # an observation older than this is forgotten (0165's window: the server's own figure's age)
-OBSERVED_MAX_PEERS = PEERS_KEPT_MAX  # servers kept at most (the oldest observations go first: `peer_tables`)
+OBSERVED_MAX_PEERS = PEERS_KEPT_MAX  # servers kept at most (the slowest observations go first: `_worth`)
 # a server a session of this client is moving to is no candidate for another move until measured again since (its
 # figure is from before the moved session's load), or this long after
 PENDING_S = 10.0
@@ -66,7 +66,8 @@ class ObservedSteps:
         if not (math.isfinite(seconds) and seconds > 0):
             return
         with self._lock:
-            remember(table, peer_id, (seconds, now_s), max_peers=OBSERVED_MAX_PEERS)
+            kept = (seconds, now_s)
+            remember(table, peer_id, kept, max_peers=OBSERVED_MAX_PEERS, worth=lambda _peer, seen: _worth(seen, now_s))
 
     def block_s(self, peer_id: str, now_s: float) -> float | None:
         return self._seen(self._by_peer, peer_id, now_s)
@@ -114,3 +115,13 @@ class ObservedSteps:
                 span = dataclasses.replace(span, server_info=dataclasses.replace(info, inference_rps=price))
             result.append(span)
         return result
+
+
+def _worth(seen: tuple[float, float], now_s: float) -> float:
+    """What an observation (seconds, when noted) is worth keeping past `OBSERVED_MAX_PEERS` (`peer_tables.remember`):
+    those past `OBSERVED_TTL_S` nothing, then the slowest least. Kept oldest first (`peer_tables`' default), a flood
+    of identities the client measured after an honest server pushed it out of the first round of a move's race
+    (decision 0214's measured-first round, 0231); kept fastest first, only identities measured delivering faster
+    than it can, and they lead that round having delivered so."""
+    seconds, noted_s = seen
+    return -math.inf if now_s - noted_s > OBSERVED_TTL_S else -seconds
