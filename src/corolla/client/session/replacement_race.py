@@ -93,14 +93,14 @@ def race_candidates(
     rng: random.Random,
     slower_than_s: float | None = None,
 ) -> list[RemoteSpanInfo]:
-    """The servers of the view that cover `blocks` alone, other than `failed_peer` and not banned or avoided, as
-    spans of exactly `blocks`: those that answered a step of this client within its deadline first (not since
-    avoided or failed), then the others, each group in random order; at most `RACE_MAX`. `slower_than_s`: a decode
-    step over `blocks` (of one row and token) that no racer may be known to deliver at or above: a server this
-    client saw deliver that slowly is left out (a race takes the first trial's answer, which a server crawling on
-    its decode steps gives at once: it would win the race of every move off a slow span, decision 0201); and
-    those it saw deliver under it go first, before the servers seen answering on time (decision 0214: such a race
-    lets them run a round alone, `first_round_width`)."""
+    """The servers of the view that cover `blocks` alone, other than `failed_peer` and not banned or avoided, as spans
+    of exactly `blocks`: those that answered a step of this client within its deadline first (not since avoided for
+    their pace or failed), then the others, each group in random order; at most `RACE_MAX`. `slower_than_s`: a decode
+    step over `blocks` (of one row and token) that no racer may be known to deliver at or above: a server this client
+    saw deliver that slowly is left out (a race takes the first trial's answer, which a server crawling on its decode
+    steps gives at once: it would win the race of every move off a slow span, decision 0201); and those it saw deliver
+    under it go first, before the servers seen answering on time (decision 0214: such a race lets them run a round
+    alone, `first_round_width`)."""
     start, end = blocks
     excluded = manager.excluded_peers() | {failed_peer}
     covering = [
