@@ -133,16 +133,25 @@ def test_forwarding_through_a_delayed_chain_is_token_identical(chain, expected):
 def test_middle_server_cut_off_mid_generation(chain, expected):
     servers, proxies, wan = chain
     cut: list[str] = []
+    pushed_before_cut: list[int] = []
 
     def cut_off(session) -> None:
         middle = next(span.peer_id for span, _ in session.route if span.start == 2)
         index = next(i for i, server in enumerate(servers) if server.peer_id == middle)
         asyncio.run_coroutine_threadsafe(proxies[index].close(), wan.loop).result(10)
         cut.append(middle)
+        pushed_before_cut.append(session.num_pushed_steps)
 
     streamer = AtToken(6, cut_off)
     assert _generate(servers, streamer) == expected
     middle_now = next(peer_id for peer_id, start, _ in streamer.route if start == 2)
     assert cut and middle_now != cut[0]
-    # the replacement chain is pushed to as well: the last tokens' spans 2 and 3 answered pushed copies
-    assert streamer.session.num_pushed_steps >= 2 * (NEW_TOKENS - 2) - 6, streamer.session.num_pushed_steps
+    # the replacement chain is pushed to as well: of the 10 decode steps after the cut's token, each a hop to spans 2
+    # and 3 (20 hops, the replacement's replay among them), 17 were answered as pushed copies when seen unloaded, 0
+    # where the new chain is not pushed to. Counted after the cut, not over the session, and 2 in 5 asked: each hop is
+    # a race of the push with the client's own request (one proxy delay), which a pause of this process (GC, CPU
+    # starvation; every server runs in it) makes lose more often: 19 and 21 pushed in all (the bar was 22 of 30, 9
+    # of them before the cut) with two 0.35-0.77 s pauses (/work/notes/hflake2/loopstall.py)
+    after_cut = streamer.session.num_pushed_steps - pushed_before_cut[0]
+    hops = 2 * (NEW_TOKENS - 6)
+    assert after_cut >= 2 * hops // 5, (pushed_before_cut, streamer.session.num_pushed_steps)
