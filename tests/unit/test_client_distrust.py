@@ -261,6 +261,48 @@ def test_standing_earned_by_one_identity_is_not_lent_to_a_fresh_one():
     assert not manager.bans.agreed_in_a_row("SA") and {"SA", "SB"} <= manager.avoided_peers()
 
 
+class Refusing(Server):
+    """An honest server whose stream total the attacker filled when it framed (0187's reserve taken one message per
+    free identity, held whole while its handler is busy): it refuses the client's first stateless forward as a full
+    server, retry later, and answers honestly once the attacker let go."""
+
+    async def rpc_forward(self, request, timeout=None):
+        if not self.forward_calls:
+            self.forward_calls += 1
+            raise ConnectionError("the server holds its stream total in unfinished requests; retry later")
+        return await super().rpc_forward(request, timeout)
+
+
+def test_an_outsider_kept_busy_by_the_framers_does_not_let_one_standing_ban():
+    """Decision 0232 (against 0208's recheck and 0226's rule). SA (standing, earned refereeing H honestly) and SB
+    (fresh) outvote H (honest, routed first) with the same made-up outputs; H2, the one honest server outside them,
+    would refute them, but the attacker, which chooses when it frames, has filled H2's stream total at that moment, so
+    H2 refuses the client's recheck. Main counted a refused outsider as no answer: "unchecked", H banned for good on
+    SA's standing alone. Now a ban that would rest on one standing while an outsider asked did not answer is none: H
+    avoided, SA and SB watched (SA's standing not spent: nothing was decided), the outputs the reference's."""
+    torch.manual_seed(6)
+    standing = ClientConfig().witness_standing_steps
+    servers = {
+        "H": Server(0, 2, inference_rps=1e6),
+        "SA": Lender(0, 2, honest_answers=standing, inference_rps=1e4),
+        "SB": Framer(0, 2, inference_rps=1e4),
+        "H2": Refusing(0, 2),
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    tokens = torch.randn(1, 4 + standing + 3, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    outputs = []
+    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
+        session.verifier.rng = FramersFirst()
+        outputs.append(session.step(tokens[:, :4]))
+        outputs += [session.step(tokens[:, t : t + 1]) for t in range(4, tokens.shape[1])]
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert servers["SA"].forward_calls > standing and servers["H2"].forward_calls  # it framed; H2 was asked
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert "H" in manager.avoided_peers() and {"SA", "SB"} <= manager.disputes.watched()
+
+
 class Drawn(random.Random):
     """Draws referees and outside servers in the order of `order` (the rest after them), for one session: which
     honest servers witness a lie and which rechecks it, fixed."""

@@ -18,12 +18,13 @@ the witnesses' outputs ("refuted") makes it a tie, words against words: nobody i
 the witnesses lose their standing; some confirming and some not ("split": an attacker's identity may be on either
 side) bans nobody either, the accused only avoided and the witnesses watched, as short of standing (nobody's standing
 lost on a word that may be the attacker's); all that answered confirming ("confirmed"), or none answering
-("unchecked"), ban. A ban that rests on one standing spends it (one ban per standing earned: the witness earns it again
-by `witness_standing_steps` more agreeing steps): one witness with standing, and no outside server with standing
-among those that confirmed (nobody outside, or only servers short of standing, which may be the attacker's fresh
-identities). One that rests on two standings or more (both witnesses', or a witness's and a confirming outsider's)
-spends nothing (decision 0226): spending there let free identities drain honest servers' standing, each a throwaway
-lie outvoted by two honest servers, until no real liar could be banned.
+("unchecked"), ban, except one that would rest on one standing while an outsider asked did not answer (decision 0232:
+the framers may have kept the honest outsider busy when they framed). A ban that rests on one standing spends it (one
+ban per standing earned: the witness earns it again by `witness_standing_steps` more agreeing steps): one witness with
+standing, and no outside server with standing among those that confirmed (nobody outside, or only servers short of
+standing, which may be the attacker's fresh identities). One that rests on two standings or more (both witnesses', or a
+witness's and a confirming outsider's) spends nothing (decision 0226): spending there let free identities drain honest
+servers' standing, each a throwaway lie outvoted by two honest servers, until no real liar could be banned.
 
 A server that loses dispute after dispute is avoided longer each time (decision 0225, `routing.dispute_repeats`):
 300 s doubled per dispute lost, capped at a day, but never further than each witness has accused before (fresh
@@ -57,6 +58,7 @@ class Rechecked:
 
     verdict: Recheck
     confirmed_by: tuple[str, ...] = ()
+    silent: int = 0  # outsiders asked that did not answer (failed, refused, timed out)
 
 
 UNCHECKED = Rechecked("unchecked")  # nobody outside was asked, or none answered
@@ -105,12 +107,13 @@ async def recheck(
         for outsider, answer in zip(asked, await asyncio.gather(*map(confirms, asked)), strict=True)
         if answer is not None
     ]
+    silent = len(asked) - len(answered)
     if not answered:
-        return UNCHECKED
+        return Rechecked("unchecked", silent=silent)
     confirmed_by = tuple(peer for peer, answer in answered if answer)
     if len(confirmed_by) == len(answered):
-        return Rechecked("confirmed", confirmed_by)
-    return Rechecked("split" if confirmed_by else "refuted", confirmed_by)
+        return Rechecked("confirmed", confirmed_by, silent)
+    return Rechecked("split" if confirmed_by else "refuted", confirmed_by, silent)
 
 
 def outvote(
@@ -119,12 +122,15 @@ def outvote(
     """`witnesses` (two servers that agree with each other) outvoted `accused`'s outputs: banned for good (and
     dropped from the view) where a witness has standing and every outside server that answered confirmed them
     (`rechecked`: "confirmed", or "unchecked" where none did), the witness's standing spent by the ban where it rests
-    on that one standing (no second witness nor confirming outsider with standing: decision 0226); else avoided and
+    on that one standing (no second witness nor confirming outsider with standing: decision 0226), and not banned at
+    all where it would rest on one standing and an outsider asked did not answer (decision 0232); else avoided and
     the witnesses watched:
     `DISPUTE_AVOID_S` doubled per dispute it lost before, as far as the witnesses accused before (decision 0225;
     "split": not doubled); "refuted": the accused avoided `DISPUTE_AVOID_S`, its disputes lost forgotten, the witnesses avoided
     for their own disputes lost and their standing lost. Returns whether it was banned."""
     standing = [peer for peer in witnesses if trusted(manager, peer)]
+    # the standings a ban would rest on: the witnesses' and the confirming outsiders' (decision 0226)
+    carried = {*standing, *(peer for peer in rechecked.confirmed_by if trusted(manager, peer))} if standing else set()
     if manager.bans.agreed_in_a_row(accused) >= REPEATS_FORGIVEN_STEPS:  # a long honest record since (0225)
         manager.repeats.forgive(accused)
     manager.bans.record_verified(accused, agreed=False)  # outvoted either way: no witness until it earns it again
@@ -138,9 +144,17 @@ def outvote(
     elif rechecked.verdict == "split":  # either side may be an attacker's: counted, not escalated
         avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
         why = "the servers outside them split: not banned, the witnesses watched"
+    elif len(carried) == 1 and rechecked.silent:
+        # one standing, and an outsider asked did not answer: its word may be the honest side's (decision 0232). The
+        # attacker chooses when it frames, and the one honest outsider, kept busy then (its stream total filled, one
+        # message per free identity), refused the recheck, which banned the framed server on the word of one
+        # identity that earned standing and a fresh partner. Two standings ban whoever was silent, as with nobody
+        # outside (0226's rule, its Left)
+        avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
+        why = (
+            "it would rest on one standing and a server outside them did not answer: not banned, the witnesses watched"
+        )
     elif standing:
-        # the standings the ban rests on: the witnesses' and the confirming outsiders' (decision 0226)
-        carried = {*standing, *(peer for peer in rechecked.confirmed_by if trusted(manager, peer))}
         logger.warning(
             "witnesses.liar_banned(peer=...%s, by=%s, %s, standings=%d): %s",
             accused[-6:], by, rechecked.verdict, len(carried), reason,
