@@ -27,9 +27,10 @@ from corolla.server.core.peer_bytes import ByteCap, PeerBytes
 # streams on keeps its loan (no round trip a message)
 LOAN_REBALANCE_S = 0.5
 # how long a loan past the caps waits for the other processes to give back their idle loans (a recall) before it is
-# refused: by then each would have given them back by itself (2 rebalances); a process that answers late (its loop
-# busy) costs the borrower this wait, not a refusal it would not have had
-RECALL_WAIT_S = 2 * LOAN_REBALANCE_S
+# refused: a process that answers late (its loop or the core's paused by a full collection or a starved CPU, 1-2 s
+# seen on a loaded 2-core host) costs the borrower this wait, not a refusal it would not have had (decision 0227:
+# 2 rebalances, 1 s, refused 2 of 6 runs of a peer's back-to-back streams under such pauses, 6 rebalances none)
+RECALL_WAIT_S = 6 * LOAN_REBALANCE_S
 
 
 def stream_caps(limits: PeerLimits) -> tuple[ByteCap, ByteCap]:
