@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import importlib.util
 import os
 import sys
@@ -158,6 +159,12 @@ def run_client(args: argparse.Namespace) -> int:
     if dump_s > 0:  # a hang leaves every thread's stack in the log (the caller kills us soon after)
         faulthandler.dump_traceback_later(dump_s, exit=False)
     started = time.monotonic()
+    # Collections only here, on the main thread, between runs: stock Petals' session objects close themselves in
+    # `__del__` through hivemind's `run_coroutine`, which waits on hivemind's event-loop thread; a collection that an
+    # allocation triggered on that very thread ran such a finalizer there and waited on itself for good (seen in the
+    # suite: the second model's backward hung in `add_done_callback` -> `InferenceSession.__del__`, twice in a row, as
+    # the allocation counts repeat)
+    gc.disable()
     import torch
 
     torch.set_num_threads(1)
@@ -167,6 +174,7 @@ def run_client(args: argparse.Namespace) -> int:
     for run in args.run:
         prefix, cases = run.split("=", 1)
         results[prefix] = prefix_results(args, prefix, cases.split(","))
+        gc.collect()  # the run's sessions finalized here, on the main thread (above)
         print(f"petals-client: {prefix} done at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     torch.save(results, args.out)
     print("petals-client: done", flush=True)
