@@ -89,6 +89,8 @@ class PrefillGraphs:
         # (first layer, end layer, rows) -> the group's graph replay (or its eager work), least recently used first
         self._groups: dict[tuple[int, int, int], Callable[[], None]] = {}
         self.attention_configs: dict[int, PrefillAttentionConfig] = {}  # rows -> the launch taken (CUDA)
+        # rows -> {launch: ms over the group's layers} as `_tune_attention` timed them (the tuner census reads them)
+        self.attention_timings: dict[int, dict[PrefillAttentionConfig, float]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.reserved_bytes = 0  # what the captures added to the device's reserved memory
         self.chunks = 0
@@ -211,6 +213,7 @@ class PrefillGraphs:
         if not timings:
             logger.warning(f"prefill_graphs.tune_failed(rows={rows}): every launch failed, chunks run eagerly")
             return None
+        self.attention_timings[rows] = timings
         best = min(timings, key=lambda c: timings[c])
         logger.info(f"prefill_graphs.tune(rows={rows}, best={best}, ms={timings[best]:.3f}, "
                     f"all={ {str(c): round(ms, 4) for c, ms in timings.items()} })")  # fmt: skip
