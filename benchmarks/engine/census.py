@@ -254,11 +254,12 @@ def quant_rows(span: str, layers: int, key: tuple, r: dict) -> list[dict]:
     for prologue, p in (r.get("prologues") or {}).items():
         if not p:
             continue
-        times = {"pair": p["unfused_us"]} | parsed(p["all_us"])
-        picked = p["fused"] if p["fused"] is not None else "pair"
+        # a fused config is its own candidate per prologue: "(kernel, config)+prologue"
+        times = {"pair": p["unfused_us"]} | {f"{parse(c)}+{prologue}": us for c, us in p["all_us"].items()}
+        picked = f"{p['fused']}+{prologue}" if p["fused"] is not None else "pair"
 
-        def pfam(c: Any, prologue: str = prologue) -> str:
-            return "pair" if c == "pair" else f"{fam(c)}+{prologue}"
+        def pfam(c: str) -> str:
+            return "pair" if c == "pair" else f"{fam(parse(c.rsplit('+', 1)[0]))}+{c.rsplit('+', 1)[1]}"
 
         out.append(_row(span, layers, "quant_prologue", f"{problem} {prologue}", "1", times, picked, pfam))
     return out
@@ -321,7 +322,6 @@ def offered() -> dict:
             | {str(("tile", c)) for c in quant_tile_gemv.NF4_TILE_CONFIGS}
             | {str(c) for c in quant_choices.mma_candidates()}
         ),
-        "quant_gated": [str(("i8mma", c)) for c in quant_int8_gemv.GATED_CONFIGS],
         "moe": [str(c) for c in moe_kernels.EXPERT_CONFIGS + moe_quant_kernels.QUANT_EXPERT_CONFIGS],
         "prefill_attention": [_attention_text(c) for c in ATTENTION_CONFIGS],
     }
