@@ -9,8 +9,8 @@ import random
 import torch
 from tests.unit.test_client_distrust import Framer, Server
 
-from corolla.client.session.inference_session import InferenceSession
-from helpers.fake_chain import HIDDEN, FakeManager, reference, vouch
+from helpers.fake_chain import HIDDEN
+from helpers.framed_session import framed_client, run_framed
 
 
 class OneShot(Framer):
@@ -57,14 +57,8 @@ def test_an_honest_outsider_framed_away_first_still_rechecks_a_ban_on_standing()
         "B2": Server(2, 4),
     }
     tokens = torch.randn(1, 7, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    vouch(manager, "SA", "B", "B2")
-    outputs = []
-    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
-        session.verifier.rng = AttackersFirst()
-        outputs.append(session.step(tokens[:, :4]))
-        outputs += [session.step(tokens[:, t : t + 1]) for t in range(4, tokens.shape[1])]
-    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    manager = framed_client(servers, "SA", "B", "B2")
+    run_framed(manager, tokens, AttackersFirst())
     assert "H2" in manager.avoided_peers() and {"F1", "F2"} <= manager.disputes.watched()  # the first framing
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert servers["H2"].forward_calls == 1  # asked while avoided: the recheck of H's dispute

@@ -25,6 +25,7 @@ from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, block_fn, reference, vouch
+from helpers.framed_session import framed_client, run_framed
 
 
 class Server(FakeServer):
@@ -108,14 +109,10 @@ def test_finite_garbage_is_caught_by_verification_and_the_liar_banned():
         "B2": Server(2, 4),  # every step is verified: a lone server of 2:4 would be waited for, not trusted
     }
     tokens = torch.randn(1, 10, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    vouch(manager, "A2", "A3", "B", "B2")  # witnesses with standing (decision 0190)
-    with InferenceSession(manager, max_length=10) as session:
-        out = [session.step(tokens[:, :4])]
-        out += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
-        # 7 steps of each span verified, and the rejected one of 0:2
-        assert session.verifier.num_rejected == 1 and session.verifier.num_verified == 15
-    torch.testing.assert_close(torch.cat(out, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    manager = framed_client(servers, "A2", "A3", "B", "B2")  # witnesses with standing (decision 0190)
+    framed = run_framed(manager, tokens)
+    # 7 steps of each span verified, and the rejected one of 0:2
+    assert framed.num_rejected == 1 and framed.num_verified == 15
     assert manager.bans.is_banned("liar") and not manager.bans.banned_peers() & {"A2", "A3", "B", "B2"}
 
 
@@ -166,14 +163,8 @@ def test_two_fresh_identities_refereeing_cannot_get_an_honest_server_banned():
         "B2": Server(2, 4),
     }
     tokens = torch.randn(1, 10, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    outputs = []
-    with InferenceSession(manager, max_length=10) as session:
-        session.verifier.rng = FramersFirst()
-        outputs.append(session.step(tokens[:, :4]))
-        outputs += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
-        route = [span.peer_id for span, _ in session.route]
-    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    manager = framed_client(servers)
+    route = run_framed(manager, tokens, FramersFirst()).route
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert "H" in manager.avoided_peers() and manager.disputes.watched() == {"S1", "S2"}
     assert route[0] in ("S1", "S2")
@@ -227,6 +218,33 @@ class Lender(Framer):
         return await super().rpc_forward(request, timeout)
 
 
+def _lend_standing(outside: dict[str, Server]) -> tuple[FakeManager, dict[str, Server], int]:
+    """Decision 0208's attack, run: H (honest, routed first) is refereed by SA (`Lender`: honest until it has a
+    witness's standing, then made-up outputs) and SB (a fresh `Framer`), drawn first, with `outside` the other servers
+    of 0:2 (B and B2 serve 2:4), one session of 4 + standing + 3 tokens. Returns the client, the servers and SA's
+    standing once its 8th honest answer was in (the standing the attack spends next)."""
+    torch.manual_seed(6)
+    standing = ClientConfig().witness_standing_steps
+    servers = {
+        "H": Server(0, 2, inference_rps=1e6),
+        "SA": Lender(0, 2, honest_answers=standing, inference_rps=1e4),
+        "SB": Framer(0, 2, inference_rps=1e4),
+        **outside,
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    tokens = torch.randn(1, 4 + standing + 3, HIDDEN)
+    manager = framed_client(servers)
+    earned = []
+
+    def after_step(t: int) -> None:
+        if t == 4 + standing - 2:
+            earned.append(manager.bans.agreed_in_a_row("SA"))
+
+    run_framed(manager, tokens, FramersFirst(), after_step=after_step)
+    return manager, servers, earned[0]
+
+
 def test_standing_earned_by_one_identity_is_not_lent_to_a_fresh_one():
     """Decision 0208 (0190's Left). SA, an attacker's identity, referees H (honest, routed first) honestly until it has
     a witness's standing (8 verified steps agreeing with H), then answers made-up outputs, and SB, a fresh identity of
@@ -234,28 +252,9 @@ def test_standing_earned_by_one_identity_is_not_lent_to_a_fresh_one():
     for every honest server SA referees, with any fresh partner). Now an outside server (H2, drawn by the client)
     recomputes before a ban: it sides with H, so nobody is banned, SA and SB lose their standing and are avoided,
     and the outputs stay the reference's."""
-    torch.manual_seed(6)
     standing = ClientConfig().witness_standing_steps
-    servers = {
-        "H": Server(0, 2, inference_rps=1e6),
-        "SA": Lender(0, 2, honest_answers=standing, inference_rps=1e4),
-        "SB": Framer(0, 2, inference_rps=1e4),
-        "H2": Server(0, 2),
-        "H3": Server(0, 2),
-        "B": Server(2, 4),
-        "B2": Server(2, 4),
-    }
-    tokens = torch.randn(1, 4 + standing + 3, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    outputs = []
-    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
-        session.verifier.rng = FramersFirst()
-        outputs.append(session.step(tokens[:, :4]))
-        for t in range(4, tokens.shape[1]):
-            outputs.append(session.step(tokens[:, t : t + 1]))
-            if t == 4 + standing - 2:  # SA's 8th honest answer is in: the standing the attack spends next
-                assert manager.bans.agreed_in_a_row("SA") == standing
-    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    manager, servers, earned = _lend_standing({"H2": Server(0, 2), "H3": Server(0, 2)})
+    assert earned == standing  # SA's 8th honest answer was in: the standing the attack spends next
     assert servers["SA"].forward_calls > standing  # it lied after earning standing
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert not manager.bans.agreed_in_a_row("SA") and {"SA", "SB"} <= manager.avoided_peers()
@@ -280,24 +279,8 @@ def test_an_outsider_kept_busy_by_the_framers_does_not_let_one_standing_ban():
     H2 refuses the client's recheck. Main counted a refused outsider as no answer: "unchecked", H banned for good on
     SA's standing alone. Now a ban that would rest on one standing while an outsider asked did not answer is none: H
     avoided, SA and SB watched (SA's standing not spent: nothing was decided), the outputs the reference's."""
-    torch.manual_seed(6)
     standing = ClientConfig().witness_standing_steps
-    servers = {
-        "H": Server(0, 2, inference_rps=1e6),
-        "SA": Lender(0, 2, honest_answers=standing, inference_rps=1e4),
-        "SB": Framer(0, 2, inference_rps=1e4),
-        "H2": Refusing(0, 2),
-        "B": Server(2, 4),
-        "B2": Server(2, 4),
-    }
-    tokens = torch.randn(1, 4 + standing + 3, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    outputs = []
-    with InferenceSession(manager, max_length=tokens.shape[1]) as session:
-        session.verifier.rng = FramersFirst()
-        outputs.append(session.step(tokens[:, :4]))
-        outputs += [session.step(tokens[:, t : t + 1]) for t in range(4, tokens.shape[1])]
-    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    manager, servers, _ = _lend_standing({"H2": Refusing(0, 2)})
     assert servers["SA"].forward_calls > standing and servers["H2"].forward_calls  # it framed; H2 was asked
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert "H" in manager.avoided_peers() and {"SA", "SB"} <= manager.disputes.watched()
@@ -336,16 +319,12 @@ def test_fresh_liars_outvoted_do_not_drain_the_honest_witnesses_standing(draws):
     honest = tuple(draws[0])
     servers = {name: Server(0, 2) for name in honest} | {"B": Server(2, 4), "B2": Server(2, 4)}
     tokens = torch.randn(1, 4, HIDDEN)
-    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
-    vouch(manager, *honest, "B", "B2")  # (a client that verified them before)
+    manager = framed_client(servers, *honest, "B", "B2")  # (a client that verified them before)
 
     def session(liar: str, order: list[str]) -> None:
         servers[liar] = Server(0, 2, "garbage", inference_rps=1e6)  # the fastest: routed first, lies at once
         manager.update()
-        with InferenceSession(manager, max_length=tokens.shape[1]) as inference:
-            inference.verifier.rng = Drawn(order)
-            outputs = inference.step(tokens)
-        torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+        run_framed(manager, tokens, Drawn(order))
 
     for liar, order in zip(("F0", "F1"), draws[:2], strict=True):
         session(liar, order)
