@@ -341,11 +341,18 @@ def test_fresh_liars_outvoted_do_not_drain_the_honest_witnesses_standing(draws):
     ("partner", "rechecked", "spent"),
     [
         ("SB", UNCHECKED, True),  # nobody outside answered: the ban rests on SA's standing alone (0208)
-        ("SB", Rechecked("confirmed", ("SC",)), True),  # confirmed by fresh outsiders only: maybe the attacker's
-        ("SB", Rechecked("confirmed", ("SC", "H3")), False),  # an outsider with standing confirmed too (0226)
+        ("SB", Rechecked("confirmed", (("SC",),)), True),  # confirmed by fresh outsiders only: maybe the attacker's
+        ("SB", Rechecked("confirmed", (("SC",), ("H3",))), False),  # an outsider with standing confirmed too (0226)
+        ("SB", Rechecked("confirmed", (("H3", "SC"),)), True),  # a chain with a fresh hop: no second standing (0234)
         ("H4", UNCHECKED, False),  # both witnesses with standing (0226)
     ],
-    ids=["unchecked", "fresh_outsiders", "an_outsider_with_standing", "both_witnesses_with_standing"],
+    ids=[
+        "unchecked",
+        "fresh_outsiders",
+        "an_outsider_with_standing",
+        "a_chain_with_a_fresh_hop",
+        "both_witnesses_with_standing",
+    ],
 )
 def test_a_ban_on_one_standing_spends_it_and_on_two_spends_none(partner, rechecked, spent):
     """Decision 0226 (0208's spending kept where it is the backstop): SA (standing) and `partner` outvote X, which is

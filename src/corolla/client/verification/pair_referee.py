@@ -22,8 +22,8 @@ import random
 
 import torch
 
-from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.chains import Chain, chain_forward
 from corolla.client.verification.stretches import StretchReferees
 from corolla.client.verification.witnesses import Rechecked, recheck
 from corolla.protocol.records import RemoteSpanInfo
@@ -47,17 +47,18 @@ async def referee_pair(
     `claimed` [B, m <= n, H], position by position (the verification's tolerance)."""
     referees = StretchReferees(manager, rng=rng)
 
-    async def confirms(referee: RemoteSpanInfo) -> bool | None:
-        """Whether `referee`'s recompute agrees with the pair; None where it failed (not a liar: not counted)."""
+    async def confirms(referee: Chain) -> bool | None:
+        """Whether `referee`'s recompute (a server's, or a chain's of servers holding the blocks together: decision
+        0234) agrees with the pair; None where it failed (not a liar: not counted)."""
         try:
-            recomputed = (await run_remote_forward(manager, referee, inputs, prompts))[:, : claimed.shape[1]]
+            recomputed = (await chain_forward(manager, span, referee, inputs, prompts))[:, : claimed.shape[1]]
         except Exception as e:
-            logger.info("pair_referee.referee_failed(peer=...%s, error=%r)", referee.peer_id[-6:], e)
+            logger.info("pair_referee.referee_failed(chain=%s, error=%r)", referee.describe(), e)
             return None
-        agrees, error = referees.compare(claimed, recomputed, (span, referee))
+        agrees, error = referees.compare(claimed, recomputed, (span, *referee.hops))
         logger.info(
-            "pair_referee.recomputed(blocks=%d:%d, referee=...%s, agrees=%s, rel_error=%.3g)",
-            span.start, span.end, referee.peer_id[-6:], agrees, error,
+            "pair_referee.recomputed(blocks=%d:%d, referee=%s, agrees=%s, rel_error=%.3g)",
+            span.start, span.end, referee.describe(), agrees, error,
         )  # fmt: skip
         return agrees
 

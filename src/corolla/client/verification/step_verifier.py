@@ -26,9 +26,10 @@ from corolla.client.calls.output_checks import (
     comparison_rtol,
     relative_error,
 )
-from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.chains import Chain, chain_backward, chain_forward
 from corolla.client.verification.stretches import StretchReferees
 from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck
 from corolla.protocol.records import RemoteSpanInfo
@@ -94,8 +95,8 @@ class StepVerifier:
         its claimed outputs for positions [n - m, n)."""
         num_new = outputs.shape[1]
 
-        async def ask(referee: RemoteSpanInfo) -> tuple[torch.Tensor, ...]:
-            outputs = await run_remote_forward(self.manager, referee, inputs, prompts)
+        async def ask(referee: Chain) -> tuple[torch.Tensor, ...]:
+            outputs = await chain_forward(self.manager, span, referee, inputs, prompts)
             return (outputs[:, inputs.shape[1] - num_new :],)
 
         await self._vote(span, (outputs,), ask, "outputs")
@@ -114,8 +115,8 @@ class StepVerifier:
         span's server for `inputs` and `grad_outputs` [B, T, H]; each is compared on its own."""
         claimed = (grad_inputs,) if grad_prompts is None else (grad_inputs, grad_prompts)
 
-        async def ask(referee: RemoteSpanInfo) -> tuple[torch.Tensor, ...]:
-            grads, other_prompts = await run_remote_backward(self.manager, referee, inputs, grad_outputs, prompts)
+        async def ask(referee: Chain) -> tuple[torch.Tensor, ...]:
+            grads, other_prompts = await chain_backward(self.manager, span, referee, inputs, grad_outputs, prompts)
             return (grads,) if other_prompts is None else (grads, other_prompts)
 
         await self._vote(span, claimed, ask, "gradients")
@@ -124,10 +125,11 @@ class StepVerifier:
         self,
         span: RemoteSpanInfo,
         claimed: tuple[torch.Tensor, ...],
-        ask: Callable[[RemoteSpanInfo], Awaitable[tuple[torch.Tensor, ...]]],
+        ask: Callable[[Chain], Awaitable[tuple[torch.Tensor, ...]]],
         what: str,
     ) -> None:
-        """Compares `claimed` with what referees (`ask(referee)`) compute for the same request; raises
+        """Compares `claimed` with what referees (`ask(Chain((referee,)))`; a recheck's chains of outside servers too,
+        decision 0234) compute for the same request; raises
         BadServerOutput for the span's server when outvoted, bans referees that failed or cannot be outvoted."""
         referees = StretchReferees(self.manager, rng=self.rng).replicas(span, {span.peer_id})
         if not referees:
@@ -144,7 +146,7 @@ class StepVerifier:
         dissent: list[tuple[RemoteSpanInfo, tuple[torch.Tensor, ...]]] = []  # referees that disagreed with the server
         for referee in referees[: self.manager.config.verify_max_referees]:
             try:
-                other = await ask(referee)
+                other = await ask(Chain((referee,)))
             except Exception as e:  # the referee failed, not the server under test
                 logger.info("verification.referee_failed(peer=...%s, error=%r)", referee.peer_id[-6:], e)
                 if not isinstance(e, InputsOutOfRange):  # (nothing was sent: its announced float16, decision 0170)
@@ -228,20 +230,21 @@ class StepVerifier:
         witnesses: list[str],
         agreed: tuple[torch.Tensor, ...],
         accused: RemoteSpanInfo,
-        ask: Callable[[RemoteSpanInfo], Awaitable[tuple[torch.Tensor, ...]]],
+        ask: Callable[[Chain], Awaitable[tuple[torch.Tensor, ...]]],
     ) -> Rechecked:
         """Where `witnesses` (agreeing on `agreed`) would ban `accused` on standing, servers of `span`'s blocks outside
-        the three answer the same request first (`ask`), each to confirm `agreed` (decision 0208)."""
+        the three (whole, or chains of them together: decision 0234) answer the same request first (`ask`), each to
+        confirm `agreed` (decision 0208)."""
         if not needs_recheck(self.manager, accused.peer_id, witnesses):
             return UNCHECKED
 
-        async def confirms(outsider: RemoteSpanInfo) -> bool | None:
+        async def confirms(outsider: Chain) -> bool | None:
             try:
                 theirs = await ask(outsider)
             except Exception as e:  # a referee that failed is not a liar: not counted
-                logger.info("verification.recheck_failed(peer=...%s, error=%r)", outsider.peer_id[-6:], e)
+                logger.info("verification.recheck_failed(chain=%s, error=%r)", outsider.describe(), e)
                 return None
-            return self._agree(theirs, agreed, (outsider, span))[0]
+            return self._agree(theirs, agreed, (*outsider.hops, span))[0]
 
         outsiders = StretchReferees(self.manager, rng=self.rng).outsiders(span, {accused.peer_id, *witnesses})
         return await recheck(outsiders, confirms)

@@ -25,6 +25,7 @@ from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.chains import Chain, Outsiders, chain_forward, chains_over
 from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck, trusted
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -70,15 +71,34 @@ class StretchReferees:
         others.sort(key=lambda other: other.peer_id in co_witnesses)
         return others
 
-    def outsiders(self, span: RemoteSpanInfo, parties: set[str]) -> list[RemoteSpanInfo]:
-        """Replicas of `span` outside a dispute's `parties` (the accused and its witnesses), to recheck it before a
-        ban on standing (decision 0208), avoided ones too (decision 0228: an attacker's fresh pair gets any honest
-        server avoided, and would empty the seats of honest outsiders first): those with a witness's standing first
-        (an attacker's fresh identity is not drawn before them), a co-witness of any party in an open dispute last."""
-        others = self.replicas(span, parties, avoided=True)
+    def outsiders(self, span: RemoteSpanInfo, parties: set[str]) -> Outsiders:
+        """Servers outside a dispute's `parties` (the accused and its witnesses) that hold `span`'s blocks whole, and
+        chains of them that hold the blocks together (`chains.chains_over`, decision 0234: often no honest server
+        holds the accused's blocks whole), to recheck it before a ban on standing (decision 0208); avoided ones too
+        (decision 0228: an attacker's fresh pair gets any honest server avoided, and would empty the seats of honest
+        outsiders first). Those with a witness's standing first (every server of a chain: an attacker's fresh
+        identity is not drawn before them), a chain with a co-witness of any party in an open dispute last, the rest
+        in random order (a whole holder and a chain alike: fresh identities announcing the blocks whole must not
+        push every chain out of the seats)."""
+        banned = self.manager.bans.banned_peers()
+        candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | {s.peer_id: s for s in self.manager.spans}
+        holders = [
+            s
+            for s in candidates.values()
+            if s.peer_id not in parties and s.peer_id not in banned and s.start < span.end and span.start < s.end
+        ]
         co_witnesses = set().union(*(self.manager.disputes.co_witnesses(peer) for peer in parties))
-        others.sort(key=lambda other: (other.peer_id in co_witnesses, not trusted(self.manager, other.peer_id)))
-        return others
+
+        def place(chain: Chain) -> tuple[bool, bool, float]:
+            return (
+                any(peer in co_witnesses for peer in chain.peer_ids),
+                not all(trusted(self.manager, peer) for peer in chain.peer_ids),
+                self.rng.random(),
+            )
+
+        outsiders = chains_over(span, holders, self.rng)
+        placed = sorted(((place(chain), index) for index, chain in enumerate(outsiders.chains)))
+        return Outsiders([outsiders.chains[index] for _, index in placed], outsiders.unheard)
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
@@ -90,9 +110,9 @@ class StretchReferees:
         if not needs_recheck(self.manager, accused.peer_id, [witness.peer_id for witness in witnesses]):
             return UNCHECKED
 
-        async def confirms(outsider: RemoteSpanInfo) -> bool | None:
-            theirs = await self.answer(outsider, finding, known)
-            return None if theirs is None else self.compare(theirs, agreed, (outsider, witnesses[0]))[0]
+        async def confirms(outsider: Chain) -> bool | None:
+            theirs = await self.chain_answer(span, outsider, finding, known)
+            return None if theirs is None else self.compare(theirs, agreed, (*outsider.hops, witnesses[0]))[0]
 
         parties = {accused.peer_id, *(witness.peer_id for witness in witnesses)}
         return await recheck(self.outsiders(span, parties), confirms)
@@ -105,6 +125,20 @@ class StretchReferees:
             return (await run_remote_forward(self.manager, replica, finding.inputs, prompts))[:, finding.first :]
         except Exception as e:
             logger.info("stretches.replica_failed(peer=...%s, error=%r)", replica.peer_id[-6:], e)
+            return None
+
+    async def chain_answer(
+        self, span: RemoteSpanInfo, chain: Chain, finding: Finding, known: Mapping[str, torch.Tensor | None] | None
+    ) -> torch.Tensor | None:
+        """`answer` of a chain of servers holding `span`'s blocks together (one: that server's `answer`): `finding`'s
+        stretch run hop by hop (`chains.chain_forward`); None if a hop failed."""
+        if len(chain.hops) == 1:
+            return await self.answer(chain.hops[0], finding, known)
+        prompts = NO_PROMPTS if finding.prompts is None else finding.prompts
+        try:
+            return (await chain_forward(self.manager, span, chain, finding.inputs, prompts))[:, finding.first :]
+        except Exception as e:
+            logger.info("stretches.chain_failed(chain=%s, error=%r)", chain.describe(), e)
             return None
 
     async def answer(

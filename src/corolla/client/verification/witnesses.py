@@ -13,13 +13,15 @@ avoided: it is out of the view).
 
 Standing is not lent (decision 0208): one identity that earned it, with any fresh partner, would ban every honest
 server it referees. So before a ban carried by standing, the client has servers outside the dispute recompute the
-same request (`recheck`, with the sites' own comparison; decision 0220's rule for a race's pair): none confirming
+same request (`recheck`, with the sites' own comparison; decision 0220's rule for a race's pair; servers holding its
+blocks whole, or chains of them holding the blocks together, run as a route: decision 0234, `chains`): none confirming
 the witnesses' outputs ("refuted") makes it a tie, words against words: nobody is banned, every party is avoided and
 the witnesses lose their standing; some confirming and some not ("split": an attacker's identity may be on either
 side) bans nobody either, the accused only avoided and the witnesses watched, as short of standing (nobody's standing
 lost on a word that may be the attacker's); all that answered confirming ("confirmed"), or none answering
 ("unchecked"), ban, except one that would rest on one standing while an outsider asked did not answer (decision 0232:
-the framers may have kept the honest outsider busy when they framed). A ban that rests on one standing spends it (one
+the framers may have kept the honest outsider busy when they framed), or while servers outside hold the blocks only
+in part and no chain of them covers them (decision 0234: a sub-span held by the parties alone). A ban that rests on one standing spends it (one
 ban per standing earned: the witness earns it again by `witness_standing_steps` more agreeing steps): one witness with
 standing, and no outside server with standing among those that confirmed (nobody outside, or only servers short of
 standing, which may be the attacker's fresh identities). One that rests on two standings or more (both witnesses', or a
@@ -41,7 +43,7 @@ from typing import Literal
 
 from corolla.client.routing.dispute_repeats import DISPUTE_AVOID_S, REPEATS_FORGIVEN_STEPS
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.client.verification.chains import Chain, Outsiders
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,12 +55,15 @@ Recheck = Literal["confirmed", "refuted", "split", "unchecked"]  # what servers 
 
 @dataclass(frozen=True)
 class Rechecked:
-    """What servers outside a dispute said (`recheck`): the verdict, and which of them confirmed the witnesses (their
-    peer ids: one with standing is a second standing under the ban, which then spends none, decision 0226)."""
+    """What servers outside a dispute said (`recheck`): the verdict, and which of them confirmed the witnesses (the
+    peer ids of each server, or chain of servers, that did: one whose every server has standing is a second standing
+    under the ban, which then spends none, decision 0226)."""
 
     verdict: Recheck
-    confirmed_by: tuple[str, ...] = ()
-    silent: int = 0  # outsiders asked that did not answer (failed, refused, timed out)
+    confirmed_by: tuple[tuple[str, ...], ...] = ()
+    # outsiders asked that did not answer (failed, refused, timed out), and a span held outside only in part with no
+    # chain of outside servers over it (`Outsiders.unheard`, decision 0234)
+    silent: int = 0
 
 
 UNCHECKED = Rechecked("unchecked")  # nobody outside was asked, or none answered
@@ -93,21 +98,20 @@ def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
     manager.avoid(peer_id, manager.repeats.refuted(peer_id))
 
 
-async def recheck(
-    outsiders: Sequence[RemoteSpanInfo], confirms: Callable[[RemoteSpanInfo], Awaitable[bool | None]]
-) -> Rechecked:
-    """Asks the first `OUTSIDERS_MAX` of `outsiders` (servers outside the dispute, `StretchReferees.outsiders`: those
-    with standing first) at once whether they confirm the witnesses' outputs (`confirms(outsider)`: the disputed
-    request recomputed and compared; None where it failed: a failed server is no liar, not counted): "confirmed"
-    where every one that answered does, "refuted" where none does, "split" where they differ (the attacker's own
-    identities may be among them, on either side), "unchecked" where none answered; with the peers that confirmed."""
-    asked = outsiders[:OUTSIDERS_MAX]
+async def recheck(outsiders: Outsiders, confirms: Callable[[Chain], Awaitable[bool | None]]) -> Rechecked:
+    """Asks the first `OUTSIDERS_MAX` of `outsiders` (servers outside the dispute holding its blocks whole, and chains
+    of them holding the blocks together, decision 0234: `StretchReferees.outsiders`, those with standing first) at
+    once whether they confirm the witnesses' outputs (`confirms(chain)`: the disputed request recomputed and compared;
+    None where it failed: a failed server is no liar, not counted): "confirmed" where every one that answered does,
+    "refuted" where none does, "split" where they differ (the attacker's own identities may be among them, on either
+    side), "unchecked" where none answered; with the peers that confirmed."""
+    asked = outsiders.chains[:OUTSIDERS_MAX]
     answered = [
-        (outsider.peer_id, answer)
-        for outsider, answer in zip(asked, await asyncio.gather(*map(confirms, asked)), strict=True)
+        (chain.peer_ids, answer)
+        for chain, answer in zip(asked, await asyncio.gather(*map(confirms, asked)), strict=True)
         if answer is not None
     ]
-    silent = len(asked) - len(answered)
+    silent = len(asked) - len(answered) + outsiders.unheard
     if not answered:
         return Rechecked("unchecked", silent=silent)
     confirmed_by = tuple(peer for peer, answer in answered if answer)
@@ -129,8 +133,10 @@ def outvote(
     "split": not doubled); "refuted": the accused avoided `DISPUTE_AVOID_S`, its disputes lost forgotten, the witnesses avoided
     for their own disputes lost and their standing lost. Returns whether it was banned."""
     standing = [peer for peer in witnesses if trusted(manager, peer)]
-    # the standings a ban would rest on: the witnesses' and the confirming outsiders' (decision 0226)
-    carried = {*standing, *(peer for peer in rechecked.confirmed_by if trusted(manager, peer))} if standing else set()
+    # the standings a ban would rest on: the witnesses' and the confirming outsiders' (decision 0226); a chain's only
+    # where every server of it has standing (one fresh hop may have made up what the chain answered)
+    confirming = {peers for peers in rechecked.confirmed_by if all(trusted(manager, peer) for peer in peers)}
+    carried = {*((peer,) for peer in standing), *confirming} if standing else set()
     if manager.bans.agreed_in_a_row(accused) >= REPEATS_FORGIVEN_STEPS:  # a long honest record since (0225)
         manager.repeats.forgive(accused)
     manager.bans.record_verified(accused, agreed=False)  # outvoted either way: no witness until it earns it again

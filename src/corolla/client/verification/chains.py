@@ -1,0 +1,177 @@
+"""Servers outside a dispute that recheck it together (decision 0234): a `Chain` of hops that jointly hold the
+disputed span's blocks, run by the client as a route (each hop one stateless `rpc_forward` of the whole stretch over
+its blocks, the next hop fed its outputs), answers as one outside server holding the blocks whole would. Servers choose
+their spans by load, so often no honest server holds the accused's blocks whole (H serves 0:8, the others 0:4 and
+4:8): a recheck asking only whole holders then had nobody to ask, and two identities with standing banned H for good
+on their word alone (decision 0232's (c)).
+
+A chain is outside the dispute only where every hop is: a hop that is the accused or a witness would compute its part
+of the answer for its own side, so a chain through one is not asked at all (`chains_over` never builds it). A span
+whose blocks outside servers hold only in part, with a sub-span held by nobody outside (the parties are its only
+holders), has no chain: `Outsiders.unheard` counts it as an outside word not heard (decision 0232's rule: no ban on
+one standing).
+
+A chain is the attacker's where any hop is (a hop may forge what it passes on, and the framers may have made up their
+outputs as the honest later hops' answer to it), so with h honest of n outside holders of each sub-span a chain drawn
+uniformly is honest with probability the product of the h / n; every chain is asked where there are few (at most
+`witnesses.OUTSIDERS_MAX` seats with the whole holders), else seats are drawn among them, those whose every hop has a
+witness's standing first (`StretchReferees.outsiders`)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.protocol.records import RemoteSpanInfo
+
+# chains over a span built at most (each a few list operations): all of them where there are no more, else this many
+# drawn uniformly; `witnesses.OUTSIDERS_MAX` of them (with the servers holding the span whole) are asked
+CHAINS_MAX = 64
+COUNT_CAP = 2**62  # (a draw's weights stay floats: holders ** blocks chains would overflow one)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Servers that hold a span's blocks together, in block order: `hops` [start, end) each (one hop where a server
+    holds them all: an outside server of decisions 0208 and 0220)."""
+
+    hops: tuple[RemoteSpanInfo, ...]
+
+    @property
+    def peer_ids(self) -> tuple[str, ...]:
+        return tuple(hop.peer_id for hop in self.hops)
+
+    def describe(self) -> str:
+        return " > ".join(f"...{hop.peer_id[-6:]}[{hop.start}:{hop.end}]" for hop in self.hops)
+
+
+@dataclass(frozen=True)
+class Outsiders:
+    """Who may recheck a dispute over a span: `chains` (whole holders as one-hop chains), and `unheard` (1 where
+    servers outside hold some of its blocks but a sub-span is held by the parties alone: no chain, a word not heard)."""
+
+    chains: list[Chain]
+    unheard: int = 0
+
+
+def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: random.Random) -> Outsiders:
+    """The chains over `span`'s blocks of `holders` (outside servers, any overlap): each holding the blocks whole as one
+    hop, then the chains of those holding part (never one that holds them whole: it is asked alone), each hop a
+    holder's blocks from where the chain stands to its end or the span's: every such chain where there are at most
+    `CHAINS_MAX`, else `CHAINS_MAX` drawn uniformly by `rng` (duplicates dropped)."""
+    whole = [h for h in holders if h.start <= span.start and span.end <= h.end]
+    whole_ids = {h.peer_id for h in whole}
+    parts = [h for h in holders if h.start < span.end and span.start < h.end and h.peer_id not in whole_ids]
+    chains = [Chain((RemoteSpanInfo(h.peer_id, span.start, span.end, h.server_info),)) for h in whole]
+    blocks = range(span.start, span.end)
+    # count[b]: the chains over blocks [b, span.end) (0: none gets there from b; capped: only a draw's weight past
+    # CHAINS_MAX), counted from the end back; at[b]: the holders a chain at block b may take, each with its end
+    count = {span.end: 1}
+    at: dict[int, list[tuple[RemoteSpanInfo, int]]] = {}
+    for block in reversed(blocks):
+        at[block] = [(h, end) for h in parts if h.start <= block < h.end and count[end := min(h.end, span.end)]]
+        count[block] = min(sum(count[end] for _, end in at[block]), COUNT_CAP)
+    if not count[span.start]:
+        return Outsiders(chains, unheard=int(bool(parts) and not whole))
+
+    def every(block: int) -> list[tuple[RemoteSpanInfo, ...]]:
+        if block == span.end:
+            return [()]
+        return [
+            (RemoteSpanInfo(h.peer_id, block, end, h.server_info), *rest) for h, end in at[block] for rest in every(end)
+        ]
+
+    def drawn() -> tuple[RemoteSpanInfo, ...]:
+        block, hops = span.start, []
+        while block < span.end:  # each holder weighted by the chains through it: every chain equally likely
+            h, end = rng.choices(at[block], weights=[count[end] for _, end in at[block]])[0]
+            hops.append(RemoteSpanInfo(h.peer_id, block, end, h.server_info))
+            block = end
+        return tuple(hops)
+
+    if count[span.start] <= CHAINS_MAX:
+        routes = every(span.start)
+    else:
+        seen: dict[tuple[tuple[str, int], ...], tuple[RemoteSpanInfo, ...]] = {}
+        for _ in range(CHAINS_MAX):
+            route = drawn()
+            seen.setdefault(tuple((hop.peer_id, hop.start) for hop in route), route)
+        routes = list(seen.values())
+    return Outsiders(chains + [Chain(route) for route in routes])
+
+
+async def within_one_request(manager: RemoteSequenceManager, chain: Chain, calls: Awaitable[T]) -> T:
+    """`calls` (a chain's hops, one after another), within one `request_timeout_s` where there are several: each hop
+    has that long already, so an attacker's identities on k hops of one chain, each holding its answer nearly that
+    long, would hold the recheck k times as long as one outside server can (TimeoutError, a failed chain)."""
+    if len(chain.hops) == 1:
+        return await calls
+    return await asyncio.wait_for(calls, manager.config.request_timeout_s)
+
+
+def hop_prompts(prompts: torch.Tensor, span: RemoteSpanInfo, hop: RemoteSpanInfo) -> torch.Tensor:
+    """`span`'s deep prompts [blocks, B|1, P, H] (or empty) for `hop`'s blocks only."""
+    if not prompts.numel():
+        return prompts
+    return prompts[hop.start - span.start : hop.end - span.start]
+
+
+async def chain_forward(
+    manager: RemoteSequenceManager, span: RemoteSpanInfo, chain: Chain, inputs: torch.Tensor, prompts: torch.Tensor
+) -> torch.Tensor:
+    """Outputs [B, T, H] of `span`'s blocks for `inputs` [B, T, H] (and `span`'s deep prompts), computed hop by hop
+    along `chain` (each hop's outputs at every position are the next hop's inputs), within one `request_timeout_s`."""
+
+    async def run() -> torch.Tensor:
+        hidden = inputs
+        for hop in chain.hops:
+            hidden = await run_remote_forward(manager, hop, hidden, hop_prompts(prompts, span, hop))
+        return hidden
+
+    return await within_one_request(manager, chain, run())
+
+
+async def chain_backward(
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    chain: Chain,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    prompts: torch.Tensor = NO_PROMPTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad wrt `inputs` [B, T, H], grad wrt `span`'s deep prompts or None) for `grad_outputs` [B, T, H], along
+    `chain`: a forward through every hop but the last gives each hop its inputs, then each hop's backward, last first
+    (all within one `request_timeout_s`)."""
+    return await within_one_request(manager, chain, _backward(manager, span, chain, inputs, grad_outputs, prompts))
+
+
+async def _backward(
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    chain: Chain,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    prompts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hop_inputs = [inputs]
+    for hop in chain.hops[:-1]:
+        hop_inputs.append(await run_remote_forward(manager, hop, hop_inputs[-1], hop_prompts(prompts, span, hop)))
+    grad = grad_outputs
+    grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient), in order
+    for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):
+        own_prompts = hop_prompts(prompts, span, hop)
+        grad, hop_grad = await run_remote_backward(manager, hop, hidden, grad, own_prompts)
+        grad_prompts.insert(0, (own_prompts, hop_grad))
+    if all(hop_grad is None for _, hop_grad in grad_prompts):  # (as one server answers: no prompts' gradient)
+        return grad, None
+    # a hop that sent none for its prompts: zeros there (its blocks' prompts did not move the outputs)
+    return grad, torch.cat([torch.zeros_like(own) if g is None else g for own, g in grad_prompts])

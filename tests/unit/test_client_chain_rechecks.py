@@ -1,0 +1,200 @@
+"""A dispute rechecked by a chain of servers outside it that hold the accused's blocks together (decision 0234): where
+no honest server holds them whole (H serves 0:4, the honest others 0:2 and 2:4), two identities with standing no
+longer frame H for good; a chain through one of the parties is never asked; a liar is still banned where only chains
+recheck (in-process fakes, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from tests.unit.test_client_avoided_outsiders import OneShot
+from tests.unit.test_client_distrust import FramersFirst, Server
+from tests.unit.test_client_remote_sequential import FakeForwardServer, run_blocks
+
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS
+from corolla.client.verification.chains import CHAINS_MAX, Outsiders, chain_backward, chain_forward, chains_over
+from corolla.client.verification.stretches import StretchReferees
+from corolla.client.verification.witnesses import trusted
+from corolla.protocol.records import RemoteSpanInfo
+from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference
+from helpers.framed_session import framed_client, run_framed
+
+
+@pytest.mark.parametrize("third_identity", [False, True], ids=["honest_chains", "a_third_identity_on_a_hop"])
+def test_two_identities_with_standing_cannot_frame_a_server_nobody_else_holds_whole(third_identity):
+    """Decision 0232's gap (c). H (honest, routed first) serves 0:4; SA and SB, one attacker's identities that both have
+    a witness's standing, referee H's first step with the same made-up outputs (then answer honestly); the honest
+    others serve 0:2 (X1, X1b) and 2:4 (X2, X2b), nobody outside the three holds 0:4 whole. Main: nobody to recheck,
+    "unchecked" on two standings: H banned for good (hrev16: 3 of 3 runs, after the framers earned standing in 16-29
+    of H's verified steps). Now chains of the honest others (X1 > X2, ...) run the step as a route and refute the
+    framers: nobody banned, H avoided, the framers lose their standing; with the attacker's third identity S3 on a hop
+    of one chain (confirming them), the chains split: nobody banned, H avoided and the framers watched."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 4, inference_rps=1e6),
+        "SA": OneShot(0, 4, lies=1),
+        "SB": OneShot(0, 4, lies=1),
+        "X1": Server(0, 2),
+        "X1b": Server(0, 2),
+        "X2": Server(2, 4),
+        "X2b": Server(2, 4),
+    }
+    if third_identity:
+        servers["S3"] = OneShot(2, 4, lies=1)  # (6 chains, each asked: 2 through S3)
+    manager = framed_client(servers, "SA", "SB")
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirst())
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert "H" in manager.avoided_peers()
+    assert servers["X1"].forward_calls and servers["X2"].forward_calls  # asked as a chain
+    if third_identity:
+        assert servers["S3"].forward_calls and {"SA", "SB"} <= manager.disputes.watched()
+    else:
+        assert not trusted(manager, "SA") and not trusted(manager, "SB")
+        assert {"SA", "SB"} <= manager.avoided_peers()
+
+
+@pytest.mark.parametrize("held_by", ["the_framers", "the_accused"])
+def test_a_chain_through_a_party_is_never_asked(held_by):
+    """Blocks 2:4 are held by the parties of the dispute only; X1 (honest) holds 0:2. A chain X1 > (a party) would
+    answer for that party's side, so none is built, and X1 is asked nothing:
+    - `the_framers`: SA (standing) and SB (fresh) frame H. Through SA, the chain would confirm them; built from
+      outside servers, there is none, and a server outside holding part of the blocks is a word not heard (decision
+      0232's rule): no ban on one standing, H avoided, SA and SB watched. Main: H banned for good on SA's standing.
+    - `the_accused`: L lies, outvoted by H1 and H2 (both with standing). Through L, the chain would refute them and
+      clear L; there is none, and two standings ban (decision 0226): L banned for good (as on main)."""
+    torch.manual_seed(6)
+    if held_by == "the_framers":
+        servers = {
+            "H": Server(0, 4, inference_rps=1e6),
+            "SA": OneShot(0, 4, lies=1),
+            "SB": OneShot(0, 4, lies=1),
+            "X1": Server(0, 2),
+        }
+        manager = framed_client(servers, "SA")
+    else:
+        servers = {
+            "L": Server(0, 4, "garbage", inference_rps=1e6),
+            "H1": Server(0, 4, inference_rps=1e4),
+            "H2": Server(0, 4, inference_rps=1e4),
+            "X1": Server(0, 2),
+        }
+        manager = framed_client(servers, "H1", "H2")
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirst())
+    assert servers["X1"].forward_calls == 0
+    if held_by == "the_framers":
+        assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+        assert "H" in manager.avoided_peers() and {"SA", "SB"} <= manager.disputes.watched()
+    else:
+        assert manager.bans.is_liar("L") and trusted(manager, "H1") and trusted(manager, "H2")
+
+
+def test_a_liar_is_still_banned_where_only_chains_recheck():
+    """L lies at once (finite garbage, routed first); H1 (standing) and H2 (fresh) outvote it; nobody outside holds
+    0:4 whole, X1 (0:2) and X2 (2:4) together do: their chain confirms H1 and H2, and L is banned for good on H1's
+    standing (spent: the ban rests on it alone, the chain being fresh)."""
+    torch.manual_seed(7)
+    servers = {
+        "L": Server(0, 4, "garbage", inference_rps=1e6),
+        "H1": Server(0, 4, inference_rps=1e4),
+        "H2": Server(0, 4, inference_rps=1e4),
+        "X1": Server(0, 2),
+        "X2": Server(2, 4),
+    }
+    manager = framed_client(servers, "H1")
+    run_framed(manager, torch.randn(1, 4, HIDDEN))
+    assert manager.bans.is_liar("L") and servers["X1"].forward_calls == servers["X2"].forward_calls == 1
+    assert not manager.bans.banned_peers() & {"H1", "H2", "X1", "X2"}
+
+
+def _span(peer_id: str, start: int, end: int) -> RemoteSpanInfo:
+    return RemoteSpanInfo(peer_id, start, end, record_of(start, end, 100.0))
+
+
+def test_chains_cover_the_span_from_outside_holders_and_say_when_none_can():
+    span = _span("accused", 0, 4)
+    holders = [_span("W", 0, 8), _span("A1", 0, 2), _span("A2", 0, 1), _span("B1", 2, 4), _span("C1", 1, 4)]
+    outsiders = chains_over(span, holders, random.Random(0))
+    routes = {tuple((hop.peer_id, hop.start, hop.end) for hop in chain.hops) for chain in outsiders.chains}
+    assert outsiders.unheard == 0 and routes == {
+        (("W", 0, 4),),  # held whole: asked alone, never a hop
+        (("A1", 0, 2), ("B1", 2, 4)),
+        (("A1", 0, 2), ("C1", 2, 4)),
+        (("A2", 0, 1), ("A1", 1, 2), ("B1", 2, 4)),
+        (("A2", 0, 1), ("A1", 1, 2), ("C1", 2, 4)),
+        (("A2", 0, 1), ("C1", 1, 4)),
+    }
+    # more than CHAINS_MAX: that many drawn, each over [0, 4) hop after hop
+    many = [_span(f"{name}{i}", start, end) for i in range(9) for name, start, end in (("P", 0, 2), ("Q", 2, 4))]
+    drawn = chains_over(span, many, random.Random(0)).chains
+    assert len(drawn) <= CHAINS_MAX and len({chain.peer_ids for chain in drawn}) == len(drawn) > CHAINS_MAX // 2
+    assert all([(h.start, h.end) for h in chain.hops] == [(0, 2), (2, 4)] for chain in drawn)
+    # blocks 2:4 held by nobody outside: no chain, one word not heard; nobody outside at all (a span of three): none
+    assert chains_over(span, [_span("A1", 0, 2)], random.Random(0)) == Outsiders([], unheard=1)
+    assert chains_over(span, [], random.Random(0)) == Outsiders([], unheard=0)
+
+
+def test_a_chain_runs_the_stretch_as_a_route_with_each_hops_deep_prompts():
+    torch.manual_seed(3)
+    servers = {"A": Server(0, 1), "B": Server(1, 3), "C": Server(3, 4)}
+    manager = FakeManager(servers, 4)
+    span = _span("accused", 0, 4)
+    outsiders = StretchReferees(manager).outsiders(span, {"accused"})
+    assert [chain.peer_ids for chain in outsiders.chains] == [("A", "B", "C")]
+    inputs, prompts = torch.randn(1, 5, HIDDEN), torch.randn(4, 1, 2, HIDDEN)
+    outputs = asyncio.run(chain_forward(manager, span, outsiders.chains[0], inputs, prompts))
+    torch.testing.assert_close(outputs, reference(inputs, 4, prompts), atol=1e-5, rtol=0)
+    assert [server.forward_calls for server in servers.values()] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("with_prompts", [False, True], ids=["no_prompts", "deep_prompts"])
+def test_a_chain_runs_a_training_backward_hop_by_hop(with_prompts):
+    """A verified backward's recheck by a chain (`chain_backward`): each hop gets its inputs from a forward through the
+    hops before it, then the hops' backwards run last first; the gradients wrt the inputs and the span's deep prompts
+    are local autograd's."""
+    torch.manual_seed(4)
+    servers = {"A": FakeForwardServer(0, 1), "B": FakeForwardServer(1, 3), "C": FakeForwardServer(3, 4)}
+    manager = FakeManager(servers, 4)
+    span = _span("accused", 0, 4)
+    (chain,) = StretchReferees(manager).outsiders(span, {"accused"}).chains
+    x, grad = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+    prompts = torch.randn(4, 1, 2, HIDDEN) if with_prompts else NO_PROMPTS
+    grad_x, grad_prompts = asyncio.run(chain_backward(manager, span, chain, x, grad, prompts))
+    x_ref = x.clone().requires_grad_(True)
+    p_ref = prompts.clone().requires_grad_(True) if with_prompts else None
+    run_blocks([0, 1, 2, 3], x_ref, p_ref).backward(grad)
+    torch.testing.assert_close(grad_x, x_ref.grad, atol=1e-5, rtol=0)
+    if p_ref is None:
+        assert grad_prompts is None
+    else:
+        torch.testing.assert_close(grad_prompts, p_ref.grad, atol=1e-5, rtol=0)
+    assert [server.calls for server in servers.values()] == [
+        ["forward", "backward"],
+        ["forward", "backward"],
+        ["backward"],
+    ]
+
+
+class Holding(Server):
+    """Answers each `rpc_forward` `hold_s` late (within any one request's timeout)."""
+
+    hold_s = 0.15
+
+    async def rpc_forward(self, request, timeout=None):
+        await asyncio.sleep(self.hold_s)
+        return await super().rpc_forward(request, timeout)
+
+
+def test_a_chains_hops_share_one_request_timeout():
+    """An attacker's identities on every hop of a chain, each holding its answer nearly `request_timeout_s`, must not
+    hold a recheck k times as long as one outside server can: the chain's hops run within one request timeout (the
+    fakes have no per-call timeout: without it the chain answers after both holds)."""
+    servers = {"A": Holding(0, 2), "B": Holding(2, 4)}
+    manager = FakeManager(servers, 4, request_timeout_s=0.2)
+    span = _span("accused", 0, 4)
+    (chain,) = StretchReferees(manager).outsiders(span, {"accused"}).chains
+    with pytest.raises(TimeoutError):
+        asyncio.run(chain_forward(manager, span, chain, torch.randn(1, 3, HIDDEN), NO_PROMPTS))
+    assert servers["A"].forward_calls == 1
