@@ -130,28 +130,45 @@ def test_hostile_frames_fail_before_any_allocation(header: bytes) -> None:
         server.close()
 
 
+class _Pinging:
+    """A `ReplyWaiter` that asks `alive()` every `period_s` of waiting (ConnectionError where it says no)."""
+
+    def __init__(self, alive, period_s: float) -> None:
+        self.alive, self.period_s = alive, period_s
+        self.next_s = time.monotonic() + period_s
+        self.wakes: list[tuple[float, float]] = []
+
+    def wake_at(self, now_s: float) -> float:
+        return max(now_s, self.next_s)
+
+    def woke(self, asked_s: float, now_s: float) -> None:
+        self.wakes.append((asked_s, now_s))
+
+    def idle(self) -> None:
+        if time.monotonic() >= self.next_s:
+            if not self.alive():
+                raise ConnectionError("the server stopped answering pings")
+            self.next_s = time.monotonic() + self.period_s
+
+
 def test_silent_server_fails_the_liveness_check_and_a_live_one_is_awaited() -> None:
     stream, server = _pair()
     checks: list[float] = []
     try:
         started = time.monotonic()
         with pytest.raises(ConnectionError, match="pings"):
-            stream.exchange(
-                _request(),
-                timeout_s=30,
-                check_alive=lambda: checks.append(time.monotonic()) or False,
-                check_period_s=0.05,
-            )
+            stream.exchange(_request(), timeout_s=30, waiter=_Pinging(lambda: checks.append(time.monotonic()), 0.05))
         assert len(checks) == 1 and checks[0] - started >= 0.05 and time.monotonic() - started < 5
         response = runtime_pb2.ExpertResponse(tensors=[serialize_tensor(torch.zeros(1, 1, 8))])
         alive: list[float] = []
         stream2, server2 = _pair()
         threading.Timer(0.3, lambda: server2.sendall(b"".join(_hivemind_writes(response)))).start()
         try:
-            got = stream2.exchange(
-                _request(), timeout_s=30, check_alive=lambda: alive.append(1) or True, check_period_s=0.05
-            )
+            waiter = _Pinging(lambda: alive.append(1) or True, 0.05)
+            got = stream2.exchange(_request(), timeout_s=30, waiter=waiter)
             assert got == response and len(alive) >= 2  # pinged while waiting, kept waiting
+            # each sleep asked to end no later than the waiter's next ping (in slices)
+            assert all(asked <= waiter.next_s for asked, _ in waiter.wakes)
         finally:
             stream2.close()
             server2.close()

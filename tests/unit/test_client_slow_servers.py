@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
+import select
 import socket
 import threading
+import time
+import types
 import weakref
 from collections.abc import Callable
 
@@ -25,6 +29,7 @@ from corolla.client.session import replacement_race, span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.replacement_race import TRIAL_TOKENS, TrialDisagrees, check_trial, race_candidates
 from corolla.client.session.stalls import LATE_LEAK, StepClock
+from corolla.client.transport import framed_socket
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.verification import witnesses as witness_rules
 from corolla.protocol import local_stream as ls
@@ -1250,3 +1255,234 @@ def test_alternating_lorises_cost_two_moves(small_long_step_floor, lorises: int)
     moved = [e for e in events if e.action == "moved"]
     assert 1 <= len(moved) <= 2 and all(e.peer_id.startswith("L") for e in moved), events
     assert manager.avoided_peers() == {e.peer_id for e in moved} and not manager.bans.banned_peers()
+
+
+class ClientPauses:
+    """The clock of the client's step waiters (`time.monotonic` as `span_session` and `framed_socket` read it; not
+    the process's: the background loop outlives the test): `jump(s)` is a pause of `s` of the client's loop and
+    threads (a GC collection, a CPU-starved host), without the wait."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.offset_s = 0.0
+        clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + self.offset_s)
+        monkeypatch.setattr(span_session, "time", clock)
+        monkeypatch.setattr(framed_socket, "time", clock)
+
+    def now(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def jump(self, seconds: float) -> None:
+        self.offset_s += seconds
+
+
+class PausedWhileComputing(FakeServer):
+    """Answers its steps at once, but the client pauses `pause_s` while it computes each (`ClientPauses`): the reply
+    is there when the client's waiter runs again, past the step's deadline by the clock."""
+
+    def __init__(self, start: int, end: int, pauses: ClientPauses, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps)
+        self.pauses: ClientPauses | PausedOnWaking = pauses
+        self.pause_s = 0.0
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            self.pauses.jump(self.pause_s)
+            yield response
+
+
+class PausedOnWaking:
+    """`jump`s named (by a server's thread) fall as the client thread's `poller()` wakes to a readable socket."""
+
+    def __init__(self, pauses: ClientPauses) -> None:
+        self.pauses, self.named_s = pauses, 0.0
+
+    def jump(self, seconds: float) -> None:
+        self.named_s += seconds
+
+    def poller(self, sock: socket.socket):
+        readable, woken = select.poll(), self
+        readable.register(sock, select.POLLIN)
+
+        class Poller:
+            def poll(self, timeout_ms: float):
+                events = readable.poll(timeout_ms)
+                if events and woken.named_s:
+                    woken.pauses.jump(woken.named_s)
+                    woken.named_s = 0.0
+                return events
+
+        return Poller()
+
+
+@pytest.fixture
+def pauses(monkeypatch: pytest.MonkeyPatch) -> ClientPauses:
+    monkeypatch.setattr(stalls, "STALL_MIN_S", 0.2)
+    monkeypatch.setattr(stalls, "LATE_BUDGET_S", 3.0)
+    return ClientPauses(monkeypatch)
+
+
+def _paused_then_late(
+    servers: dict[str, FakeServer], manager: FakeManager, session: InferenceSession, paused: PausedWhileComputing
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight steps: the client pauses 1.5 s during each of steps 2-5 (6 s in all, past the 3 s late budget), and A
+    answers step 6 0.5 s late (past its 0.2 s deadline, within the budget) at once after."""
+    tokens, outputs = torch.randn(1, 8, HIDDEN), []
+    for t in range(8):
+        paused.pause_s = 1.5 if 2 <= t < 6 else 0.0
+        servers["A"].delay_s = 0.5 if t == 6 else 0.0
+        outputs.append(session.step(tokens[:, t : t + 1]))
+    return tokens, torch.cat(outputs, dim=1)
+
+
+def test_the_clients_own_pauses_are_not_charged_to_an_honest_server(pauses):
+    """Decision 0233: A answers at once, while the client's loop pauses 1.5 s on four steps (the reply waits for it):
+    none of that is A's lateness. Its late budget is whole after them, and its one late step after (0.5 s) is waited
+    for (a `slow` event), not a move. On main each pause was charged (1.3 s past the 0.2 s deadline), the budget ran
+    out, and the late step moved the session to B."""
+    torch.manual_seed(5)
+    servers: dict[str, FakeServer] = {"A": PausedWhileComputing(0, 4, pauses, inference_rps=1000.0)}
+    servers["B"] = FakeServer(0, 4)
+    manager = _manager(servers)
+    with InferenceSession(manager, max_length=8) as session:
+        budgets: list[float] = []
+        session_step = session.step
+
+        def step(inputs):  # (the budget left after each step)
+            out = session_step(inputs)
+            budgets.append(session._spans[0].clock.late_left_s(pauses.now()))
+            return out
+
+        session.step = step
+        tokens, outputs = _paused_then_late(servers, manager, session, servers["A"])
+        route, events = [span.peer_id for span, _ in session.route], list(session.stall_events)
+    torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert budgets[5] == stalls.LATE_BUDGET_S, budgets  # after the four paused steps
+    assert route == ["A"] and [e.action for e in events] == ["slow"], events
+    assert not servers["B"].requests and "A" not in manager.avoided_peers()
+
+
+def test_the_clients_own_pauses_are_not_charged_from_the_callers_thread(pauses, monkeypatch):
+    """The same where the steps run in the caller's thread over the server's socket (`SpanSession.step_here`: the
+    same `StepWait`, without pings): on main the paused steps spent the budget and the late one moved to B."""
+    torch.manual_seed(6)
+    servers: dict[str, FakeServer] = {"A": PausedWhileComputing(0, 4, pauses, inference_rps=1000.0)}
+    servers["B"] = FakeServer(0, 4)
+    manager = _manager(servers)
+    served = SocketServed(servers["A"], "A")
+
+    async def open_socket_stream(manager, peer_id, rpc):
+        return served.stream if peer_id == "A" else None
+
+    monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
+    monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
+    # the pause is the stepping thread's: it falls as the thread's poll(2) sees the reply (the server's thread only
+    # names it), so that the thread was asleep when it began
+    servers["A"].pauses = woken = PausedOnWaking(pauses)
+    served.stream._readable = woken.poller(served.stream.sock)
+    try:
+        with InferenceSession(manager, max_length=8) as session:
+            tokens, outputs = _paused_then_late(servers, manager, session, servers["A"])
+            route, events = [span.peer_id for span, _ in session.route], list(session.stall_events)
+            steps_here, late_left_s = session.num_steps_here, session._spans[0].clock.late_left_s(pauses.now())
+    finally:
+        served.stop()
+    torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert steps_here == 7  # (the first opened the session through the loop)
+    assert route == ["A"] and not events and not servers["B"].requests
+    assert late_left_s >= stalls.LATE_BUDGET_S - 0.5  # the late step's 0.3 s only
+
+
+class PingPausedManager(FakeManager):
+    """A ping asked while `pause_ping` is set fails only after the client paused past its timeout (`ClientPauses`):
+    the answer came during the pause, the ping's timer fired first."""
+
+    pauses: ClientPauses
+    pause_ping = False
+
+    async def ping_s(self, peer_id):
+        if self.pause_ping:
+            self.pause_ping = False
+            self.pauses.jump(self.config.ping_timeout_s + 1.5)
+            return math.inf
+        return await super().ping_s(peer_id)
+
+
+def test_a_ping_failed_by_the_clients_own_pause_does_not_fail_the_server_over(pauses):
+    """A answers a step 0.5 s late (past its 0.2 s deadline): the client pings it, and its loop pauses past the ping's
+    timeout, so the ping fails late. That proves nothing of A: the ping is asked again, A answers it and is waited
+    for (`slow`), its step's time past the ping's timeout not charged. On main A was failed over (`HopStalled`) and
+    banned."""
+    torch.manual_seed(7)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = PingPausedManager(servers, 4, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=1.0)
+    manager.pauses = pauses
+    tokens, outputs = torch.randn(1, 4, HIDDEN), []
+    with InferenceSession(manager, max_length=4) as session:
+        for t in range(4):
+            servers["A"].delay_s = 0.5 if t == 2 else 0.0
+            manager.pause_ping = t == 2
+            outputs.append(session.step(tokens[:, t : t + 1]))
+        route, events = [span.peer_id for span, _ in session.route], list(session.stall_events)
+        late_left_s = session._spans[0].clock.late_left_s(pauses.now())
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert route == ["A"] and [e.action for e in events] == ["slow"], events
+    assert not manager.bans.is_banned("A") and not servers["B"].requests
+    # charged what the ping's timeout took (2 s, the server's time) and no more: not the 1.5 s pause past it
+    assert late_left_s >= stalls.LATE_BUDGET_S - manager.config.ping_timeout_s - 0.5
+
+
+class AnswersWhenPinged(FakeServer):
+    """Holds each answer while `holding`, until the client pings it (`pinged`, set by the manager): a server late
+    past the step's deadline that answers pings, ordered by the ping, not by time."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps)
+        self.holding, self.pinged = False, threading.Event()
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            if self.holding:
+                await asyncio.to_thread(self.pinged.wait, 30.0)
+            yield response
+
+
+def test_a_late_server_on_a_socket_stream_is_pinged_from_the_callers_thread_as_from_the_loop(
+    small_budgets, monkeypatch
+):
+    """Decision 0233: a step run in the caller's thread over a socket stream that reaches the server through the
+    network (direct TCP, p2pd; not the same-host socket, whose server is not pinged) waits under the loop's policy:
+    pinged at its deadline, a server that answers is `slow` and waited for within the late budget. On main that path
+    pinged only every `liveness_check_period_s` (1 s here), never at the deadline: no event (and a silent server was
+    noticed a period late, failed with a ConnectionError whether another server held its blocks or not)."""
+    torch.manual_seed(8)
+    servers: dict[str, FakeServer] = {"A": AnswersWhenPinged(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    served = SocketServed(servers["A"], "A")
+
+    async def open_socket_stream(manager, peer_id, rpc):
+        return served.stream if peer_id == "A" else None
+
+    async def ping_s(peer_id):
+        servers["A"].pinged.set()
+        return 0.001
+
+    monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
+    monkeypatch.setattr(span_session.SpanSession, "local", property(lambda self: None))  # (as over the network)
+    monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
+    monkeypatch.setattr(manager, "ping_s", ping_s)
+    tokens, outputs = torch.randn(1, 4, HIDDEN), []
+    try:
+        with InferenceSession(manager, max_length=4) as session:
+            for t in range(4):
+                servers["A"].holding = t == 2
+                outputs.append(session.step(tokens[:, t : t + 1]))
+            route, events, steps_here = (
+                [s.peer_id for s, _ in session.route],
+                session.stall_events,
+                session.num_steps_here,
+            )
+    finally:
+        served.stop()
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert steps_here == 3 and route == ["A"] and not servers["B"].requests
+    assert [(e.action, e.step_deadline_s) for e in events] == [("slow", pytest.approx(0.2))], events

@@ -244,10 +244,9 @@ async def _export_reply(old: SpanSession, due_s: float, limit_bytes: int) -> run
     """The draining server's next export message, due at `due_s` (`time.monotonic`): waited for under a step's rules
     with what is left until then, its time past it charged to the span's late budget (a server that sends each part
     just past the deadline spends one budget in all, not one a part)."""
-    started_s = time.monotonic()
-    deadline_s = max(0.0, due_s - started_s)
-    response = await old.next_response(deadline_s, limit_bytes=limit_bytes)
-    old.time_step(0, deadline_s, started_s, time.monotonic())
+    wait = old.step_wait(max(0.0, due_s - time.monotonic()))
+    response = await old.next_response(wait, limit_bytes=limit_bytes)
+    old.time_step(0, wait)
     return response
 
 
@@ -273,7 +272,7 @@ async def _import(
     await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
-    started_s = time.monotonic()  # (as `next_response` times it: from the last part sent)
-    response = await new.next_response(deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
+    wait = new.step_wait(deadline_s)  # (timed from the last part sent)
+    response = await new.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape))
     new.accept_reply(response, inputs, send_from, empty.dtype)
-    new.time_step(0, deadline_s, started_s, time.monotonic())  # (late: charged to the new span's budget)
+    new.time_step(0, wait)  # (late: charged to the new span's budget)

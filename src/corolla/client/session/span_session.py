@@ -12,7 +12,6 @@ The process-wide count of steps in flight (`steps_in_flight`) decides whether wa
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import os
 import threading
@@ -64,6 +63,7 @@ from corolla.client.session.stalls import (
     StallEvent,
     StepClock,
 )
+from corolla.client.session.step_wait import PING_TRIES, PINGS, Due, StepWait, ping_overslept
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
@@ -165,6 +165,26 @@ class SpanUnreachable(ConnectionError):
         super().__init__(f"cannot open a stream to ...{peer_id[-6:]}: {error!r}")
 
 
+class _ThreadWaiter:
+    """A span session's step waited for in a stepping thread (`FramedSocketStream.exchange`'s `ReplyWaiter`): `wait`'s
+    policy, its pings run on the client loop."""
+
+    def __init__(self, session: SpanSession, wait: StepWait) -> None:
+        self.session, self.wait = session, wait
+
+    def wake_at(self, now_s: float) -> float:
+        return self.wait.wake_at(now_s)
+
+    def woke(self, asked_s: float, now_s: float) -> float:
+        return self.wait.woke(asked_s, now_s)
+
+    def idle(self) -> None:
+        due = self.wait.due()
+        if due is not None:
+            alive = background_loop.run(self.session.answers_ping(self.wait)) if due in PINGS else True
+            self.session.on_due(self.wait, due, alive)
+
+
 class SpanSession:
     """The stream to one server for blocks `[span.start, span.end)`.
 
@@ -211,6 +231,7 @@ class SpanSession:
         )
         self.step_tokens = 0  # tokens the step in flight sends (a stall event names them: a decode step or a long one)
         self.step_rows = 1  # its rows (what a step delivers is judged per row and token: `StepClock.delivered`)
+        self.last_step_s = math.nan  # the last answered step's time, the server's (`time_step`)
         self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
         self.too_slow = False  # its late budget ran out while another server holds its blocks: to be replaced
         # where it was left for what it delivers: the chain judged to run the session's rest faster (decision 0193)
@@ -480,13 +501,11 @@ class SpanSession:
         self.started = True
         num_tokens = self.step_tokens = inputs.shape[1]
         self.step_rows = inputs.shape[0]
-        started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
+        wait = self.step_wait(self.clock.deadline_s(num_tokens, inputs.nbytes))
         await self.send(request)
-        response = await self.next_response(stall_deadline_s, limit_bytes=reply_limit_bytes(inputs.shape))
+        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape))
         result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
-        # a late step's time says nothing of the server's speed: it is charged to the late budget instead
-        self.time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
+        self.time_step(num_tokens, wait)
         return result
 
     async def probe(self, keys_until: int, like: torch.Tensor) -> int:
@@ -502,7 +521,8 @@ class SpanSession:
         self.started = True
         self.step_tokens = 0
         await self.send(request)  # (a loris may not hold the probe either: a zero-token step's deadline)
-        response = await self.next_response(self.clock.deadline_s(0), limit_bytes=reply_limit_bytes(empty.shape))
+        wait = self.step_wait(self.clock.deadline_s(0))
+        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(empty.shape))
         self.accept_reply(response, empty, 0, like.dtype)
         try:
             metadata = decode_metadata(response.metadata) if response.metadata else {}
@@ -541,8 +561,8 @@ class SpanSession:
     ) -> tuple[torch.Tensor, int]:
         """`step` in the calling thread over the socket stream (no hop to the client loop). On any failure the
         stream is closed, so the async path replaces this span (replaying its history) instead of reading a late
-        response as the answer to a new request. Over p2p, a wait longer than `liveness_check_period_s` pings the
-        server (through the client loop) as `step` does."""
+        response as the answer to a new request. Its wait is `step`'s (`client.session.step_wait`; the pings through
+        the client loop), without pings over the same-host socket (its server's liveness is the socket's)."""
         stream = self._direct
         assert stream is not None
         config = self.manager.config
@@ -551,36 +571,44 @@ class SpanSession:
         payload, values, inputs, send_from = self.build_payload(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
-        check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
         num_tokens = self.step_tokens = inputs.shape[1]
         self.step_rows = inputs.shape[0]
-        started_s = time.monotonic()
-        stall_deadline_s = self.clock.deadline_s(num_tokens, inputs.nbytes)
-        # past its deadline and the span's late budget, the step may be left
-        on_late = functools.partial(self._on_late, started_s, stall_deadline_s)
-        late_after_s = stall_deadline_s + max(0.0, self.clock.late_left_s(started_s + stall_deadline_s))
+        wait = self.step_wait(self.clock.deadline_s(num_tokens, inputs.nbytes), pings=self.local is None)
         try:
             response = stream.exchange(
                 payload,
                 timeout_s=config.request_timeout_s,
                 poll_s=_poll_s(config),
-                check_alive=check_alive,
-                check_period_s=config.liveness_check_period_s,
                 max_response_bytes=reply_limit_bytes(inputs.shape),
-                on_late=on_late,
-                late_after_s=late_after_s,
+                waiter=_ThreadWaiter(self, wait),
             )
             result = self.accept_reply(response, inputs, send_from, hidden.dtype, values)
         except BaseException:
             stream.close()
             raise
-        self.time_step(num_tokens, stall_deadline_s, started_s, time.monotonic())
+        self.time_step(num_tokens, wait)
         return result
 
-    def _on_late(self, started_s: float, stall_deadline_s: float) -> None:
-        """A step ran past its deadline and the span's late budget: moves off the server (raises) if it may."""
-        if self._may_move():
-            self._move_off(time.monotonic() - started_s, stall_deadline_s)
+    def step_wait(self, stall_deadline_s: float | None, *, pings: bool = True) -> StepWait:
+        """The wait policy of a step starting now, silent past `stall_deadline_s` (`client.session.step_wait`)."""
+        config = self.manager.config
+        return StepWait(
+            self.clock, time.monotonic(), stall_deadline_s, timeout_s=config.request_timeout_s,
+            ping_period_s=config.liveness_check_period_s, max_wait_s=config.max_wait_s, pings=pings,
+        )  # fmt: skip
+
+    def on_due(self, wait: StepWait, due: Due, alive: bool) -> None:
+        """Does what `wait` says is due at a wake without the reply (`alive`: the ping's answer, where it asked for
+        one): TimeoutError past the timeout; past the late budget, leaves the server where it may (ServerTooSlow);
+        after a ping at the deadline or an unanswered one, judges the server's silence (HopStalled: fail over)."""
+        if due == "timeout":
+            timeout_s = self.manager.config.request_timeout_s
+            raise TimeoutError(f"no response from ...{self.span.peer_id[-6:]} within {timeout_s} s (or max_wait_s)")
+        if due == "late":
+            if wait.stall_deadline_s is not None and self._may_move():
+                self._move_off(wait.at_s, wait.stall_deadline_s)
+        elif wait.pinged(due, alive):
+            self._on_silence(wait.at_s, alive=alive, stall_deadline_s=wait.stall_deadline_s)
 
     def _may_move(self) -> bool:
         """Whether a slow server may be left: other unbanned servers cover its blocks, and the client may avoid it
@@ -588,14 +616,19 @@ class SpanSession:
         peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
         return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
 
-    def time_step(self, num_tokens: int, stall_deadline_s: float | None, started_s: float, answered_s: float) -> None:
-        """After an answered step: its time feeds the clock's deadlines, or, past its deadline, is charged to the late
-        budget; either way it counts in what the span delivers, which is judged at most once a `JUDGE_PERIOD_S`."""
-        elapsed_s = answered_s - started_s
-        self.clock.delivered(num_tokens, elapsed_s, answered_s, rows=self.step_rows)
+    def time_step(self, num_tokens: int, wait: StepWait) -> None:
+        """After a step answered at `wait`'s last wake: its time (the server's: the waiter's own pauses are not,
+        `client.session.step_wait`) feeds the clock's deadlines, or, past its deadline, is charged to the late budget
+        (a late step's time says nothing of the server's speed); either way it counts in what the span delivers,
+        which is judged at most once a `JUDGE_PERIOD_S`. Answered at a wake that overslept (`StepWait.overslept`: the
+        reply came by then, when is not known), none of this: it took no longer than its deadline."""
+        elapsed_s, answered_s, stall_deadline_s = wait.at_s, wait.now_s, wait.stall_deadline_s
+        self.last_step_s = elapsed_s
+        if not wait.overslept:
+            self.clock.delivered(num_tokens, elapsed_s, answered_s, rows=self.step_rows)
         if stall_deadline_s is not None and elapsed_s > stall_deadline_s:
             self.clock.charge_late(elapsed_s - stall_deadline_s, answered_s)
-        else:
+        elif not wait.overslept:
             self.clock.record(num_tokens, elapsed_s)
             if not self._noted_on_time:  # once a session: a replacement race tries such servers first (0163)
                 self._noted_on_time = True
@@ -674,31 +707,34 @@ class SpanSession:
             f"{waited_s:.1f} s, deadline {stall_deadline_s:.2f} s) while another server holds its blocks",
         )  # fmt: skip
 
-    def _answers_pings(self) -> bool:
-        """From a thread other than the client loop's: does the server answer a ping?"""
-        return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
+    async def answers_ping(self, wait: StepWait) -> bool:
+        """Whether the server answers a ping (on the client loop). A ping that failed only after its timeout overslept
+        (the client's loop paused past it: `step_wait.ping_overslept`) proves nothing: its time past the timeout is
+        credited to `wait`'s step, and it is asked again (at most `PING_TRIES` in all)."""
+        timeout_s = self.manager.config.ping_timeout_s
+        for _ in range(PING_TRIES):
+            asked_s = time.monotonic()
+            if not math.isinf(await self.manager.ping_s(self.span.peer_id)):
+                return True
+            took_s = time.monotonic() - asked_s
+            if not ping_overslept(took_s, timeout_s):
+                return False
+            wait.lost_s += took_s - timeout_s
+        return False
 
-    async def next_response(
-        self, stall_deadline_s: float | None = None, *, limit_bytes: int
-    ) -> runtime_pb2.ExpertResponse:
-        """The next response within `request_timeout_s`, of at most `limit_bytes` (what the request implies:
-        `output_checks.reply_limit_bytes`; else ConnectionError).
-        While waiting, pings the server every `liveness_check_period_s`, and once when the step deadline passes. A
-        silent server that does not answer the ping fails the step (`HopStalled`, ConnectionError) when another
-        server holds its blocks; when it is the only one, the client keeps waiting (its link may come back) up to
-        `max_wait_s`. One that answers is waited for until the span's late budget is spent (`StepClock.late_left_s`),
-        then left (`ServerTooSlow`) where another server holds its blocks. ConnectionError when the server ended the
-        stream."""
+    async def next_response(self, wait: StepWait, *, limit_bytes: int) -> runtime_pb2.ExpertResponse:
+        """The next response, of at most `limit_bytes` (what the request implies: `output_checks.reply_limit_bytes`;
+        else ConnectionError), waited for under `wait`'s policy (`client.session.step_wait`): pings the server every
+        `liveness_check_period_s`, and once when the step deadline passes. A silent server that does not answer the
+        ping fails the step (`HopStalled`, ConnectionError) when another server holds its blocks; when it is the only
+        one, the client keeps waiting (its link may come back) up to `max_wait_s`. One that answers is waited for
+        until the span's late budget is spent (`StepClock.late_left_s`), then left (`ServerTooSlow`) where another
+        server holds its blocks. TimeoutError past `request_timeout_s`; ConnectionError when the server ended the
+        stream. The step answered at `wait`'s last wake."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
         loop = asyncio.get_running_loop()
-        started_s = loop.time()
-        deadline = started_s + config.request_timeout_s
-        suspect_at = started_s + stall_deadline_s if stall_deadline_s is not None else math.inf
-        ping_period_s = config.liveness_check_period_s or math.inf
-        next_ping = started_s + ping_period_s
-        move_at = math.inf  # when the span's late budget runs out during this step (the server answered pings)
         pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(
             self._stream.receive(limit_bytes)
         )
@@ -708,38 +744,21 @@ class SpanSession:
             poller.keep_hot(poll_s)
         try:
             while True:
-                wait_s = min(deadline, suspect_at, next_ping, move_at) - loop.time()
-                done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
+                now_s = time.monotonic()
+                asked_s = wait.wake_at(now_s)
+                done, _ = await asyncio.wait({pending}, timeout=asked_s - now_s)
+                wait.woke(asked_s, time.monotonic())
                 if done:
                     response = pending.result()
                     if response is None:
                         raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream")
                     return response
-                now = loop.time()
-                if now >= deadline:
-                    raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
-                if now >= move_at:
-                    move_at = math.inf  # unless moved: the only server of its blocks now, kept and waited for
-                    if stall_deadline_s is not None:
-                        self._on_late(started_s, stall_deadline_s)
+                due = wait.due()
+                if due is None:
                     continue
-                checking_stall = now >= suspect_at
-                if checking_stall:
-                    suspect_at = math.inf
-                elif now >= next_ping:
-                    next_ping = now + ping_period_s
-                else:
-                    continue
-                alive = not math.isinf(await self.manager.ping_s(self.span.peer_id))
-                if pending.done():
-                    continue
-                if checking_stall or not alive:
-                    self._on_silence(now - started_s, alive=alive, stall_deadline_s=stall_deadline_s)
-                if checking_stall and alive and stall_deadline_s is not None:
-                    late_from = started_s + stall_deadline_s
-                    move_at = late_from + max(0.0, self.clock.late_left_s(late_from))
-                if not alive and config.max_wait_s is not None:  # the only server: wait for its link, not forever
-                    deadline = min(deadline, started_s + config.max_wait_s)
+                alive = await self.answers_ping(wait) if due in PINGS else True
+                if not pending.done():  # (answered meanwhile: the reply is read at the next wake)
+                    self.on_due(wait, due, alive)
         finally:
             if poller is not None:
                 poller.cool()

@@ -13,7 +13,7 @@ import select
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from typing import Protocol
 
 from hivemind.proto import runtime_pb2
 
@@ -22,6 +22,18 @@ from corolla.utils.interrupts import WAIT_SLICE_S
 
 MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
 RECV_BYTES = 1 << 16
+
+
+class ReplyWaiter(Protocol):
+    """What `exchange` asks while it waits (a span session's step: `client.session.step_wait`): the time to wake at
+    the latest (`now_s` or later), `woke` after each sleep (asked to end at `asked_s`), `idle` at a wake without the
+    response (does what is due; raises to end the wait)."""
+
+    def wake_at(self, now_s: float) -> float: ...
+
+    def woke(self, asked_s: float, now_s: float) -> object: ...
+
+    def idle(self) -> None: ...
 
 
 class FramedSocketStream(ABC):
@@ -90,18 +102,14 @@ class FramedSocketStream(ABC):
         *,
         timeout_s: float,
         poll_s: float = 0.0,
-        check_alive: Callable[[], bool] | None = None,
-        check_period_s: float = math.inf,
         max_response_bytes: int = MAX_RESPONSE_FRAME_BYTES,
-        on_late: Callable[[], None] | None = None,
-        late_after_s: float = math.inf,
+        waiter: ReplyWaiter | None = None,
     ) -> runtime_pb2.ExpertResponse:
         """Sends `request` (a message, or its serialized bytes) and waits for its response in the calling thread:
         polling for up to `poll_s`, else sleeping in `poll(2)` before each read (a read that finds nothing costs a
-        raised BlockingIOError); every `check_period_s` of waiting, `check_alive()` must say the server still answers
-        (else ConnectionError); once, after `late_after_s` of waiting, `on_late()` may end the wait (it raises) or
-        let it go on (it returns). ConnectionError when the stream ends or breaks or the response's frame announces
-        more than `max_response_bytes`, TimeoutError past `timeout_s`."""
+        raised BlockingIOError) until `waiter.wake_at()` at the latest, then telling `waiter.woke` and, without the
+        response, `waiter.idle()` (which may end the wait: it raises). ConnectionError when the stream ends or breaks
+        or the response's frame announces more than `max_response_bytes`, TimeoutError past `timeout_s`."""
         max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
         deadline = start + timeout_s
@@ -115,39 +123,29 @@ class FramedSocketStream(ABC):
                 while not writable.poll(_slice_ms(deadline)):  # in slices: Ctrl-C ends the wait (utils.interrupts)
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
-        poll_until = time.monotonic() + poll_s
-        next_check = start + check_period_s if check_alive is not None else math.inf
-        late_at = start + late_after_s if on_late is not None else math.inf
+        poll_until = time.monotonic() + poll_s  # not polling (poll_s 0): sleep before each read, the reply is not there
         poller = self._readable
         if poller is None:
             poller = self._readable = select.poll()
             poller.register(self.sock, select.POLLIN)
         slept = False
-        wait_first = poll_s <= 0  # not polling: sleep in poll(2) before each read (the reply is not there yet)
         while (parsed := self._parse_frame(max_response_bytes)) is None:
-            if wait_first:
-                poller.poll(_slice_ms(min(deadline, next_check, late_at)))
-                slept = True
+            now = time.monotonic()
+            if now >= poll_until:  # in slices: Ctrl-C ends the wait (utils.interrupts)
+                asked = max(now, min(deadline, math.inf if waiter is None else waiter.wake_at(now), now + WAIT_SLICE_S))
+                poller.poll((asked - now) * 1000)
+                slept, now = True, time.monotonic()
+            else:
+                asked = now  # (polling: no time asked for, none credited)
+            if waiter is not None:
+                waiter.woke(asked, now)
             try:
                 chunk = self.sock.recv(RECV_BYTES)
             except BlockingIOError:
-                now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
-                if now >= late_at:
-                    assert on_late is not None
-                    late_at = math.inf
-                    on_late()
-                    continue
-                if now >= next_check:
-                    assert check_alive is not None
-                    if not check_alive():
-                        raise ConnectionError(f"server ...{self.peer_id[-6:]} stopped answering pings") from None
-                    next_check = time.monotonic() + check_period_s
-                    continue
-                if now >= poll_until and not wait_first:
-                    poller.poll(_slice_ms(min(deadline, next_check, late_at)))
-                    slept = True
+                if waiter is not None:
+                    waiter.idle()
                 continue
             if not chunk:
                 raise ConnectionError(f"server ...{self.peer_id[-6:]} closed the inference stream")
