@@ -19,7 +19,7 @@ from corolla.client.verification.chains import CHAINS_MAX, Outsiders, chain_back
 from corolla.client.verification.stretches import StretchReferees
 from corolla.client.verification.witnesses import trusted
 from corolla.protocol.records import RemoteSpanInfo
-from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference
+from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference, vouch
 from helpers.framed_session import framed_client, run_framed
 
 
@@ -198,3 +198,20 @@ def test_a_chains_hops_share_one_request_timeout():
     with pytest.raises(TimeoutError):
         asyncio.run(chain_forward(manager, span, chain, torch.randn(1, 3, HIDDEN), NO_PROMPTS))
     assert servers["A"].forward_calls == 1
+
+
+def test_fresh_identities_on_short_sub_spans_never_push_a_chain_with_standing_out_of_the_seats():
+    """hrev17's finding 1 (decision 0237). X1 (0:2) and X2 (2:4), honest, have a witness's standing: their chain X1 >
+    X2 is seated first, as a whole holder with standing is (0208). The attacker adds three fresh identities on each
+    single block (12, no standing needed): (3^2 + 3 + 1)^2 = 169 chains over 0:4, every one but X1 > X2 through one
+    of them (an intermediate hop that fails leaves a chain silent, the last one answers the framers' outputs). Main
+    drew 64 of the 169 uniformly and seated only those: X1 > X2 was asked in 6 of these 20 draws (the framers, with
+    two standings, banned H in the 14 others); now the chains of servers with standing are built first."""
+    servers = {"H": Server(0, 4), "SA": Server(0, 4), "SB": Server(0, 4), "X1": Server(0, 2), "X2": Server(2, 4)}
+    servers |= {f"F{block}.{i}": Server(block, block + 1) for block in range(4) for i in range(3)}
+    manager = FakeManager(servers, 4)
+    vouch(manager, "SA", "SB", "X1", "X2")
+    span = _span("H", 0, 4)
+    for seed in range(20):
+        outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H", "SA", "SB"})
+        assert outsiders.chains[0].peer_ids == ("X1", "X2"), seed
