@@ -178,26 +178,42 @@ def test_a_chain_runs_a_training_backward_hop_by_hop(with_prompts):
 
 
 class Holding(Server):
-    """Answers each `rpc_forward` `hold_s` late (within any one request's timeout)."""
+    """Answers each `rpc_forward` at `until` seconds after `started[0]` (loop time, set when the chain starts): each
+    hop's answer within any one request's timeout, the chain's past it."""
 
-    hold_s = 0.15
+    def __init__(self, start: int, end: int, until: float, started: list[float]):
+        super().__init__(start, end)
+        self.until, self.started, self.asked = until, started, 0
 
     async def rpc_forward(self, request, timeout=None):
-        await asyncio.sleep(self.hold_s)
+        self.asked += 1
+        # (never 0: a hop entered past the deadline after a pause still answers on a timer due after it, so the
+        # deadline's wake-up comes first; the fakes answer in the same loop iteration otherwise)
+        await asyncio.sleep(max(0.01, self.started[0] + self.until - asyncio.get_running_loop().time()))
         return await super().rpc_forward(request, timeout)
 
 
 def test_a_chains_hops_share_one_request_timeout():
     """An attacker's identities on every hop of a chain, each holding its answer nearly `request_timeout_s`, must not
     hold a recheck k times as long as one outside server can: the chain's hops run within one request timeout (the
-    fakes have no per-call timeout: without it the chain answers after both holds)."""
-    servers = {"A": Holding(0, 2), "B": Holding(2, 4)}
-    manager = FakeManager(servers, 4, request_timeout_s=0.2)
+    fakes have no per-call timeout: without it the chain answers after both holds). A answers 0.6 timeouts after the
+    chain starts, B 1.2: each hop's end is set from the chain's start, not by a hold of its own, so a pause of the
+    loop (up to a timeout) before either hop moves nothing past the deadline (hrev17: a 0.1 s pause before A's hold
+    of 0.15 s of 0.2 failed the test's earlier form)."""
+    started: list[float] = []
+    timeout_s = 1.5
+    servers = {"A": Holding(0, 2, 0.6 * timeout_s, started), "B": Holding(2, 4, 1.2 * timeout_s, started)}
+    manager = FakeManager(servers, 4, request_timeout_s=timeout_s)
     span = _span("accused", 0, 4)
     (chain,) = StretchReferees(manager).outsiders(span, {"accused"}).chains
+
+    async def run() -> None:
+        started.append(asyncio.get_running_loop().time())  # (no await before chain_forward sets its deadline)
+        await chain_forward(manager, span, chain, torch.randn(1, 3, HIDDEN), NO_PROMPTS)
+
     with pytest.raises(TimeoutError):
-        asyncio.run(chain_forward(manager, span, chain, torch.randn(1, 3, HIDDEN), NO_PROMPTS))
-    assert servers["A"].forward_calls == 1
+        asyncio.run(run())
+    assert servers["A"].asked == 1 and servers["B"].forward_calls == 0  # (B's answer: past the chain's deadline)
 
 
 def test_fresh_identities_on_short_sub_spans_never_push_a_chain_with_standing_out_of_the_seats():
