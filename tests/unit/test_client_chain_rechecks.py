@@ -109,6 +109,52 @@ def test_a_liar_is_still_banned_where_only_chains_recheck():
     assert not manager.bans.banned_peers() & {"H1", "H2", "X1", "X2"}
 
 
+class OneAtATime(Server):
+    """Refuses a forward while another of the same client is in flight (as a server's per-peer stream byte cap,
+    96 MiB, refuses a client's second 64 MiB prefix at once: 4,096 positions at hidden 8,192 in float16), holding each
+    for `HOLD_ITERATIONS` turns of the loop (its compute; ordered by the loop, not by time)."""
+
+    HOLD_ITERATIONS = 20
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end)
+        self.in_flight = self.refused = 0
+
+    async def rpc_forward(self, request, timeout=None):
+        if self.in_flight:
+            self.refused += 1
+            raise ConnectionError("a forward of this peer is in flight: refused")
+        self.in_flight += 1
+        try:
+            for _ in range(self.HOLD_ITERATIONS):
+                await asyncio.sleep(0)
+            return await super().rpc_forward(request, timeout)
+        finally:
+            self.in_flight -= 1
+
+
+def test_chains_that_start_alike_ask_their_first_hop_once():
+    """hrev17's finding 3 (decision 0237). L lies, H1 (standing) and H2 (fresh) outvote it; X1 alone holds 0:2, X2a
+    and X2b hold 2:4: both chains (X1 > X2a, X1 > X2b) are asked at once, and both send X1 the same request. Main sent
+    it twice; X1, refusing a second forward of the client in flight, failed one chain: an outsider not heard, and a
+    ban on H1's one standing is none (decision 0232): L only avoided. Now a recheck's chains ask a hop the same
+    request once (`chains.HopAnswers`): X1 answers both, they confirm, L banned for good."""
+    torch.manual_seed(7)
+    servers = {
+        "L": Server(0, 4, "garbage", inference_rps=1e6),
+        "H1": Server(0, 4, inference_rps=1e4),
+        "H2": Server(0, 4, inference_rps=1e4),
+        "X1": OneAtATime(0, 2),
+        "X2a": Server(2, 4),
+        "X2b": Server(2, 4),
+    }
+    manager = framed_client(servers, "H1")
+    run_framed(manager, torch.randn(1, 4, HIDDEN))
+    assert servers["X1"].forward_calls == 1 and servers["X1"].refused == 0
+    assert servers["X2a"].forward_calls == servers["X2b"].forward_calls == 1
+    assert manager.bans.is_liar("L") and not manager.bans.banned_peers() & {"H1", "H2", "X1", "X2a", "X2b"}
+
+
 def _span(peer_id: str, start: int, end: int) -> RemoteSpanInfo:
     return RemoteSpanInfo(peer_id, start, end, record_of(start, end, 100.0))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -37,14 +37,48 @@ CHAINS_MAX = 64
 COUNT_CAP = 2**62  # (a draw's weights stay floats: holders ** blocks chains would overflow one)
 
 T = TypeVar("T")
+Path = tuple[tuple[str, int, int], ...]  # a chain's hops up to one, (peer id, start, end) each
+
+
+class HopAnswers:
+    """The outputs of the hops of one recheck's chains, by the hops up to each (decision 0237): the chains of one
+    recheck run one request, so those that start alike (X1 > X2a, X1 > X2b) send their first hops the same inputs;
+    each such hop is asked once, its answer shared (the same request twice at once from one client is refused by a
+    server's per-peer caps where its prefix is long, which left a chain unheard and a liar unbanned). `close` when the
+    recheck is over: a shared hop runs on while any chain waits for it (one chain's deadline does not cancel it for
+    the others), not after."""
+
+    def __init__(self) -> None:
+        self.asked: dict[Path, asyncio.Future[torch.Tensor]] = {}
+
+    async def forward(
+        self,
+        manager: RemoteSequenceManager,
+        path: Path,
+        hop: RemoteSpanInfo,
+        inputs: torch.Tensor,
+        prompts: torch.Tensor,
+    ) -> torch.Tensor:
+        """`run_remote_forward` of `hop` (the last of `path`), once per `path` for every chain of the recheck."""
+        answer = self.asked.get(path)
+        if answer is None:
+            answer = self.asked[path] = asyncio.ensure_future(run_remote_forward(manager, hop, inputs, prompts))
+            answer.add_done_callback(lambda done: done.cancelled() or done.exception())  # (read by the chains)
+        return await asyncio.shield(answer)
+
+    def close(self) -> None:
+        for answer in self.asked.values():
+            answer.cancel()
 
 
 @dataclass(frozen=True)
 class Chain:
     """Servers that hold a span's blocks together, in block order: `hops` [start, end) each (one hop where a server
-    holds them all: an outside server of decisions 0208 and 0220)."""
+    holds them all: an outside server of decisions 0208 and 0220); `answers`, where it is one of a recheck's chains,
+    the hops' answers they share (`HopAnswers`)."""
 
     hops: tuple[RemoteSpanInfo, ...]
+    answers: HopAnswers | None = field(default=None, compare=False, repr=False)
 
     @property
     def peer_ids(self) -> tuple[str, ...]:
@@ -57,10 +91,12 @@ class Chain:
 @dataclass(frozen=True)
 class Outsiders:
     """Who may recheck a dispute over a span: `chains` (whole holders as one-hop chains), and `unheard` (1 where
-    servers outside hold some of its blocks but a sub-span is held by the parties alone: no chain, a word not heard)."""
+    servers outside hold some of its blocks but a sub-span is held by the parties alone: no chain, a word not heard);
+    `answers`: the hops' answers its chains share, where they do (`HopAnswers`, closed by `witnesses.recheck`)."""
 
     chains: list[Chain]
     unheard: int = 0
+    answers: HopAnswers | None = field(default=None, compare=False, repr=False)
 
 
 def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: random.Random) -> Outsiders:
@@ -118,6 +154,23 @@ async def within_one_request(manager: RemoteSequenceManager, chain: Chain, calls
     return await asyncio.wait_for(calls, manager.config.request_timeout_s)
 
 
+async def hop_forward(
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    chain: Chain,
+    index: int,
+    inputs: torch.Tensor,
+    prompts: torch.Tensor,
+) -> torch.Tensor:
+    """The outputs of `chain`'s hop `index` for `inputs` (its hops before it having run), with its share of `span`'s
+    deep `prompts`: asked once for the recheck's chains that start alike (`chain.answers`)."""
+    hop = chain.hops[index]
+    if chain.answers is None:
+        return await run_remote_forward(manager, hop, inputs, hop_prompts(prompts, span, hop))
+    path = tuple((h.peer_id, h.start, h.end) for h in chain.hops[: index + 1])
+    return await chain.answers.forward(manager, path, hop, inputs, hop_prompts(prompts, span, hop))
+
+
 def hop_prompts(prompts: torch.Tensor, span: RemoteSpanInfo, hop: RemoteSpanInfo) -> torch.Tensor:
     """`span`'s deep prompts [blocks, B|1, P, H] (or empty) for `hop`'s blocks only."""
     if not prompts.numel():
@@ -133,8 +186,8 @@ async def chain_forward(
 
     async def run() -> torch.Tensor:
         hidden = inputs
-        for hop in chain.hops:
-            hidden = await run_remote_forward(manager, hop, hidden, hop_prompts(prompts, span, hop))
+        for index in range(len(chain.hops)):
+            hidden = await hop_forward(manager, span, chain, index, hidden, prompts)
         return hidden
 
     return await within_one_request(manager, chain, run())
@@ -163,8 +216,8 @@ async def _backward(
     prompts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hop_inputs = [inputs]
-    for hop in chain.hops[:-1]:
-        hop_inputs.append(await run_remote_forward(manager, hop, hop_inputs[-1], hop_prompts(prompts, span, hop)))
+    for index in range(len(chain.hops) - 1):
+        hop_inputs.append(await hop_forward(manager, span, chain, index, hop_inputs[-1], prompts))
     grad = grad_outputs
     grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient), in order
     for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):

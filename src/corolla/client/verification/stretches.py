@@ -25,7 +25,7 @@ from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.chains import Chain, Outsiders, chain_forward, chains_over
+from corolla.client.verification.chains import Chain, HopAnswers, Outsiders, chain_forward, chains_over
 from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck, trusted
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -106,7 +106,8 @@ class StretchReferees:
             for chain in [*with_standing.chains, *outsiders.chains]
         }
         placed = sorted(((place(chain), key) for key, chain in chains.items()))
-        return Outsiders([chains[key] for _, key in placed], outsiders.unheard)
+        answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
+        return Outsiders([Chain(chains[key].hops, answers) for _, key in placed], outsiders.unheard, answers)
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],

@@ -106,11 +106,12 @@ async def recheck(outsiders: Outsiders, confirms: Callable[[Chain], Awaitable[bo
     "refuted" where none does, "split" where they differ (the attacker's own identities may be among them, on either
     side), "unchecked" where none answered; with the peers that confirmed."""
     asked = outsiders.chains[:OUTSIDERS_MAX]
-    answered = [
-        (chain.peer_ids, answer)
-        for chain, answer in zip(asked, await asyncio.gather(*map(confirms, asked)), strict=True)
-        if answer is not None
-    ]
+    try:
+        answers = await asyncio.gather(*map(confirms, asked))
+    finally:  # (a hop the chains share, still running for a chain past its deadline: decision 0237)
+        if outsiders.answers is not None:
+            outsiders.answers.close()
+    answered = [(chain.peer_ids, answer) for chain, answer in zip(asked, answers, strict=True) if answer is not None]
     silent = len(asked) - len(answered) + outsiders.unheard
     if not answered:
         return Rechecked("unchecked", silent=silent)
