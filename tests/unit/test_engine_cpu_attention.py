@@ -71,3 +71,32 @@ def test_the_engines_cpu_ops_use_it() -> None:
     got = decode_ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
     torch.testing.assert_close(got, ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25))
     assert torch.isfinite(got).all()
+
+
+def test_one_sequences_rows_gather_its_pages_once_and_match_the_reference() -> None:
+    # rows 1-4: one sequence's four consecutive positions (a shadow's or a speculative step's rows share its table),
+    # beside two other sequences; NaN past the sequence's longest row (its own pages)
+    q, k_cache, v_cache, tables, lens = _case(6, 8, 2, [12, 27, 28, 29, 30, 5], table_pages=8, seed=3)
+    tables[1:5] = tables[4]
+    lens = torch.tensor([12, 27, 28, 29, 30, 5], dtype=torch.int32)
+    flat = k_cache[tables[4].long()].view(-1, 2, D)
+    flat[30:] = float("nan")
+    k_cache[tables[4].long()] = flat.view(-1, PAGE, 2, D)
+    expected = ops.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25)
+    got = ops.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    batches = ops.cpu_attention_batches(tables, lens.tolist(), PAGE)
+    assert ([1], 4, 4) in batches  # the sequence: one gather of its 4 pages for its 4 rows
+
+
+def test_a_row_gathers_at_most_twice_its_own_pages() -> None:
+    # a step's rows of 1 to 400 tokens (pages of 8): none gathers up to the longest row's 50 pages
+    lengths = [1, 9, 17, 40, 64, 65, 130, 400]
+    tables = torch.arange(len(lengths) * 50, dtype=torch.int32).view(len(lengths), 50)
+    batches = ops.cpu_attention_batches(tables, lengths, PAGE)
+    gathered = {row: pages for firsts, rows, pages in batches for row in firsts if rows == 1}
+    assert sorted(gathered) == list(range(len(lengths)))  # every row once, each its own sequence
+    for row, n in enumerate(lengths):
+        own = -(-n // PAGE)
+        assert own <= gathered[row] < 2 * own or gathered[row] == own == 1
