@@ -724,13 +724,9 @@ class SpanSession:
 
     async def next_response(self, wait: StepWait, *, limit_bytes: int) -> runtime_pb2.ExpertResponse:
         """The next response, of at most `limit_bytes` (what the request implies: `output_checks.reply_limit_bytes`;
-        else ConnectionError), waited for under `wait`'s policy (`client.session.step_wait`): pings the server every
-        `liveness_check_period_s`, and once when the step deadline passes. A silent server that does not answer the
-        ping fails the step (`HopStalled`, ConnectionError) when another server holds its blocks; when it is the only
-        one, the client keeps waiting (its link may come back) up to `max_wait_s`. One that answers is waited for
-        until the span's late budget is spent (`StepClock.late_left_s`), then left (`ServerTooSlow`) where another
-        server holds its blocks. TimeoutError past `request_timeout_s`; ConnectionError when the server ended the
-        stream. The step answered at `wait`'s last wake."""
+        else ConnectionError), waited for under `wait`'s policy (`client.session.step_wait`; `on_due`: HopStalled,
+        ServerTooSlow, TimeoutError); ConnectionError when the server ended the stream. The step answered at `wait`'s
+        last wake."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")

@@ -13,10 +13,11 @@ thread paused: a GC collection, a starved CPU, a slow callback) did not look at 
 counted in what the span delivers (`SpanSession.time_step`). Whatever ended the sleep, the waiter ran no sooner than
 t + x and would have run at t: the credit is at most the wall time it was not running past what it asked for, which
 no server can lengthen (it does not run the client; a reply read by the loop in the waiter's place is bounded before
-it is buffered, milliseconds). A busy-polling thread, or a waiter busy past what was due (pinging: a ping's time is
-the server's), asked for no sleep and is credited nothing. A ping is timed by the loop too: one that failed only
-after its timeout overslept (`ping_overslept`) proves nothing; its time past the timeout is credited, and it is asked
-again."""
+it is buffered, milliseconds). A waiter sleeps `WAKE_EVERY_S` at most, so that a pause ending before the next thing
+due is seen too (but for that much). A busy-polling thread, or a waiter busy past what was due (pinging: a ping's
+time is the server's), asked for no sleep and is credited nothing. A ping is timed by the loop too: one that failed
+only after its timeout overslept (`ping_overslept`) proves nothing; its time past the timeout is credited, and it is
+asked again."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ PINGS = ("stall", "ping")  # what is due that asks for a ping of the server
 PING_SLACK_S = 0.25
 # a reply found at a wake past the time asked for by more than this came when exactly is not known (`overslept`)
 OVERSLEEP_SLACK_S = 0.01
+# a waiter sleeps at most this long at a time: a pause of its own that ends before the next thing due (one past the
+# deadline, while the late budget runs) is credited but for this much
+WAKE_EVERY_S = 0.25
 PING_TRIES = 3  # pings asked in a row while each failed late (`ping_overslept`): then the last one stands
 
 
@@ -82,9 +86,11 @@ class StepWait:
         return deadline_s + max(0.0, self.clock.late_left_s(self.started_s + self.lost_s + deadline_s))
 
     def wake_at(self, now_s: float) -> float:
-        """The wall time the waiter must wake at the latest, without a reply: when the next thing is due, or `now_s`
-        where it is due already (a waiter busy past it, e.g. pinging, asked for no sleep: it is credited nothing)."""
-        at_s = min(self._timeout_s, self._late_s, self._stall_s, self._next_ping_s)
+        """The wall time the waiter must wake at the latest, without a reply: when the next thing is due, and within
+        `WAKE_EVERY_S`; or `now_s` where something is due already (a waiter busy past it, e.g. pinging, asked for no
+        sleep: it is credited nothing)."""
+        now_at_s = now_s - self.started_s - self.lost_s
+        at_s = min(self._timeout_s, self._late_s, self._stall_s, self._next_ping_s, now_at_s + WAKE_EVERY_S)
         wall_s = self.started_s + self.lost_s + at_s
         self._asked = (wall_s, at_s) if wall_s > now_s else (now_s, math.nan)
         return self._asked[0]
