@@ -124,6 +124,33 @@ def test_a_pause_after_the_deadline_is_not_charged_while_the_late_budget_runs():
     assert wait.at_s == 1.0 + WAKE_EVERY_S and wait.lost_s == 3.0 - WAKE_EVERY_S
 
 
+def test_a_reply_read_before_an_overslept_wake_is_timed_when_it_was_read():
+    """hflake3: after an oversleep of its own (0.4 s, credited), the waiter's wake at 3.0 s (its step time) ran 0.09 s
+    late with the reply there: its reader had read it at 2.95 s, before the wake was due (the loop was busy after it
+    came, not before), so the step took 2.95 s of the server's time and is measured (`overslept` no more). On main it
+    was unknown: a loris's 3 s prompt read on a busy client loop went unmeasured and the next session's prompt was
+    routed to it again (test_client_delivery's crawling-prompt test failed at 3 of 8 pause points). Read after the
+    time asked for, it stays unknown (the reply may have waited for the paused loop)."""
+    wait = _wait(deadline_s=10.0)
+    asked_s = wait.wake_at(T0)
+    wait.woke(asked_s, asked_s + 0.4)  # (0.4 s of the client's own)
+    assert wait.lost_s == pytest.approx(0.4) and wait.overslept
+    while (asked_s := wait.wake_at(wait.now_s)) < T0 + 0.4 + 3.0 - 1e-9:
+        wait.woke(asked_s, asked_s)
+        assert wait.due() is None
+    assert asked_s == pytest.approx(T0 + 0.4 + 3.0)
+    wait.woke(asked_s, asked_s + 0.09)
+    assert wait.overslept and wait.at_s == pytest.approx(3.0)
+    wait.replied(T0 + 0.4 + 2.95)
+    assert not wait.overslept and wait.at_s == pytest.approx(2.95)
+    assert wait.lost_s == pytest.approx(0.49)  # (what the wake overslept past the reply is the client's still)
+    late = _wait(deadline_s=10.0)
+    late_asked_s = late.wake_at(T0)
+    late.woke(late_asked_s, late_asked_s + 0.5)
+    late.replied(late_asked_s + 0.2)  # read after the time asked for: when it came is not known
+    assert late.overslept and late.at_s == WAKE_EVERY_S
+
+
 def test_a_wake_before_the_time_asked_for_is_credited_nothing():
     wait = _wait()
     asked_s = wait.wake_at(T0)

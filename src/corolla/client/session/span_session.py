@@ -731,9 +731,14 @@ class SpanSession:
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
         loop = asyncio.get_running_loop()
-        pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(
-            self._stream.receive(limit_bytes)
-        )
+        stream, read_s = self._stream, [math.nan]  # (when the reply was read: `StepWait.replied`)
+
+        async def receive() -> runtime_pb2.ExpertResponse | None:
+            response = await stream.receive(limit_bytes)
+            read_s[0] = time.monotonic()
+            return response
+
+        pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(receive())
         poll_s = _poll_s(config)
         poller = background_loop.get_selector() if poll_s > 0 else None
         if poller is not None and loop is background_loop.get_loop():
@@ -746,6 +751,7 @@ class SpanSession:
                 wait.woke(asked_s, time.monotonic())
                 if done:
                     response = pending.result()
+                    wait.replied(read_s[0])
                     if response is None:
                         raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream")
                     return response

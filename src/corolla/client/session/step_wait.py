@@ -69,7 +69,7 @@ class StepWait:
         self.now_s = started_s  # the wall time of the last wake
         # the last wake came past the time asked for (by over `OVERSLEEP_SLACK_S`): a reply found then came at the
         # step's time `at_s` at the latest, when exactly is not known (`SpanSession.time_step` charges it nothing, and
-        # measures nothing by it)
+        # measures nothing by it), unless it was read before that time (`replied`)
         self.overslept = False
         self._timeout_s, self._max_wait_s = timeout_s, max_wait_s
         # what is due, in the step's time (inf: never)
@@ -80,6 +80,7 @@ class StepWait:
         if not pings and stall_deadline_s is not None:
             self._late_s = self._late_after(stall_deadline_s)
         self._asked: tuple[float, float] = (math.nan, math.nan)  # (wall time, step time) `wake_at` last gave
+        self._lost_before_s = 0.0  # `lost_s` before the last wake's oversleep (`replied`)
 
     def _late_after(self, deadline_s: float) -> float:
         """The step's time at which the late budget runs out: its deadline plus what is left of the budget then."""
@@ -102,6 +103,7 @@ class StepWait:
         wall_s, at_s = self._asked
         over_s = 0.0 if asked_s == wall_s and math.isnan(at_s) else now_s - asked_s  # (nan: no sleep asked for)
         self.now_s, self.overslept = now_s, over_s > OVERSLEEP_SLACK_S
+        self._lost_before_s = self.lost_s
         if over_s > 0:
             self.lost_s += over_s
             if asked_s == wall_s:
@@ -109,6 +111,16 @@ class StepWait:
                 return at_s
         self.at_s = now_s - self.started_s - self.lost_s
         return self.at_s
+
+    def replied(self, read_s: float) -> None:
+        """The reply found at the last wake was read (by its reader, beside the waiter) at wall time `read_s`: where
+        that wake overslept but the reply was read before the time it asked for, the loop was busy after the reply
+        came, not before (a loaded client: the waiter's wake ran late behind other work), and the step's time is
+        the reply's: `read_s` less what was credited before (`overslept` no more). Read later, it stays unknown."""
+        wall_s, _ = self._asked
+        if self.overslept and read_s <= wall_s:
+            self.at_s = read_s - self.started_s - self._lost_before_s
+            self.overslept = False
 
     def due(self) -> Due | None:
         """What is due at the last wake (each once, but `timeout`); None: nothing, sleep again."""
