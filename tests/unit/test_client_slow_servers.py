@@ -209,19 +209,26 @@ class SocketServed:
         self._loop.close()
 
 
-def test_a_slow_server_on_a_socket_stream_is_left_from_the_callers_thread(small_budgets, monkeypatch):
-    """The same over the server's socket, where steps run in the caller's thread: the wait ends at the deadline plus
-    the budget, the span is replaced without a ban, and the outputs are exact."""
-    torch.manual_seed(3)
-    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
-    manager = _manager(servers)
-    served = SocketServed(servers["A"], "A")
+def socket_served(monkeypatch: pytest.MonkeyPatch, manager, server: FakeServer) -> SocketServed:
+    """`server` as peer "A" behind a socket the session's steps run over in the caller's thread (its streams opened
+    there, its input compression known); `stop` it when done."""
+    served = SocketServed(server, "A")
 
     async def open_socket_stream(manager, peer_id, rpc):
         return served.stream if peer_id == "A" else None
 
     monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
     monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
+    return served
+
+
+def test_a_slow_server_on_a_socket_stream_is_left_from_the_callers_thread(small_budgets, monkeypatch):
+    """The same over the server's socket, where steps run in the caller's thread: the wait ends at the deadline plus
+    the budget, the span is replaced without a ban, and the outputs are exact."""
+    torch.manual_seed(3)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    served = socket_served(monkeypatch, manager, servers["A"])
     tokens = torch.randn(1, 8, HIDDEN)
     outputs = []
     try:
@@ -1368,13 +1375,7 @@ def test_the_clients_own_pauses_are_not_charged_from_the_callers_thread(pauses, 
     servers: dict[str, FakeServer] = {"A": PausedWhileComputing(0, 4, pauses, inference_rps=1000.0)}
     servers["B"] = FakeServer(0, 4)
     manager = _manager(servers)
-    served = SocketServed(servers["A"], "A")
-
-    async def open_socket_stream(manager, peer_id, rpc):
-        return served.stream if peer_id == "A" else None
-
-    monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
-    monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
+    served = socket_served(monkeypatch, manager, servers["A"])
     # the pause is the stepping thread's: it falls as the thread's poll(2) sees the reply (the server's thread only
     # names it), so that the thread was asleep when it began
     servers["A"].pauses = woken = PausedOnWaking(pauses)
@@ -1457,18 +1458,13 @@ def test_a_late_server_on_a_socket_stream_is_pinged_from_the_callers_thread_as_f
     torch.manual_seed(8)
     servers: dict[str, FakeServer] = {"A": AnswersWhenPinged(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
     manager = _manager(servers)
-    served = SocketServed(servers["A"], "A")
-
-    async def open_socket_stream(manager, peer_id, rpc):
-        return served.stream if peer_id == "A" else None
+    served = socket_served(monkeypatch, manager, servers["A"])
 
     async def ping_s(peer_id):
         servers["A"].pinged.set()
         return 0.001
 
-    monkeypatch.setattr(span_session, "open_socket_stream", open_socket_stream)
     monkeypatch.setattr(span_session.SpanSession, "local", property(lambda self: None))  # (as over the network)
-    monkeypatch.setattr(manager, "cached_input_compression", lambda peer_id: runtime_pb2.CompressionType.NONE)
     monkeypatch.setattr(manager, "ping_s", ping_s)
     tokens, outputs = torch.randn(1, 4, HIDDEN), []
     try:
