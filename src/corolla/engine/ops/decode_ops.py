@@ -131,9 +131,9 @@ def paged_decode_attention_cpu(
     past its longest row is zeroed first, so that a recycled page's garbage (even NaN) can't reach the output. Equals
     the reference within float rounding (`tests/unit/test_engine_cpu_attention.py`)."""
     b, nq, d = q.shape
-    out = torch.empty_like(q)
     if b == 0:
-        return out
+        return torch.empty_like(q)
+    out: torch.Tensor | None = None  # (several batches: their rows scattered into it)
     page, nkv = k_cache.shape[1], k_cache.shape[2]
     lengths = seq_lens.tolist()  # on the CPU: no device sync
     for first_rows, rows, pages in cpu_attention_batches(block_tables, lengths, page):
@@ -170,7 +170,10 @@ def paged_decode_attention_cpu(
         o = (o[:, :, 0] if t == 1 else o.transpose(1, 2).reshape(u * t, nq, d)).to(q.dtype)  # [U x T, nq, D]
         if whole:
             return o
+        if out is None:
+            out = torch.empty_like(q)
         out[row_ids] = o
+    assert out is not None  # (every row is in one batch)
     return out
 
 
