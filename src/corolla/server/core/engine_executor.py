@@ -129,8 +129,7 @@ class EngineExecutor:
         self.inference_tokens = 0  # tokens of every inference batch run (in the runtime thread; the metrics read it)
         self.rates = StepRates()  # the decode and prefill rates its batches ran at (the announcer reads them)
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
-        # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
-        # every step of this batch would wait for
+        # the next forward instead of adding a second pass over the weights that every step of this batch waits for
         # decode steps on the CUDA-graph path launch in two phases (`engine.batcher.launch_steps`): the runtime
         # launches the next merged forward before it sends this one's replies (no graphs: one phase, no launcher)
         runtime.register_batch_executor(
@@ -221,12 +220,9 @@ class EngineExecutor:
     def step(
         self, cache: SessionCache, inputs: StepInputs, then: Callable[[asyncio.Future], None] | None = None
     ) -> asyncio.Future[torch.Tensor | TensorBytes]:
-        """A mergeable runtime task, its future (a plain future, not a coroutine: no task per step): queued steps of
-        this span go to one batch executor call, which merges their single-token steps into one batched forward.
-        `then(future)` (the front's reply) runs in the loop's callback that resolves it (`Task.then`: no callback of
-        its own per step). A lone session's step may run inline on an idle runtime (the future comes back resolved,
-        `then` not run). A launched forward's step returns its output's bytes (`TensorBytes`: no tensor built per
-        step), others a tensor."""
+        """The step queued as a mergeable runtime task: its future (resolved already where it ran inline on an idle
+        runtime, `then` not run). A launched forward's step returns its output's bytes (`TensorBytes`: no tensor
+        built per step), others a tensor."""
         shadow = cache.spec.shadow
         task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow, then=then)
         self._runtime.queue(task, inline=inputs.lone_session and not shadow)
@@ -242,19 +238,10 @@ class EngineExecutor:
         flush: Callable[[], None] | None = None,
         then: Callable[[asyncio.Future], None] | None = None,
     ) -> Task:
-        """The runtime task of a prepared step, or of a device channel frame's decode steps (`StepGroup`, real
-        sessions' only): a mergeable task of this span's engine (`Runtime.task`: its future in the running loop, and
-        `then` once it is delivered there, or `on_done` in any thread).
-
-        A shadow session's step (`shadow`, `protocol.shadow`) has a lead time `SHADOW_LEAD_AFTER_S` from its
-        queueing (`Task.lead_after`): it ranks as a real step queued then (behind the real steps queued before, so a
-        merged batch takes it only where they left room) and leads no batch before then while real steps come
-        (`TaskQueue._lead_at`): its rows ride the next forward the real sessions' steps lead (spare rows of a
-        forward that reads the weights anyway; its T positions as T rows, `prepare_step`), and run alone only where
-        none came meanwhile. A step that cannot ride (deep prompts at its positions) never joins real rows (it
-        would hold every real row of that batch until it ran): it runs in a batch of its own once it may lead and
-        the real steps ranked before it are served, and holds back the real steps queued meanwhile by that one
-        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        """The runtime task (`Runtime.task`) of a prepared step, or of a device channel frame's decode steps
+        (`StepGroup`, real sessions' only). A `shadow` session's step is held `SHADOW_LEAD_AFTER_S` (`Task.lead_after`:
+        it rides spare rows of forwards real steps lead); one that cannot ride (deep prompts at its positions) never
+        joins real rows and runs in a batch of its own once it may lead."""
         if isinstance(work, StepGroup):
             requests = work.requests
             size = sum(r.rows * max(r.num_tokens, 1) for r in requests)
@@ -273,13 +260,9 @@ class EngineExecutor:
         )  # fmt: skip
 
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
-        """`step` up to its task (`step_task`): the engine's request of the step, checked and bound to its session
-        (a device channel's intake thread prepares a frame's steps, then queues them as one task).
-
-        A shadow session's step of B x T <= `max_batch_rows` rows without deep prompts at its positions rides a
-        merged decode forward as B x T rows (`StepRequest.is_decode`): a client sends a shadow's decode positions
-        several at a time (`client.session.shadows.SHADOW_BATCH_ROWS`), one request, one task, one reply for them,
-        and the replica computes them as the spare rows of one forward instead of one per step."""
+        """`step` up to its task (`step_task`): the engine's request of the step, checked and bound to its session.
+        A shadow session's step of B x T <= `max_batch_rows` rows without deep prompts rides a merged decode forward
+        as B x T rows (`StepRequest.is_decode`: a client sends a shadow's decode positions several at a time)."""
         own = self._own(cache)
         session = own.session
         hidden, prefix_length, prompts, hypo_ids, adapter, _, raw, meta, rows = inputs  # (one unpack: every field)

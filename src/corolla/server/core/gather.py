@@ -1,27 +1,15 @@
-"""The runtime's gather rule: after a merged forward, wait briefly for its sessions' next steps before popping the
-next batch, so that sessions which stepped together keep stepping together.
+"""The runtime's gather rule (docs/decisions/0009, 0002): after a merged forward, wait briefly for its sessions'
+next steps before popping the next batch, so that sessions which stepped together keep stepping together instead of
+splitting into cohorts that alternate.
 
-Without it, many sessions served over RPC split into cohorts that alternate: the forward that just finished
-returns its results, and while they travel to the clients and back the device thread already pops whatever else
-is queued (the other cohort). With it, the device thread waits until most (`quantile`) of the finished forward's
-sessions are back, or until `fraction` of that forward's own time has passed since it finished, whichever is
-first. The wait adapts to the clients' round trip: the rule learns how long a finished forward's sessions take to
-come back (an exponential moving average of the time to the `quantile`-th of its own sessions' next steps, which the
-runtime's queue watches for by session: `TaskQueue.watch`) and does not wait at all while that is longer than the
-budget (WAN clients never idle the device). One slow session never holds the others: only the `quantile` of them is
-waited for, never longer than the budget. An observation counts for at most `MAX_RETURN_FORWARDS` forwards: a return
-that long already means "later than a forward" to both decisions, and a pause between turns (users reading, a gap
-between a benchmark's rows, prefilled sessions waiting for their first token) is no turn, so it cannot keep the rule
-from holding for dozens of forwards once the turns resume. Its own sessions, not any step pushed after it: while forwards are launched
-behind each other and sessions come back later than a forward lasts, the late sessions of the forward before would
-count as this one's, and the return would read as short as a forward (decision 0002, last section).
-
-The same learned return time decides whether a batch queued behind a running merged forward launches at once or
-as that forward is about to end (`holds_launch`, the runtime's hold): while the sessions come back sooner than a forward
-lasts, those of the forward before return while it runs, and holding the launch until then merges them with the ones
-already queued (one forward of many rows instead of cohorts of few: at 32 Llama-3-8B layers on an H200 a forward
-costs 5.0 ms for 21 rows and 5.9 for 32); while they come back later than that (short forwards), the next launches at
-once (docs/decisions/0002-launch-ahead.md).
+The device thread waits until `quantile` of the finished forward's own sessions are back (`TaskQueue.watch` counts
+them by session, not any step pushed after: with forwards launched back to back, the late sessions of the forward
+before would read as this one's) or `fraction` of that forward's time has passed. The rule learns the time those
+sessions take to come back and does not wait while it is longer than the budget (WAN clients never idle the device);
+an observation counts for at most `MAX_RETURN_FORWARDS` forwards, so a pause between turns cannot keep it from
+holding once the turns resume. The same learned return decides whether a batch queued behind a running forward
+launches at once or as that forward is about to end (`holds_launch`): while sessions come back within a forward,
+holding merges them into one forward of many rows.
 
 `GatherRule` is pure bookkeeping driven by the runtime's thread (`Runtime._run`); it never blocks by itself."""
 

@@ -1,27 +1,16 @@
-"""The device thread: owns the blocks and KV tensors and runs submitted tasks by priority, one batch at a time,
-in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
+"""The device thread: owns the blocks and KV tensors and runs queued `Task`s by priority, one batch at a time, in a
+`schedule -> execute -> complete` loop; results go back to the event loop that submitted them (a future) or through
+a callback task's `on_done` in the thread that ran it.
 
-A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
-batch on the device and returns a `PendingBatch`; the thread launches the next batch, if one is queued, at once or,
-while the gather rule says sessions come back within a forward (`GatherRule.holds_launch`), as the device is about
-to end the first (its learned device seconds less a launch's own: `Runtime._hold`, docs/decisions/0002-launch-ahead.md),
-and only then completes the first (encodes and sends its replies) while the device runs the next. When nothing else is queued, a launched batch is completed
-at once (a lone session's step takes no longer).
+A kind with a launcher runs in two phases (docs/decisions/0002-launch-ahead.md): the launcher queues the batch on the
+device, the thread launches the next batch (at once, or held until the first is about to end while the gather rule
+says sessions come back within a forward: `Runtime._hold`) and only then completes the first while the device runs
+the next; with nothing else queued a launched batch completes at once.
 
-Background kinds (registered `gathered=False`: training block calls, no session's steps) are paced around the
-sessions: once a launched batch of sessions' steps is complete, background work is not popped until a session's
-next step is queued (or `PACE_HOLD_S` passed), so that the thread is never busy launching background work
-(milliseconds of CPU per call) when a session comes back; it launches it while that session's next step runs on the
-device instead. A
-background batch whose launch and device time are expected to be over before the session comes back (its kind's own
-estimate, `BackgroundEstimate`, against the sessions' learned return) is launched meanwhile: short calls (replayed
-CUDA graphs) fill the session's way back instead of waiting it out.
-
-What it executes: a `Task` (a callable plus its priority, size and merge identity) in the `TaskQueue` that orders
-pending tasks and picks the next batch (most urgent first, oldest first within a priority, a held task as queued at
-its lead time: `Task.sort_key`); a task's result goes back as a future resolved inside its own event loop, or through
-a callback task's `on_done` run in the thread that ran it, then its batch's flushes (`call_back`, `deliver`,
-`resolve_all`)."""
+Background kinds (`gathered=False`: training block calls) are paced around the sessions (`Runtime._pace`): after a
+launched batch of sessions' steps they wait for a session's next step (or `PACE_HOLD_S`), so that the thread is not
+busy launching them when a session comes back, unless their own estimate says they are over before it returns
+(`Runtime._fits`)."""
 
 from __future__ import annotations
 
@@ -49,18 +38,14 @@ logger = get_logger(__name__)
 PRIORITY_INFERENCE: float = 1.0
 PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
-# a shadow session's steps (`protocol.shadow`) are queued at PRIORITY_INFERENCE with a lead time (`Task.lead_after`)
-# SHADOW_LEAD_AFTER_S from their queueing: such a step ranks as a real step queued at its lead time (behind the real
-# steps queued before then, ahead of those queued after: ageing in the queue's own order) and leads no forward before
-# then unless no real step was queued for as long; on a replica serving sessions a decode row rides a forward that
-# real steps lead (a spare row), on an idle one it runs at once; on a full one (no spare row), one aged shadow request
-# per forward takes rows ahead of the real steps queued after its lead time (`TaskQueue.pop_batch`)
+# a shadow session's steps (`protocol.shadow`) are queued at PRIORITY_INFERENCE with this lead time (`Task.lead_after`):
+# they ride spare rows of forwards that real steps lead, run at once on an idle replica, and on a full one take one
+# request's rows per forward once aged (`TaskQueue.pop_batch`)
 SHADOW_LEAD_AFTER_S: float = 0.02
 
-# the longest that background work (`Runtime.register_batch_executor(gathered=False)`) waits after a batch of
-# sessions' steps for one of them to come back (`Runtime._pace`): a decode step's return through the serving loop takes
-# ~1.5 ms on an H200 server (up to ~3 ms while 8 training clients' tensors go through the same loop); a session that
-# ended, or one further away than this, costs background work this once per batch, and no more
+# the longest that background work waits after a batch of sessions' steps for one of them to come back
+# (`Runtime._pace`; a decode step's return takes ~1.5 ms on an H200 server): a session further away costs it this once
+# per batch
 PACE_HOLD_S: float = 0.004
 # while background work waits out a session's way back only because its batch before is still on the device, the
 # runtime looks again this often whether it would now be over before the session comes (`Runtime._fits`)
@@ -94,30 +79,24 @@ class Task:
     # `flush()` once per distinct flush of the batch it ran in (a device channel sends one reply frame per batch)
     on_done: Callable[[Any, BaseException | None], None] | None = None
     flush: Callable[[], None] | None = None
-    # the steps (sessions' rows) it carries: 1, or a device channel frame's decode steps in one task; the runtime's
-    # counters, the gather rule and `KindStats` count these, not tasks
+    # the steps (sessions' rows) it carries: 1, or a device channel frame's decode steps; the counters count these
     steps: int = 1
     # its steps' sessions (any hashable key per session; empty where unknown): the gather rule learns how long a
     # merged forward's own sessions take to come back (`TaskQueue.watch`)
     sessions: tuple[Hashable, ...] = ()
-    # `time.monotonic()` before which it may join a batch that another task leads but lead none (0: any time), unless
-    # no task that may lead at once was queued for as long (`TaskQueue._lead_at`); it ranks as a task of its priority
-    # queued then (`sort_key`)
+    # `time.monotonic()` before which it may join a batch but lead none (0: any time; `TaskQueue._lead_at`)
     lead_after: float = 0.0
     # the `time.monotonic()` it ranks at among the tasks of its priority (0: its lead time, else its queueing): a
     # training work ranks at its request's arrival, so that a request's works go before any later request's
     ranks_at: float = 0.0
-    # with a future: `then(future)` runs in its loop right after the device thread's delivery resolved it there,
-    # inside that same loop callback (a front's reply to its step: no loop callback of its own per step, as a done
-    # callback would take); not run for a future cancelled before, nor where the task ran inline (`Runtime.queue`:
-    # its future comes back resolved)
+    # with a future: `then(future)` runs in the same loop callback that resolved it (a front's reply: no done callback
+    # per step); not for a cancelled future, nor where the task ran inline
     then: Callable[[asyncio.Future], None] | None = None
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
-        """Its place in the queue (lowest first): priority, then the time it ranks at: `ranks_at`, its queueing, or
-        for a held task its lead time (it waits behind the tasks of its priority queued before then and goes ahead of
-        those queued after: its place ages with no re-sort), then the order of pushes."""
+        """Its place in the queue (lowest first): priority, then `ranks_at`, its lead time or its queueing (a held
+        task's place ages with no re-sort), then the order of pushes."""
         return (self.priority, self.ranks_at or self.lead_after or self.submitted_at, self.seq)
 
     @property
@@ -128,10 +107,9 @@ class Task:
 
 @dataclass(frozen=True)
 class KindStats:
-    """Totals for one task kind since the runtime started: batches run, steps in them (`Task.steps`: a frame task
-    counts its steps), seconds spent running them as the runtime thread sees it (from a launch, or the end of the
-    batch before it, to the results in hand: it includes any time the thread was late to collect them), and, for
-    batches whose device time was measured on the device (`PendingBatch.device_s`), that time and their count."""
+    """Totals for one task kind since the runtime started: batches, steps (`Task.steps`), busy seconds as the runtime
+    thread sees them (from a launch, or the end of the batch before, to the results in hand), and the device's own
+    seconds of the batches that measured them (`PendingBatch.device_s`)."""
 
     batches: int = 0
     tasks: int = 0  # steps
@@ -283,9 +261,8 @@ class TaskQueue:
 
     def watch(self, sessions: set[Hashable], count: int, finished_s: float) -> None:
         """Watches for `count` of `sessions` (a merged forward's, finished at `finished_s`) to push their next steps
-        (`take_returns`); past `MAX_WATCHES` the oldest is dropped (its sessions ended, or come back later than that
-        many forwards: how long it waited is a lower bound of their return). Called by the device thread before it
-        hands the forward's results back: none of them is back before."""
+        (`take_returns`); past `MAX_WATCHES` the oldest is dropped (how long it waited: a lower bound of their
+        return). Called before the forward's results go back."""
         with self._lock:
             self._watches.append(_Watch(sessions, min(count, len(sessions)), finished_s))
             if len(self._watches) > MAX_WATCHES:
@@ -342,9 +319,7 @@ class TaskQueue:
 
     def _leader(self, now: float) -> tuple[Task | None, float | None]:
         """(The most urgent task that may lead a batch at `now`, taken off the heap; None) or, where every queued
-        task has to wait (`_lead_at`), (None, the earliest time one may). Held tasks rank at their lead time
-        (`Task.sort_key`), so one that may not lead yet is at the head only where no task of its priority that may
-        lead was queued before it: then one pass over the heap finds the leader. Under the lock."""
+        task has to wait, (None, the earliest time one may). Under the lock."""
         heap = self._heap
         while heap and heap[0][-1].abandoned:
             heapq.heappop(heap)  # its caller was cancelled
@@ -375,13 +350,10 @@ class TaskQueue:
         timeout_s: float | None = None,
         merge_limits: Mapping[str, int] | None = None,
     ) -> list[Task] | None:
-        """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
-        with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens` (and the
-        kind's own `merge_limits` entry, if any; the most urgent task is always taken, whatever its size).
-        A task whose `lead_after` has not come is never the most urgent one here (it may join another's batch); of
-        the held tasks (`lead_after`) one at most joins ahead of the tasks ranked after it, the others only where
-        room is left (a shadow's ageing takes one request's rows of a full forward, never all of them).
-        Returns None once the queue is closed, or an empty list on timeout."""
+        """Waits for work and returns the most urgent task that may lead, plus (if its kind is mergeable) the other
+        pending tasks of its `(kind, merge_key)` in priority order while their size fits `max_batch_tokens` and the
+        kind's `merge_limits`. Of the held tasks (`lead_after`) one at most joins ahead of the tasks ranked after it,
+        the others only where room is left. Returns None once the queue is closed, or an empty list on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
@@ -406,9 +378,8 @@ class TaskQueue:
             if merge_limits is not None and first.kind in merge_limits:
                 max_batch_tokens = min(max_batch_tokens, merge_limits[first.kind])
             kept: list[tuple[float, float, int, Task]] = []
-            # one held task goes ahead of the tasks ranked after it (the leader, if held); the other held ones take
-            # only the room those leave (`spare`): a full forward carries at most one shadow request ahead of real
-            # steps, so a burst of aged shadows never takes a saturated replica's every row, and they still advance
+            # the other held tasks take only the room left (`spare`): a burst of aged shadows never takes a saturated
+            # replica's every row
             ahead = not first.lead_after
             spare: list[tuple[float, float, int, Task]] = []
             kind, merge_key = first.kind, first.merge_key
@@ -580,17 +551,15 @@ class Runtime:
         self.num_paced = 0  # holds the device thread waited (benches)
         self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
         self.paced_s = 0.0  # seconds the device thread held background work back
-        # learned for `_fits`: the seconds from a batch of sessions' steps complete to a session's next step queued;
-        # when that batch completed (0: a session's step came since); background kinds' own estimates; whether the
-        # last `_fits` found the kind's batch before still on the device
+        # learned for `_fits`: a session's return after a batch of sessions' steps, when that batch completed (0: a
+        # session's step came since), background kinds' estimates, whether one found its batch before still running
         self._return_s: float | None = None
         self._completed_s = 0.0
         self._estimates: dict[str, BackgroundEstimate] = {}
         self._estimate_busy = False
         self.num_fitted = 0  # background batches launched while a session was on its way back (`_fits`)
-        # learned for `_hold`: a launched batch's device seconds by its kind and its steps' bit length (batches of
-        # 2-3, 4-7, ... steps), and the seconds from a held launch's wake-up to its launcher's return (benches read
-        # it; counted from the wake-up it asked for instead, it lost its A/B: docs/decisions/0051)
+        # learned for `_hold`: device seconds by kind and steps' bit length (`_device_key`), and the seconds from a
+        # held launch's wake-up to its launcher's return (docs/decisions/0051)
         self._device_s: dict[tuple[str, int], float] = {}
         self.launch_s: float | None = None
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
@@ -677,16 +646,12 @@ class Runtime:
         gathered: bool = True,
         estimate: BackgroundEstimate | None = None,
     ) -> None:
-        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit, and
-        up to `max_merged_tokens` if given: what one device call of the executor serves, the rest waiting for the
-        next batch rather than making this one call the device twice). `inline_when_idle`: a task submitted with
-        `inline=True` may run at once in the submitting thread when the runtime is idle (for short device steps
-        whose latency matters more than the caller's thread). `launcher`: runs a batch in two phases where it can
-        (see the module docstring); the batches it declines (None) go through `executor`. `gathered` False: its
-        merged batches are no sessions' steps and leave the gather rule alone (training works: after one, the
-        device thread would wait for pushes that never come, and its time would stand for a forward's); they are
-        background work, paced around the sessions (see the module docstring); `estimate` (background kinds): how
-        long a batch launched now would take, which lets one launch while a session is on its way back (`_fits`)."""
+        """Lets tasks of `kind` with equal `merge_key` run together through `executor`, up to the token limit and
+        `max_merged_tokens` (what one device call serves). `inline_when_idle`: a task queued `inline=True` may run
+        in the queuing thread when the runtime is idle. `launcher`: two-phase runs (the module docstring); batches
+        it declines go through `executor`. `gathered` False: background work (training), which the gather rule
+        ignores and which is paced around the sessions; its `estimate` lets a batch launch while a session is on
+        its way back (`_fits`)."""
         if max_merged_tokens is not None:
             if max_merged_tokens < 1:
                 raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")
@@ -730,15 +695,10 @@ class Runtime:
         ranks_at: float = 0.0,
         then: Callable[[asyncio.Future], None] | None = None,
     ) -> Task:
-        """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
-        (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
-        runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
-        once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
-        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`); `lead_after_s`:
-        it may lead a batch only that many seconds from now (`Task.lead_after`: a shadow step's); `ranks_at`: the
-        time it ranks at among its priority (`Task.ranks_at`: a training work's request's arrival); `then`: run with
-        its future once delivered (`Task.then`; a task with a future only). Raises
-        ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
+        """A task for `queue`, not queued yet (the keywords are `Task`'s fields; `lead_after_s` is relative to now).
+        Without `on_done` its result is `task.future`, resolved in the calling (running) asyncio loop; with `on_done`
+        it is a callback task, built in any thread. Raises ValueError if `size_tokens` exceeds
+        `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
                 f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
@@ -760,11 +720,10 @@ class Runtime:
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:
-        """THE way into the runtime: queues one task or several (under one hold of the queue's lock) for the device
-        thread. With `inline` (one task of a kind registered `inline_when_idle`, with a `merge_key` and at most
-        `INLINE_MAX_TOKENS` tokens), an idle runtime runs it right here instead. The device thread wakes once per
-        loop iteration for tasks with a future, at once for callback tasks. RuntimeStopped (none queued) if the
-        runtime stopped."""
+        """THE way into the runtime: queues one task or several for the device thread, or with `inline` (one task of
+        an `inline_when_idle` kind, with a `merge_key`, at most `INLINE_MAX_TOKENS`) runs it here on an idle runtime.
+        The device thread wakes once per loop iteration for tasks with a future, at once for callback tasks.
+        RuntimeStopped (none queued) if the runtime stopped."""
         if (
             inline
             and isinstance(tasks, Task)
@@ -794,8 +753,7 @@ class Runtime:
         sessions: tuple[Hashable, ...] = (), lead_after_s: float = 0.0,
     ) -> asyncio.Future:  # fmt: skip
         """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s result
-        (already resolved where it ran inline). Its keywords are `task`'s but the callback ones (`on_done`, `flush`),
-        named so that a caller's typo or a callback fails in mypy, not in the runtime."""
+        (already resolved where it ran inline)."""
         task = self.task(fn, priority=priority, size_tokens=size_tokens, kind=kind, merge_key=merge_key,
                          payload=payload, sessions=sessions, lead_after_s=lead_after_s)  # fmt: skip
         self.queue(task, inline=inline)
@@ -807,11 +765,8 @@ class Runtime:
         self._queue.wake()
 
     def _run_inline(self, task: Task) -> bool:
-        """Runs `task` now in this thread if nothing is queued or running; False (not run) otherwise.
-
-        A lone session's step then skips two thread hand-offs (loop -> device thread -> loop), each of which
-        costs a wake-up of an idle core. The caller's loop is blocked for the step, which is why only short
-        steps of registered kinds ask for it, and only while no other session could be batched with them."""
+        """Runs `task` now in this thread if nothing is queued or running (False: not run): a lone session's step
+        skips two thread hand-offs, each a wake-up of an idle core, while the caller's loop is blocked for it."""
         if self._stopped or len(self._queue) > 0 or not self._executing.acquire(blocking=False):
             return False
         try:
@@ -914,10 +869,8 @@ class Runtime:
 
     def _fits(self, kind: str, now: float) -> bool:
         """Whether a batch of background `kind` launched `now` is expected to be over, on the thread and on the
-        device, before the session's step comes back (the learned return of the sessions, ~1.5 ms on an H200 server):
-        by the kind's estimate (a training block call replayed as a CUDA graph: ~0.2 ms of launch and 0.4-1 ms of
-        device for one 512-token row; an eager one, 2.5-5 ms of launch, never fits), and only once its batch before
-        left the device."""
+        device, before the session's step comes back (by the kind's estimate, once its batch before left the
+        device)."""
         estimate, return_s = self._estimates.get(kind), self._return_s
         if estimate is None or return_s is None:
             return False
@@ -939,10 +892,8 @@ class Runtime:
         self._completed_s = 0.0
 
     def _pace(self, queue: TaskQueue) -> None:
-        """Waits while `_paced`: until a session's step is queued (it heads the queue: more urgent than any
-        background work) or the hold runs out; the thread then launches that step first, and background work while
-        the step runs on the device, not during the session's way back (a launch takes the thread ~3.5 ms for a
-        merged training block call on an H200, which a returning decode step used to wait for)."""
+        """Waits while `_paced`: until a session's step is queued (it heads the queue) or the hold runs out; the
+        thread then launches that step first, and background work while the step runs on the device."""
         if not self._paced(queue):
             return
         started = time.monotonic()
@@ -976,12 +927,9 @@ class Runtime:
             return LaunchedBatch(batch, steps, handle, None, started, queued_s=time.perf_counter())
 
     def _hold(self, launched: LaunchedBatch) -> None:
-        """Waits until the device is about to end `launched` (a held launch, `GatherRule.holds_launch`): its expected
-        end (from when the device had it queued, or the end of the forward before it, plus the device seconds learned
-        for batches of its kind and size) less the seconds a launch takes here and `LAUNCH_LEAD_S`, so that the next
-        forward is queued behind it before it ends instead of after (the device idled 0.7-1.3 ms per forward between
-        held forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
-        batch's kind is not device-timed, it waits for the end."""
+        """Waits until the device is about to end `launched` (a held launch): its expected end (its start plus the
+        device seconds learned for its kind and size) less a launch's own seconds and `LAUNCH_LEAD_S`, so that the
+        next forward is queued before it ends. Where nothing is learned yet it waits for the end."""
         expected_s = self._device_s.get(_device_key(launched))
         if expected_s is None or self.launch_s is None:
             self._wait(launched)
@@ -998,12 +946,9 @@ class Runtime:
         self._complete(launched.batch, outputs, launched.steps)
 
     def _gathered(self, batch: list[Task], steps: int, forward_s: float, *, launched: bool = False) -> None:
-        """The gather rule's bookkeeping once a merged batch finished, before its results go back: what came back of
-        the forwards before, and this one's sessions watched for (`TaskQueue.watch`). After a `launched` batch,
-        background work waits for its sessions (`_pace`): their next step is launched, and background work behind it.
-        After a batch run to its end (no launcher: a CPU server) it does not: there is no launch for it to go behind,
-        and a session that keeps coming back within the hold would starve it (a lone training client through a CPU
-        server decoding for one session: 16 tok/s paced, 449 unpaced, on the dev VM)."""
+        """The gather rule's bookkeeping once a merged batch finished, before its results go back. Only after a
+        `launched` batch does background work wait for its sessions (`_pace`): after a batch run to its end (a CPU
+        server) there is no launch to go behind, and a session returning within the hold would starve it."""
         if batch[0].kind in self._ungathered_kinds:
             return
         queue = self._queue

@@ -1,13 +1,5 @@
 """Framed streams and their byte budgets: the same-host socket's (`local_endpoint`) and the direct port's
 (`direct_endpoint`) connections, and p2p's inference streams once `stream_guard` takes their connection from p2pd's.
-Here: the byte budgets every stream is read under (`StreamBudget`, a stream's `StreamLease`), a connection as an
-asyncio `Protocol` that hands out whole frames (`FrameConnection`: the local stream's framing, or hivemind's,
-`PeerFrames`), the step port that runs an inference stream's steps by callbacks over it (`SocketPort`; p2p's
-`PeerStreamPort`, which answers refusals as p2p does), and a listener's connections: the connections it serves
-(`Connections`), the hello every connection starts with (`read_hello`, `check_hello`), one connection from its hello to
-its close (`serve_connection`, the task's own coroutine: a listener's code runs at the hello and at the end, not on
-each step's way), and one stream (`serve_inference`: frames in, each payload opened by a `FrameCodec`, the handler's
-`serve_steps`, or the `rpc_forward_stream` / `rpc_backward_stream` of a training call: the hello names the rpc).
 A decode step on every transport crosses this file and no other of the transport's.
 
 Every frame's declared length is checked against its bound before its payload is read; where a `StreamLease` is given
@@ -56,8 +48,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
-# a training call's tensors (4-12 MiB a 512-token step of hidden 4096) through p2pd moved at ~100 MB/s on loopback:
-# ~210 of a lone client's 529 ms step on an H200 (docs/decisions/0059)
 SERVED_RPCS = ("rpc_inference", "rpc_forward_stream", "rpc_backward_stream")
 CLOSE_WAIT_S = 10.0
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
@@ -76,12 +66,9 @@ RECLAIM_AFTER_S = 1.0
 
 class StreamBudget(PeerBytes):
     """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only), and each
-    message within `max_stream_message_bytes`. The front's own count (the only front: `--num_handlers` 1); a handler
-    process's spends what the core lent it (`lent_stream_budget.LentStreamBudget`).
-
-    A message refused at the total although its peer is within its fair share (decision 0187's reserve filled by
-    peers each within theirs: cheap identities) takes the room of slow messages (`reclaim`): peer ids cost nothing, so
-    what tells a hoarder from a user is not its share but its pace (decision 0212)."""
+    message within `max_stream_message_bytes` (`--num_handlers` 1; a handler process spends what the core lent it:
+    `LentStreamBudget`). A message refused at the total although its peer is within its fair share takes the room of
+    slow messages (`reclaim`): peer ids cost nothing, so a hoarder is told by its pace (decision 0212)."""
 
     def __init__(self, limits: PeerLimits):
         super().__init__("stream message", "of unfinished requests", *stream_caps(limits))
@@ -176,9 +163,8 @@ class StreamLease:
         self.conn: FrameConnection | None = None  # set by the port that reads the stream (`SocketPort`)
         # time.monotonic() when its message's header was read; of a request in parts, its first part's
         self.charged_at = 0.0
-        # a request in parts is being read (`SocketPort.requests(whole=True)`): its parts are kept charged while the
-        # next ones are waited for, the request slow as a frame is (decision 0228: whole parts sent one by one, never
-        # a frame arriving for long, held a training rpc's request unfinished at its pace and were never cut)
+        # a request in parts is being read (`SocketPort.requests(whole=True)`): its parts stay charged and the request
+        # is slow as a frame is (decision 0228)
         self.gathering = False
 
     def charge(self, nbytes: int) -> None:
@@ -216,22 +202,15 @@ class StreamLease:
 
 
 class FrameConnection(asyncio.Protocol):
-    """One connection of the same-host socket or the direct port as an asyncio `Protocol` that hands
-    out whole frames (`protocol.local_stream` framing), in place of a `StreamReader`/`StreamWriter` pair.
+    """A connection as an asyncio `Protocol` that hands out whole frames, in place of a `StreamReader`/`StreamWriter`
+    pair: taken by a task (`read_frame`: one wait for the bytes the frame still needs) or by a callback (`deliver`: no
+    task woken, an inference stream's steps). A declared length is checked, and charged where asked, when its header is
+    parsed; a frame begun that stops arriving for `idle_s` ends the stream (`StreamStalled`: one timer per wait,
+    re-armed when it fires early). Reading pauses while more than `2 * limit_bytes` wait unread, as a `StreamReader`'s
+    does; writing follows the transport's flow control (`drain`, `writing_paused`, `on_writable`).
 
-    A frame is taken whole once its bytes are buffered (`take_frame`: one header parse and one slice), either by a task
-    (`read_frame`: it waits once for the bytes the frame still needs, where a `StreamReader` wakes its reader per chunk
-    and reads a frame in two awaited calls) or by a callback (`deliver`: told when bytes or the end of the input arrive,
-    no task woken: an inference stream's steps). A declared length is checked, and charged where asked, when its header
-    is parsed, before the payload is waited for. A frame begun that stops arriving for `idle_s` ends the stream
-    (`StreamStalled`): one timer per wait, re-armed from the last byte's arrival when it fires early, not moved per
-    chunk. Reading pauses while more than `2 * limit_bytes` wait unread and nothing waits for them, as a `StreamReader`
-    with that limit does; writing follows the transport's flow control (`drain`, `writing_paused`, `on_writable`).
-
-    `serve`, where given, runs as the connection's task once the transport is made (a listener's protocol
-    factory). The frames' header is the local stream's (`protocol.local_stream`) unless `header_bytes` and
-    `parse_header` name another (a p2pd stream's: `PeerFrames`, a connection taken over from hivemind's reader with
-    `take_over`)."""
+    `serve`, where given, runs as the connection's task (a listener's protocol factory). The header is the local
+    stream's unless `header_bytes` and `parse_header` name another (a p2pd stream taken over: `PeerFrames`)."""
 
     def __init__(
         self,
