@@ -1,13 +1,8 @@
 """The one msgpack decoder for bytes from the network (request metadata, `rpc_info` replies, DHT values): hivemind's
-`MSGPackSerializer` format (tuples as ext 0x40, `DictionaryDHTValue` as ext 0x50, `BatchTensorDescriptor` as ext
-0x51) decoded under explicit limits on total bytes, nesting depth, container lengths, str/bin lengths and items.
-
-hivemind's own decoder re-enters the C unpacker through a Python ext hook once per nested tuple, so ~250 nested
-tuples (~1.2 KB) overflow the C stack and kill the process (SIGSEGV). Here every ext payload is decoded by this
-module with the caller's remaining depth, so nesting stops at `max_depth` with a `MsgpackLimitError` (a ValueError).
-`install_bounded_serializer()` makes hivemind's `MSGPackSerializer.loads` (used by its DHT node, protocol, storage
-and schema validators) this decoder too (undecodable values come back as their bytes, so a reader skips one bad
-record instead of losing the whole key); encoding stays hivemind's, so bytes on the wire are unchanged."""
+`MSGPackSerializer` format decoded under explicit limits on bytes, depth, lengths and items. hivemind's own decoder
+re-enters the C unpacker per nested tuple, so ~250 nested tuples crash the process; here every ext payload is decoded
+with the caller's remaining depth. `install_bounded_serializer()` makes hivemind's `MSGPackSerializer.loads` this
+decoder too (an undecodable value comes back as its bytes); encoding stays hivemind's."""
 
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
-"""The frames of the channel between a handler process and the device process (`--num_handlers` > 1): compact
-frames over a unix socketpair, tensors as raw bytes behind a dtype/shape record. The server's ends
-(`server.handlers.remote_core`, `device_channel`) give them meaning; this codec knows no server type.
-
-Frame: a 9-byte header (payload length: u32, kind: u8, request id: u32; big endian) and the payload. Both ends are
-processes of one server, but every size is still bounded (a frame's length before its payload is read, a tensor
-record's bytes before they are copied): a bug on one side must fail a request, not exhaust memory.
-
-Everything but a step crosses as a CALL (answered by REPLY_VALUE or REPLY_ERROR) or a one-way NOTE: a name and one
-tagged value, the tuple of its arguments (`named` / `read_named`, `Writer.value`); `matches` checks a value against
-the type the server declares. Steps and their replies cross in batches: the steps that became ready in one loop
-iteration of a handler process as one STEP_BATCH, the replies of one merged forward as one REPLY_BATCH per channel
-(a u16 item count, then per item its kind, request id, length and payload; a reply batch starts with the core's
-figures once). `parse_steps` reads a STEP_BATCH in one pass, copying the hidden states of the items that share a
-dtype and shape at once; `reply_frames` writes a merged forward's replies with one join per frame."""
+"""The frames of the channel between a handler process and the device process (`--num_handlers` > 1): a 9-byte header
+(payload length u32, kind u8, request id u32; big endian) and the payload, tensors as raw bytes behind a dtype/shape
+record, every size bounded before it is read (a bug on one side fails a request, not the memory). Everything but a
+step crosses as a CALL (answered by REPLY_VALUE or REPLY_ERROR) or a one-way NOTE: a name and tagged values
+(`named` / `read_named`); steps and their replies cross in batches (STEP_BATCH, REPLY_BATCH). This codec knows no
+server type: `server.handlers` gives the frames their meaning."""
 
 from __future__ import annotations
 

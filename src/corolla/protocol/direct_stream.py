@@ -1,16 +1,9 @@
 """The direct inference stream: `rpc_inference` between a corolla client and a corolla server over a plain TCP
-connection to the server's direct port, instead of through the two p2pd daemons (each costs a hop and a wake-up per
-message: decision 0006). The handshake and frames are docs/contracts.md's (`direct_stream`).
-
-Trust comes from p2p, which authenticates both peers: the client first asks for a ticket over p2p
-(`rpc_direct_ticket`). The token is MACed under a secret only the server holds, so the server keeps no table of
-tickets and every handler process can check any of them; the ticket key (a MAC of the token) never crosses the TCP
-link. Both proofs and both directions' keys are MACs under the ticket key of the transcript, so a hello recorded and
-resent meets a fresh server nonce it cannot answer, and the server takes none of the ticket peer's connection share
-before the client's proof checks (version 1 took it at the hello: a replayed hello held one of the victim's slots).
-Sealed frames are AES-GCM with the frame counter as nonce and the header as associated data: a frame changed,
-dropped, repeated or reordered fails to open, and the stream ends. Stock Petals peers never see any of this; a peer
-of another version keeps to p2p."""
+connection to the server's direct port, without the two p2pd daemons (decision 0006). Trust comes from p2p: the
+client fetches a ticket there (`rpc_direct_ticket`), MACed under a secret only the server holds (no ticket table;
+every handler process checks any). Both proofs and both directions' keys are MACs of the transcript under the ticket
+key, which never crosses the link; frames are AES-GCM sealed in order. The handshake: docs/contracts.md's
+`direct_stream`."""
 
 from __future__ import annotations
 

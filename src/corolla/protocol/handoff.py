@@ -1,15 +1,8 @@
-"""Wire records of the graceful drain with KV hand-off (corolla <-> corolla only; stock Petals peers never send them
-and ignore them: response metadata is unread by stock clients, and the request keys only go to corolla servers).
-
-A draining server marks each inference response with `DRAINING_KEY`; the client then sends, on the same stream, a
-zero-token step whose metadata holds `EXPORT_KEY`, and the server answers with one message whose metadata holds
-`KV_HEADER_KEY` (a `KvHeader`, or `{"error": ...}`) followed by `header.num_messages` messages of tensor parts. The
-client relays those parts, unread, to a replacement server: the first request of a new stream carries `IMPORT_KEY`
-(the same `KvHeader`) and a zero-token hidden state `[B, 0, H]`, then the part messages follow.
-
-Canonical layout: for each block of the span in order, its K then its V, each `[B, kv_heads, position, head_dim]`
-in the block dtype, whatever the sending server stores (serialized with `codecs.serialize_tensor`, split into parts
-of at most `STREAM_CHUNK_BYTES` and packed into messages of at most that many buffer bytes)."""
+"""Wire records of the graceful drain with KV hand-off (corolla <-> corolla only; stock peers never send these keys and
+ignore them): a draining server marks its responses (`DRAINING_KEY`), exports a session's cache on its stream when
+asked (`EXPORT_KEY` -> `KV_HEADER_KEY` and part messages), and its client relays the parts, unread, to a replacement
+(`IMPORT_KEY`). The exchange and the canonical layout (per block K then V, `[B, kv_heads, position, head_dim]` in the
+block dtype): docs/contracts.md's `handoff`."""
 
 from __future__ import annotations
 

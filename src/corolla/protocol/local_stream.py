@@ -1,12 +1,8 @@
-"""The same-host inference stream: `rpc_inference` between a corolla client and a corolla server on one machine over
-a unix socket instead of through two p2pd daemons (which cost ~1 ms per step on loopback, most of it waking idle
-threads of the two Go daemons). Frames, socket paths and load files are docs/contracts.md's (`local_stream`).
-
-Messages are the same `ExpertRequest` / `ExpertResponse` protobufs as on the p2p stream, so the handler cannot tell
-the transports apart; only framing differs. With handler processes each serves its own socket, and a client takes
-them in turn as p2pd deals streams round-robin, of its first two the one whose load file names fewer connections.
-A client only uses a socket in a dir owned by its own uid and closed to group and others, so only a process of the
-same user (who could read the server's memory anyway) can have put it there; anyone else keeps to p2p."""
+"""The same-host inference stream: `rpc_inference` between a corolla client and server on one machine over a unix socket
+instead of two p2pd daemons (~1 ms per step on loopback). Messages are the p2p stream's protobufs; only framing
+differs. Frames, socket paths and load files are docs/contracts.md's (`local_stream`). A client uses only sockets in a
+directory owned by its own uid and closed to others, so only the same user (who could read the server's memory
+anyway) can have put one there."""
 
 from __future__ import annotations
 

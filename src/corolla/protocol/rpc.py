@@ -1,10 +1,7 @@
-"""The RPC service Petals peers call: `TransformerConnectionHandler` with its seven `rpc_*` handlers. Handle names
-(libp2p protocol ids) are `"TransformerConnectionHandler.rpc_<name>"`; message types come from the type hints.
-
-The server subclasses `TransformerConnectionHandler` and overrides the methods (its module must import the hinted
-names at module level: hivemind resolves hints with `typing.get_type_hints`), but for `rpc_inference`: its streams are
-served over their connection (`server.front.stream_guard.steps_handler`), the declaration here names its handle and
-types. Clients use `get_stub(p2p, peer_id)`."""
+"""The RPC service Petals peers call: `TransformerConnectionHandler` with its seven `rpc_*` handlers, handle names
+`"TransformerConnectionHandler.rpc_<name>"`, message types from the type hints (hivemind resolves them with
+`typing.get_type_hints`: the server's subclass imports the hinted names at module level). Clients use
+`get_stub(p2p, peer_id)`."""
 
 from __future__ import annotations
 

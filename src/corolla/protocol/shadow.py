@@ -1,10 +1,6 @@
-"""The shadow-session mark (corolla <-> corolla; stock Petals peers ignore it): the first request of an
-`rpc_inference` stream may carry `SHADOW_KEY: True` in its metadata. The stream is then a client's mirror of another
-server's session (`client.session.shadows`): the same span inputs at the same positions, sent so that this server
-recomputes them and the client compares. A corolla server ranks such a session's steps behind the real steps queued up
-to `SHADOW_LEAD_AFTER_S` after them (`runtime.Task.lead_after`), its single-token rows merged into the batched forwards
-it runs anyway; a stock Petals server serves it as any session. Nothing else changes: the stream, its requests and
-responses are those of any session."""
+"""The shadow-session mark (corolla <-> corolla; stock Petals peers ignore it): `SHADOW_KEY: True` in the first
+request of an `rpc_inference` stream makes it a client's mirror of another server's session (`client.session.shadows`),
+recomputed here so that the client compares; a corolla server ranks its steps behind real ones (`Task.lead_after`)."""
 
 from __future__ import annotations
 

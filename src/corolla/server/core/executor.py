@@ -1,8 +1,6 @@
-"""The typed records that cross the seam between the core and the device (`engine_executor.EngineExecutor`, on this
-process's `Runtime`: the engine's `SpanEngine` over its paged `KVPool`, the one KV store) and the front-to-core seam.
-
-Everything that crosses the seam was validated by the handler (`block_functions`), where it entered: an executor
-trusts shapes, dtypes, lengths and positions and only enforces what it alone knows (free cache)."""
+"""The typed records that cross the front-to-core seam and the core's seam to the device (`engine_executor`). Everything
+that crosses was validated where it entered (`block_functions`): an executor trusts shapes, dtypes, lengths and
+positions and only enforces what it alone knows (free cache)."""
 
 from __future__ import annotations
 

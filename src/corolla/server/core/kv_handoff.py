@@ -1,8 +1,6 @@
-"""A session's KV cache in the canonical hand-off layout (`protocol.handoff`): the expected tensors of a session's
-layout (`EngineExecutor.handoff_layout`, one K and one V `[B, kv_heads, max_length, head_dim]` per block) and the
-validation of an import (hostile input) against it. Reading and writing the cache are the executor's
-(`read_kv` / `write_kv`, as runtime tasks, from and into the pool's pages; a handler process's proxy asks the device
-process's); an executor that can't raises `executor.HandoffUnsupported` and the client falls back to a replay."""
+"""A session's KV cache in the canonical hand-off layout (`protocol.handoff`): the expected tensors of a session's layout
+and the validation of an import (hostile input) against them. Reading and writing the cache are the executor's; one
+that can't raises `executor.HandoffUnsupported` and the client replays instead."""
 
 from __future__ import annotations
 

@@ -89,11 +89,9 @@ class PeerLimits:
     stream_idle_timeout_s: float = _flag(
         10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"
     )
-    # a message in flight, either way (a request's bytes coming in, a forward/backward reply's going out), must move at
-    # >= this rate once its grace is over: a trickle that stays under every idle timeout otherwise holds a stream, its
-    # charged declared length and its reply for as long as it likes. 4 KiB/s is 1/8 of a 256 kbit/s uplink (31 KiB/s):
-    # an honest client on one keeps 7 large messages in flight at once; a decode step's (16 KiB at hidden 8192) is
-    # done within the grace at any rate
+    # a message in flight, either way, must move at >= this rate once its grace is over: a trickle that stays under
+    # every idle timeout otherwise holds a stream and its charged bytes for as long as it likes. 4 KiB/s is 1/8 of a
+    # 256 kbit/s uplink; a decode step's message is done within the grace at any rate
     min_stream_rate_kib_s: float = _flag(
         4.0, "cut a stream whose message in flight moves slower than this (after min_stream_rate_grace_s; 0 = off)"
     )

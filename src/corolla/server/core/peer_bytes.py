@@ -1,11 +1,9 @@
 """Bytes of one kind held for peers, per peer and in all, each under a cap: the unfinished streamed requests a front
-holds (`front.stream_endpoint.StreamBudget`) and the KV hand-off imports in flight on the server (the core's
-`import_budget`, every front's). A peer past its
-share is refused as a peer (`PeerLimitExceeded`), any peer past the server's total as a full server
+holds (`front.stream_endpoint.StreamBudget`) and the KV hand-off imports in flight on the server (`import_budget`).
+A peer past its share is refused as a peer (`PeerLimitExceeded`), any peer past the server's total as a full server
 (`ServerLimitExceeded`: retry later); either way nothing is taken. A total cap may keep its top `reserve_bytes` for
-peers within their fair share of it (the stream caps do, decision 0187): a peer holding more than its share is refused
-that much below the total, so that the others' next message finds room without waiting for anything; the stream
-caps' fronts also cut slow messages for a peer within its share that finds the total full (decision 0212)."""
+peers within their fair share of it (the stream caps do, decision 0187), so that the others' next message finds room
+without waiting for anything."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
 
 
 @dataclass(frozen=True)
@@ -75,9 +73,8 @@ class PeerBytes:
 
     def within_share(self, peer: str, nbytes: int) -> bool:
         """Whether `peer` with `nbytes` more holds at most its fair share of the total cap: the cap over the peers
-        holding any, itself counted, at least 2, and never less than the reserve (a message: decision 0228, peer ids
-        cost nothing, and identities each holding a few bytes shrank every other peer's share at will, so that a
-        user's one message was kept out of the reserve and could reclaim nothing)."""
+        holding any, itself counted, at least 2, and never less than the reserve (a message, so that cheap identities
+        cannot shrink a user's share below one message: decision 0228)."""
         cap = self.total_cap
         peers = len(self.per_peer) + (peer not in self.per_peer)
         share = max((cap.limit_bytes or 0) // max(2, peers), cap.reserve_bytes)
@@ -100,3 +97,15 @@ class PeerBytes:
             yield
         finally:
             self.give_back(peer, nbytes)
+
+
+def import_budget(limits: PeerLimits) -> PeerBytes:
+    """The KV hand-off imports in flight on the server, every front's (`SpanCore.hold_import`): an import's parts are
+    held in host memory until its cache is written, past the stream budget, so these caps bound them; past either an
+    import is refused at its header, before any part is read (the client tries another replacement or replays)."""
+    return PeerBytes(
+        "KV import",
+        "of imports in flight",
+        ByteCap("max_import_bytes_per_peer", limits.max_import_bytes_per_peer, "peer_import_bytes"),
+        ByteCap("max_import_bytes_total", limits.max_import_bytes_total, "import_bytes_full"),
+    )

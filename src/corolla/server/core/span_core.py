@@ -1,11 +1,7 @@
-"""The one seam between a front and the core: `CoreClient`, everything a front asks of the core (sessions and their
-admission, steps, forwards and backwards, prefix caching, KV hand-off, pushes, the drain, the cache's figures).
-`SpanCore` is the core itself (one per span service): the one admission (per-peer caps, idle eviction, then the KV
-cache), the one table of pushes by session id, the forward slots of each peer, the bytes of KV imports in flight
-(and, with handler processes, the stream bytes lent to them), whether the server drains (`DrainState`) and the
-executor that runs the work. A front in the core's process calls it directly (frames reach the core without a
-socket); a front in a handler process calls `handlers.remote_core.RemoteCore`, the same seam over the one frame codec.
-A front keeps only its own streams."""
+"""The one seam between a front and the core: `CoreClient`, everything a front asks of the core, and `SpanCore`, the
+core itself (one per span service): the admission, the push table, forward slots, KV imports in flight, stream loans,
+the drain and the executor. A front in the core's process calls it directly; a handler process's front calls
+`RemoteCore`, the same seam over the channel."""
 
 from __future__ import annotations
 
@@ -30,8 +26,8 @@ from corolla.server.core.executor import (
     SessionSpec,
     StepInputs,
 )
-from corolla.server.core.import_budget import import_budget
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.peer_bytes import import_budget
 from corolla.server.core.refusals import Draining
 from corolla.server.core.stream_loans import StreamLoans
 from corolla.server.metrics import ServerMetrics
@@ -126,10 +122,8 @@ class CoreClient(Protocol):
         *,
         opening_tokens: int | None = None,
     ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
-        """Admits a session of `peer` and opens its cache (none for a max_length=0 probe), counted in the server's
-        metrics while open (the cache's figures too, as it opens and closes); pushes for `session_id` reach `sink` from before the admission until the exit.
-        ValueError if `session_id` is open already. `opening_tokens`: what its opening request brings
-        (`SessionAdmission.reserve`: none, no wait in line)."""
+        """`SessionAdmission.reserve`, counted in the server's metrics while open; pushes for `session_id` reach
+        `sink` from before the admission until the exit. ValueError if `session_id` is open already."""
         ...
 
     def step(

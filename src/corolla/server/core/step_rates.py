@@ -1,26 +1,13 @@
-"""The step rates a server announces, measured from the steps it serves (decision 0165): `inference_rps` from decode
-steps (1 to `DECODE_MAX_TOKENS` tokens: a step's blocks over the seconds its batch took on the device, which is what
-one session's step waited, however many others rode that forward) and `forward_rps` from long steps (prompts,
-replays: a step's tokens x blocks over its batch's seconds), both per block, Petals' units and the meaning clients
-give them (`client.session.stalls` times a decode step by blocks / `inference_rps` and a long step by its tokens x
-blocks / `forward_rps`; routes price a block by 1 / `inference_rps`). So a server is timed and routed by what it does
-now, not by nothing (`--throughput N`) nor only by a start-up figure from an idle device.
+"""The step rates a server announces, measured from the steps it serves (decision 0165), per block in Petals' units:
+`inference_rps` from decode steps (1 to `DECODE_MAX_TOKENS` tokens: a step's blocks over its batch's device seconds,
+what one session waited however many rode that forward) and `forward_rps` from long steps (tokens x blocks over the
+batch's seconds). A server is then timed and routed by what it does now, not by `--throughput` or a start-up figure.
 
-Each rate is a quantile over the block-steps of the last `WINDOW_S` (a step over n blocks weighs n, at its own blocks'
-rate: a merged batch of 64 steps counts as 64 that waited as long): `SLOW_QUANTILE` of the block-steps ran at least as
-fast as the figure. A step over few blocks is mostly per-step overhead, not per-block time: by its weight, one
-client's many one-block steps (a session entering at the span's last block, or a client steering the figure) move it
-no more than the blocks they ran, not by their count. A burst of slow steps moves it only once it is over a quarter of
-the window's block-steps, a burst of fast ones only once it is three quarters; old steps are forgotten, so a figure
-that got the server routed around expires with them (`announced` gives None again: the start-up figure, or none,
-stands) instead of holding forever. Samples are counted in log-spaced bins (`BINS_PER_OCTAVE`, rounded down: the
-figure errs slow by under 9%) in time buckets, so memory and the cost of an announcement do not grow with the step
-rate.
-
-The device thread only notes each batch it ran (`StepRates.ran`: a plain append of its end, its seconds and each
-step's tokens and blocks, by the executor), so no rate code runs per step; the notes are counted into the windows when
-the figures are read (`announced`, the announcer's loop) or, once `COUNT_EVERY_BATCHES` wait, by the device thread
-(`count`; a lock between)."""
+Each rate is the `SLOW_QUANTILE` of the block-steps of the last `WINDOW_S` (a step over n blocks weighs n, so one
+client's many one-block steps move it no more than the blocks they ran); old steps are forgotten, so a figure that got
+the server routed around expires with them. Samples are counted in log-spaced bins (`BINS_PER_OCTAVE`, rounded down)
+in time buckets: memory and an announcement's cost do not grow with the step rate. The device thread only appends a
+note per batch (`StepRates.ran`); notes are counted when the figures are read or every `COUNT_EVERY_BATCHES`."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""The stream byte caps (`--max_stream_bytes_per_peer` / `--max_stream_bytes_total`: bytes of streamed requests
-received and not yet processed) held per server when `--num_handlers` N > 1: the device process's core lends them to
-the handler processes (`stream_loans`, a `PeerBytes` of bytes lent, per peer and in all, under the caps), and each
-process spends its loans locally (`front.lent_stream_budget.LentStreamBudget`), so a message costs no round trip to
-the core. A process short of a peer's loan borrows the shortfall before the message's payload is read (one call;
-the core refuses as the front would, same reasons); it gives back what a peer did not use in the last
-`LOAN_REBALANCE_S` (a note); the core takes back what a dead process held. A loan the core would refuse first recalls
-what the other processes hold idle (`StreamLoans.lend`: a note to each, answered once they gave back their idle
-loans, at most `RECALL_WAIT_S`), so a loan idle in one process never refuses a peer in another while the server's
-count has room; a loan of a peer within its fair share still short at the total also has the processes cut their
-slow messages' streams (`reclaim_bytes`, decision 0212: cheap identities each within their share filled 0187's reserve);
-the refusal (same reasons) stands only when neither frees room. The bytes lent never pass the caps, and
-a process never holds more of a peer's bytes than it was lent: with any N, a peer spreading its streams over the
-processes gets one cap, and the server one total. With N = 1 the one front counts alone (`StreamBudget`), as before."""
+"""The core's count of the stream bytes lent to handler processes (`--num_handlers` N > 1; decisions 0161, 0167): each
+process reads its peers' messages within what the core lent it for each peer (`front.lent_stream_budget`), so that the
+per-peer and total stream caps hold per server. A loan past a cap first recalls the other processes' idle loans (and,
+for a peer within its share, their slow messages' streams: decision 0212); a process never holds more of a peer's
+bytes than it was lent."""
 
 from __future__ import annotations
 
@@ -27,19 +18,14 @@ from corolla.server.core.peer_bytes import ByteCap, PeerBytes
 # streams on keeps its loan (no round trip a message)
 LOAN_REBALANCE_S = 0.5
 # how long a loan past the caps waits for the other processes to give back their idle loans (a recall) before it is
-# refused: a process that answers late (its loop or the core's paused by a full collection or a starved CPU, 1-2 s
-# seen on a loaded 2-core host) costs the borrower this wait, not a refusal it would not have had (decision 0227:
-# 2 rebalances, 1 s, refused 2 of 6 runs of a peer's back-to-back streams under such pauses, 6 rebalances none)
+# refused: a process that answers late (a paused loop, 1-2 s on a loaded host) costs a wait, not a refusal (0227)
 RECALL_WAIT_S = 6 * LOAN_REBALANCE_S
 
 
 def stream_caps(limits: PeerLimits) -> tuple[ByteCap, ByteCap]:
     """The per-peer and total caps of unfinished streamed bytes (the limits with their stream defaults set). The
-    total keeps one message's bytes (at most half of it) for peers within their fair share (decision 0187): a peer
-    past its share is refused that much below the total, so an honest peer's message finds room at once instead of
-    waiting for the recall of another's idle loans (`StreamLoans.lend`: a round trip to every handler process) or
-    being refused for another's held bytes. The defaults (per peer 2 messages or 96 MiB, in all 3 or 128 MiB) make
-    a lone peer meet its own cap first."""
+    total keeps one message's bytes (at most half of it) for peers within their fair share (decision 0187), so an
+    honest peer's message finds room at once instead of waiting for a recall of another's idle loans."""
     total = limits.max_stream_bytes_total
     reserve = min(limits.max_stream_message_bytes or 0, total // 2) if total else 0
     return (

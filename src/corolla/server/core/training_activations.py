@@ -1,15 +1,8 @@
-"""Block inputs of a training forward kept for the backward of the same micro-batch: Petals' `rpc_backward` re-sends
-the inputs of its `rpc_forward`, so where a backward's inputs, deep prompts, span, adapter and client equal a recent
-forward's, the block inputs that forward computed are taken from here and the backward runs only its backward works
-(at 32 blocks: 32 block calls instead of 63) instead of recomputing them.
-
-Exact: a hit needs equal received tensors (values, shapes, dtypes; compared on the host copies the requests brought),
-so it gives what the recomputation gives (the same blocks over the same inputs, up to how the works merged). Per
-client (`owner`: the peer), as prefix caching is: one client cannot learn from the timing that another sent the same
-inputs. Bounded: `max_bytes` in all (the kept block inputs and the received tensors held as keys), none older than
-`keep_s`; past the bound the oldest entry of the client holding the most goes first (one client's flood evicts its
-own entries before anybody else's); on a GPU an entry is kept only while the device keeps `floor_bytes` free beside
-it. A miss (evicted, expired, different inputs) only costs the recomputation."""
+"""Block inputs of a training forward kept for the backward of the same micro-batch: Petals' `rpc_backward` re-sends its
+forward's inputs, so where a backward's inputs, prompts, span, adapter and client equal a recent forward's, that
+forward's block inputs are taken from here (at 32 blocks: 32 block calls instead of 63). Exact (equal received
+tensors), per client (`owner`: no timing side channel between clients), bounded (`max_bytes`, `keep_s`, the
+device's `floor_bytes`; the client holding most loses its oldest first); a miss only costs the recomputation."""
 
 from __future__ import annotations
 

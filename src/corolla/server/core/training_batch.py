@@ -1,15 +1,9 @@
 """Training work (`rpc_forward`, `rpc_backward`) of all clients as runtime tasks of one block each, merged across
-clients: the works of several requests at the same block, in the same phase, with the same length and adapter run as
-one batched block call (their rows concatenated; deep prompts zero-padded to the longest, which adds exactly 0 where a
-request has none). A backward recomputes its blocks' inputs with forward works, unless the same client's forward kept
-them (`training_activations`), then runs one backward work per block from the last down (Petals' protocol: the
-backward carries its inputs again). A request's works follow each other in the device thread (`BlockChain`), with no
-round trip through the event loop.
-
-Training works queue behind inference steps and hold the device for at most one merged block call
-(`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); block calls are background launched batches of the runtime
-(`TrainingBatcher._launch`: decision 0027), replayed as CUDA graphs where they can (`training_graphs`: decision 0057),
-and run by their requests' arrival (`Task.ranks_at`: decision 0045)."""
+clients: works at the same block, phase, length and adapter run as one block call (rows concatenated; deep prompts
+zero-padded, which adds exactly 0). A backward recomputes its blocks' inputs unless the same client's forward kept
+them (`training_activations`), then runs one backward work per block from the last down. A request's works follow
+each other in the device thread (`BlockChain`); block calls are the runtime's background launched batches (decisions
+0027, 0045, 0057)."""
 
 from __future__ import annotations
 
@@ -40,9 +34,7 @@ KIND_TRAINING_BACKWARD = "training_backward"
 TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # the most tokens (rows x length) of one merged block task, by phase: an inference step that arrives meanwhile waits for
 # at most one such task, so this bounds what training adds to a concurrent session's step (one request larger than
-# this still runs, alone). A backward work holds the device about twice as long as a forward work of as many tokens,
-# yet halving its limit lost on throughput and on the decode step (docs/decisions/0027): each block call also holds
-# the device thread for its launch (~3.5 ms, whatever its size), during which a returning decode step waits too
+# this still runs, alone; the backward's limit: docs/decisions/0027)
 FORWARD_MERGE_TOKENS = 2048
 BACKWARD_MERGE_TOKENS = 2048
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
@@ -105,9 +97,7 @@ class BlockChain:
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # when the request arrived (`time.monotonic()`): its works rank there among the training works (`Task.ranks_at`),
-        # so that the requests ahead finish and go back to their clients while the ones behind run (the clients'
-        # transfers overlap other clients' block calls instead of all clients moving their tensors at once while the
-        # device idles: docs/decisions/0045)
+        # so that the clients' transfers overlap other clients' block calls (docs/decisions/0045)
         self.arrived_s = 0.0
 
     def next_work(self) -> BlockWork:
@@ -324,10 +314,8 @@ class TrainingBatcher:
             logger.debug("training.deliver_dropped: event loop closed")
 
     def _launch(self, tasks: list[Task]) -> LaunchedWorks:
-        """The runtime's launcher for training block calls: runs `_execute` at once, so that the runtime queues the
-        call on the device before it waits for the batch it launched before (a decode step: its ~4.5 ms of device
-        time hide this call's launch, ~2.5-3.5 ms of the device thread on an H200, where the device used to idle
-        through the launch afterwards: docs/decisions/0027); the chains went on inside `_execute`."""
+        """The runtime's launcher for training block calls: runs `_execute` at once, so that the call's launch hides
+        behind the device time of the batch launched before (docs/decisions/0027)."""
         return LaunchedWorks(self._execute(tasks))
 
     def _execute(self, tasks: list[Task]) -> list[None]:
@@ -379,9 +367,8 @@ class TrainingBatcher:
 
     def _bound_in_flight(self, kind: str, before: torch.cuda.Event) -> None:
         """Leaves at most this block call (of `kind`, queued after `before`) on the device: waits for the one before
-        it, and learns that one's device seconds. The device runs this call while the thread launches the next (no
-        idle device between blocks, as a sync after each call left it), and an inference step queued next waits
-        behind one block call at most, as it did behind a synced one."""
+        it, and learns that one's device seconds. The device runs this call while the thread launches the next, and
+        an inference step queued next waits behind one block call at most."""
         after = torch.cuda.Event(enable_timing=True)
         after.record(torch.cuda.current_stream(self.backend.device))
         if self._in_flight is not None:

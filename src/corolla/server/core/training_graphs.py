@@ -1,13 +1,8 @@
-"""Training block calls as CUDA graphs: one block's forward, or its recomputed forward and backward, captured once per
-(phase, block, rows, length) on a CUDA span and replayed with the call's inputs copied into static buffers, where the
-eager call holds the device thread ~2.5-5 ms launching its kernels through Python and autograd (docs/decisions/0057).
-
-Only calls with no deep prompt and no adapter are captured (the others run eagerly, as before). The graphs share one
-memory pool: a replay's output is copied out at once, before any other replay can reuse the memory under it. Bounded:
-a graph is captured only while the graphs' static inputs and outputs stay under `MAX_HELD_BYTES` (so many request
-shapes, a client's lengths, cannot make a server hold graphs or their inputs without end: a shape past it allocates
-nothing) and the device keeps the sizing's autograd reserve free beside it; a call that is not captured, or fails to
-capture, runs eagerly from then on."""
+"""Training block calls as CUDA graphs (docs/decisions/0057): a block's forward, or its recomputed forward and backward,
+captured once per (phase, block, rows, length) and replayed with the call's inputs copied into static buffers, where the
+eager call holds the device thread ~2.5-5 ms launching kernels. Only calls with no deep prompt and no adapter are
+captured; the graphs share one memory pool (a replay's output is copied out at once). Bounded by `MAX_HELD_BYTES` and
+the sizing's autograd reserve: a call past them, or one that fails to capture, runs eagerly."""
 
 from __future__ import annotations
 

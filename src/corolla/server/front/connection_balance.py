@@ -1,21 +1,8 @@
-"""Direct-port connections placed by load over the handler processes (`--num_handlers` N > 1).
-
-Every handler process listens on the server's one direct port (`SO_REUSEPORT`), and the kernel picks the process of
-a new connection by a hash of its addresses, i.e. at random: of 64 sessions the busiest of 4 processes serves ~20
-on average (23 or more one time in ten), and its streams wait behind each other. Here the process that accepted a connection looks up, before
-reading a byte of it, how many direct connections each process serves (`LoadTable`) and, where another serves
-fewer, sends the socket there (`ConnectionHandoff`: SCM_RIGHTS over that process's unix datagram socket); the
-connection says its hello there as if it had been accepted there. Ties stay where they were accepted.
-
-`LoadTable`: one int32 per process in a file every process maps, each read-decide-write under an exclusive `flock`.
-A placement counts its connection on the chosen process at once, so a burst of accepts does not all go to the one
-that looked least loaded; only the process serving a connection releases it. A replacement handler process zeroes
-its slot (its predecessor's connections died with it). A hand-off that cannot be sent (the target died, its queue
-is full) stays where it was accepted.
-
-The directory holding the table and the sockets is the device process's own (`BalanceDirectory`, mode 0700): only
-this user's processes can hand a connection in. A received descriptor that is not a TCP stream socket is closed,
-and a message carries at most `MAX_FDS_PER_MESSAGE` (the kernel closes any beyond)."""
+"""Direct-port connections placed by load over the handler processes (`--num_handlers` N > 1): every process listens on
+the one port (`SO_REUSEPORT`), where the kernel alone would spread connections at random (of 64 sessions the busiest
+of 4 processes serves ~20). The process that accepted a connection looks up, before reading a byte of it, how many
+each process serves (`LoadTable`) and sends the socket to a less loaded one (`ConnectionHandoff`: SCM_RIGHTS within
+the device process's 0700 directory). The table, its locking and the descriptor checks: docs/contracts.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""`DirectEndpoint`: serves `rpc_inference` to corolla clients on the server's direct TCP port (`--direct_port`;
-protocol in `protocol.direct_stream`), through the handler's own `serve_steps` as the p2p stream does. A client
-first gets a ticket over p2p (`DirectTicketRpc.rpc_direct_ticket`, a unary RPC stock Petals peers never call), then
-connects here; the stream's peer is the one the ticket was issued to, and its per-peer limits (sessions, KV share,
-stream bytes, idle timeouts) are that peer's, as on p2p.
-
-A one-process server listens in its device process; with `--num_handlers` N > 1 every handler process listens on the
-same port (`SO_REUSEPORT`) with the same ticket secret, and a process that accepts a connection while another serves
-fewer hands it there before reading from it (`connection_balance`: the kernel alone would spread them at random).
-The endpoint accepts itself (`loop.sock_accept`), so that a connection is placed before any transport reads it.
-
-Before the client has proved its ticket's key a connection holds nothing but its socket: at most
-`MAX_PENDING_HELLOS` such connections, each for at most `HELLO_TIMEOUT_S` (the whole handshake); after it, at most
-`max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER` connections per peer and `max_sessions_total` in all. The
-token crosses the link in the clear, so a hello resent by someone on the path gets as far as the server's challenge
-and no further: it takes none of the victim's connections."""
+"""`DirectEndpoint`: serves `rpc_inference` to corolla clients on the server's direct TCP port (`--direct_port`; the
+handshake, sealed frames and connection limits are docs/contracts.md's `direct_stream`), through the handler's own
+`serve_steps` as the p2p stream does: the stream's peer is the one its ticket (fetched over p2p) was issued to, under
+that peer's limits. The endpoint accepts itself (`loop.sock_accept`), so that with handler processes a connection is
+placed by load (`connection_balance`) before any transport reads it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """One front: the transports of one process (the seven Petals RPCs on p2p, the same-host socket, the direct port) over
-one `TransformerConnectionHandler`, which reaches the core through one `span_core.CoreClient`. A server runs N >= 1
-fronts, every one built here from the same `front_settings.FrontSettings`: with N = 1 (the default) the one front
-lives in the core's process and its client is the `SpanCore` itself (frames reach the core without a socket); with
-N > 1 each handler process runs one (`main`, below, the process's entry point), registered `balanced` on a replica of
-the server's p2pd (p2pd spreads incoming streams over the processes that registered a name), and its client is
-`handlers.remote_core.RemoteCore` (the same seam over the process's channel to the core, `device_channel` there).
-Only the client differs between topologies. A handler process lives as long as its channel: when the device process
-closes it or dies, the front ends its sessions, unregisters and the process exits (no orphans)."""
+one `TransformerConnectionHandler`, which reaches the core through one `span_core.CoreClient`: the `SpanCore` itself in
+the core's process (N = 1), `RemoteCore` in a handler process (`main`, the process's entry point). A handler process
+lives as long as its channel: when the device process closes it or dies, the front ends its sessions and exits."""
 
 from __future__ import annotations
 

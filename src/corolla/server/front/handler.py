@@ -1,10 +1,7 @@
 """The RPC service (transport only): `TransformerConnectionHandler` with the seven Petals rpcs on a P2P replica of the
-DHT's daemon, all in the front's one asyncio loop. It decodes messages and metadata, validates them once
-(`block_functions`), hands the typed records to the core through its one seam (`core`, a `span_core.CoreClient`:
-sessions, steps, forwards, pushes, the drain), encodes replies and counts refusals (`refusals`). Its inference
-streams (`rpc_inference`, their sessions and steps, pushes to the next server) are `inference_stream`'s
-`InferenceStreams`; here the unary and gathered rpcs (forward, backward, info, push: a `*_stream` request read whole, `gather_stream`,
-bounded in messages, size and time; byte budgets and stalled peers are `stream_guard`'s) and the wiring."""
+DHT's daemon, in the front's one asyncio loop: it validates every request once (`block_functions`), hands typed records
+to the core through its one seam and counts refusals. Its inference streams are `inference_stream`'s; here the unary
+and gathered rpcs (a `*_stream` request read whole, bounded in messages, size and time) and the wiring."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""A front's inference streams (`rpc_inference`, on every transport) without a task per step: the session a stream
-opens through the core (`SessionState`, with `PushInbox`: the steps other servers push into it), the order of its
-steps (`StepOrder`: client steps and pushed ones, de-duplicated by `step_id`, under `step_timeout` and
-`session_timeout`), how each step runs
-(`SessionSteps`: decoded once by `block_functions`, sent to the core through the one seam (`CoreClient.step`), its
-reply written from the step's completion and pushed on to the next server), the transport's end of it (`StepPort`:
-`stream_endpoint`'s over a connection, p2p's too: `stream_guard.steps_handler`), the registry of this front's streams
-(ended on shutdown) and
-the KV hand-off of a draining server's sessions (`SessionHandoff`). `InferenceStreams` is the stream half of
-`handler.TransformerConnectionHandler`."""
+"""A front's inference streams (`rpc_inference`, on every transport) without a task per step: a session's state and
+pushed steps, the order of its steps (`StepOrder`), how each runs (`SessionSteps`: decoded once by `block_functions`,
+sent to the core through `CoreClient.step`, its reply written from the step's completion and pushed on), the
+transport's end (`StepPort`), the registry of this front's streams and the KV hand-off of a draining server
+(`SessionHandoff`)."""
 
 from __future__ import annotations
 
@@ -137,21 +132,16 @@ EARLY_FIRE_S = 1e-4  # a timer firing this close before its time counts as on ti
 class StepOrder:
     """Which step one `rpc_inference` session runs next, driven by callbacks (no task and no await per step).
 
-    Its inputs are the client's requests, handed over one at a time as the session makes room for them (`client`; the
-    transport is told when there is room: `ready`), and the steps other servers push into the session (its `PushInbox`,
-    which wakes it). Each request is screened here: its metadata decoded, a pushed step checked against the push rules
-    (`screen_step`), the client's own requests shown to `on_client_request`, and a step whose `step_id` was
-    already processed skipped (it came both pushed and directly) or, re-sent by the client, answered again
-    (`SessionState.resend_pending`). A step that passes is handed to `run`, one at a time: `run` returns True when the
-    step is over, else it calls `done` (or `fail`) when it is. The client's request goes before queued pushes.
+    Its inputs are the client's requests, handed over one at a time as the session makes room (`client`; the transport
+    is told: `ready`), and the steps other servers push (its `PushInbox`). Each is screened here: metadata decoded, a
+    pushed step checked against the push rules (`screen_step`), the client's own shown to `on_client_request`, a step
+    already processed skipped (it came both pushed and directly) or, re-sent by the client, answered again. A step that
+    passes goes to `run`, one at a time (True: over, else `done` or `fail` is called); the client's request goes first.
 
-    The session ends (`end(None)`) at an empty request or the end of the client's stream; after `step_timeout` without a
-    step that processed a token (zero-token keep-alives are not activity), counted from the session's last real token;
-    with `TimeoutError` past the session's `deadline` while it waits, `RequestTimeout` past it while a step runs, and
-    with its ticket's `SessionEvicted` once evicted (between steps). One timer per session, re-armed lazily when it fires
-    before the time it guards (deadlines only move later while steps come).
-
-    `deadline` is a `time.monotonic()` value (the event loop's clock)."""
+    The session ends (`end(None)`) at an empty request or the end of the client's stream; after `step_timeout` since its
+    last step that processed a token; with `TimeoutError` past its `deadline` (`time.monotonic()`) while it waits,
+    `RequestTimeout` while a step runs, and its ticket's `SessionEvicted` once evicted. One timer per session, re-armed
+    lazily when it fires early (deadlines only move later)."""
 
     def __init__(
         self,
@@ -732,10 +722,8 @@ class SessionSteps:
 
 
 class InferenceStreams:
-    """The stream half of the front's RPC service (`handler.TransformerConnectionHandler`, which sets these
-    attributes): `serve_steps`, every transport's `rpc_inference` stream (p2p's through `stream_guard.steps_handler`,
-    the sockets' through `stream_endpoint.serve_inference`), its steps, the pushes on to the next server, and the
-    refusals' one count."""
+    """The stream half of the front's RPC service (`handler.TransformerConnectionHandler` sets these attributes):
+    `serve_steps`, every transport's `rpc_inference` stream, its steps, the pushes on and the refusals' one count."""
 
     limits: ServingLimits
     core: CoreClient  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
@@ -892,10 +880,9 @@ class InferenceStreams:
     def plain_step_reply(
         self, session: SessionState, inputs: StepInputs, output: torch.Tensor | TensorBytes
     ) -> tuple[tuple[bytes | memoryview, ...], int, int] | None:
-        """`step_reply`'s response as the parts of its serialized bytes, their length and where its record begins in
-        them, built without a message (`codecs.record_frame`: the port joins them, the output's bytes copied once,
-        `StepPort.reply_joined`): a launched step's bytes in the span's dtype, from a server that does not drain; None
-        for any other output (`step_reply` builds those), nothing done."""
+        """`step_reply`'s response as (parts, length, record offset) of its serialized bytes, built without a message
+        (`codecs.record_frame`, joined by `StepPort.reply_joined`): a launched step's bytes in the span's dtype, from
+        a server that does not drain; None for any other output (`step_reply` builds those)."""
         drains = self.core.drain.deadline is not None
         if drains or not isinstance(output, TensorBytes) or output.dtype != self.limits.dtype:
             return None
@@ -934,10 +921,9 @@ class InferenceStreams:
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
     ) -> None:
         """Pushes the step's `output` to the first of `metadata.next_servers` in a task, unless `PUSH_IN_FLIGHT_MAX`
-        earlier pushes of this session still wait for their answers (`rpc_push` answers once it queued the step: a
-        downstream peer holding its answers held a task, the step's bytes and a stream here per step for
-        `request_timeout_s`, and a client naming ever new peers that hold them, as many; the client sends the next
-        server its own copy of every step, so a push left out costs latency, never correctness)."""
+        earlier pushes of this session still wait for their answers (a downstream peer holding its answers would hold
+        a task and a stream here per step; the client sends the next server its own copy of every step, so a push left
+        out costs latency, never correctness)."""
         if not metadata.next_servers or self.p2p is None:
             return
         key = metadata.session_id or ""

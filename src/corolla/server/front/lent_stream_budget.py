@@ -1,11 +1,7 @@
-"""A handler process's stream budget (`--num_handlers` N > 1): the bytes of its peers' unfinished streamed requests,
-spent from what the core lent this process for each peer (`core.stream_loans`), so that the caps hold per server, not
-per process. A message within the peer's loan is counted here, as the one front's `StreamBudget` counts it (no round
-trip); one past it borrows the shortfall from the core first (`LoanPending`: the stream takes the frame again once the
-core answered; its refusal is the stream's, reasons unchanged). Every `LOAN_REBALANCE_S` the process gives back what
-each peer did not use since the last time (the most it held meanwhile is kept: a peer streaming on keeps its loan), and
-at once what the core recalls of what its peers do not hold (`recall`: the core needs it for another process), and,
-for a peer within its share that finds the total full, the loans of slow messages' streams it cuts (decision 0212)."""
+"""A handler process's stream budget (`--num_handlers` N > 1): its peers' unfinished streamed bytes, spent from what the
+core lent this process for each peer (`core.stream_loans`), so that the caps hold per server with no round trip per
+message. A message past its peer's loan borrows the shortfall first (`LoanPending`); what a peer did not use is given
+back every `LOAN_REBALANCE_S`, and at once what the core recalls (`recall`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""`LocalEndpoint`: serves `rpc_inference` to corolla clients on the same machine over a unix socket (framing in
-`protocol.local_stream`), on the handler's own asyncio loop and through the very same handler method as the p2p
-stream, so sessions, validation, batching and cache accounting are shared. Remote clients and stock Petals clients
-keep using p2p; this only removes the two p2pd daemons from the same-host path. A one-process server listens in
-its device process; with `--num_handlers` N > 1 each handler process listens on its own socket (`index`), so that
-same-host streams are spread over the processes like p2p ones, and writes how many connections it serves into a load
-file beside its socket (`local_stream.StreamLoad`), which clients read to pick the less loaded of two sockets."""
+"""`LocalEndpoint`: serves `rpc_inference` to corolla clients on the same machine over a unix socket (framing:
+`protocol.local_stream`), through the same handler method as the p2p stream, without the two p2pd daemons. With
+handler processes each listens on its own socket and writes its connection count into a load file beside it
+(`local_stream.StreamLoad`), which clients read to pick the less loaded of two sockets."""
 
 from __future__ import annotations
 

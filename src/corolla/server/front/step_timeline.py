@@ -1,11 +1,7 @@
-"""Where a decode step's time goes inside a front, for the many-users bench: per step of an inference stream (the
-same-host socket's, the direct port's, p2p's), four `time.monotonic_ns` stamps, all taken by the stream's port
-(`SocketPort`) or its session's steps (`SessionSteps`): its request frame read, the step handed to the core (a handler
-process's: to the device channel), the core's output back, the response written (a lone session's step run inline
-has the first and the last), kept per stream and appended to `<dir>/timeline-<pid>.jsonl` when the stream ends. Off
-unless `COROLLA_STEP_TIMELINE` names a directory when the process imports this module (or `start` names one later:
-the bench's own process, which imported it first); off, a step costs a check of its port's `timeline`. The bench
-reads the files (`benchmarks.users.timeline.timeline_summary`)."""
+"""Where a decode step's time goes inside a front, for the many-users bench: four `time.monotonic_ns` stamps per step
+(request read, handed to the core, output back, response written), appended per stream to
+`<dir>/timeline-<pid>.jsonl`. Off (a check of the port's `timeline` per step) unless `COROLLA_STEP_TIMELINE` names a
+directory at import, or `start` names one (the bench's own process)."""
 
 from __future__ import annotations
 

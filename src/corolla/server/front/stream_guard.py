@@ -1,11 +1,7 @@
-"""p2p's streamed RPCs (`rpc_*_stream`, `rpc_inference`) with bounded reading: the same wire framing as hivemind's
-protobuf stream handler (marker byte, 8-byte length, message; an error marker ends the input), but a message's
-declared length is checked and charged to per-stream, per-peer and global byte budgets (`stream_endpoint`'s
-`StreamBudget`) BEFORE its bytes are read, a peer that stops sending mid-message (or between the parts of a forward
-stream) is cut off after `stream_idle_timeout_s`, and every charged byte is given back when the message is processed
-or the stream ends. Every stream is read over the connection taken from hivemind's reader as the socket's are: an
-inference stream's steps by callbacks (`steps_handler`), a forward or backward stream's request as one paced whole
-(`guarded_stream_handler`); `register_handlers` registers them all."""
+"""p2p's streamed RPCs (`rpc_*_stream`, `rpc_inference`) read under bounds: each stream's connection is taken from
+hivemind's reader and read as the socket's are (hivemind's framing, `PeerFrames`): a message's declared length charged
+to the stream byte budgets before its bytes are read, a peer that stops sending mid-message cut off after
+`stream_idle_timeout_s`, every charged byte given back once processed. `register_handlers` registers them all."""
 
 from __future__ import annotations
 
@@ -171,15 +167,11 @@ StepsFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext, StepPo
 def steps_handler(
     p2p: P2P, name: str, serve: StepsFn, budget: StreamBudget, *, on_reject: Callable[[str, BaseException], None]
 ) -> Callable[..., Any]:
-    """A binary stream handler for `rpc_inference`'s p2p streams: the stream's connection taken from hivemind's reader
-    (`FrameConnection.take_over`, `PeerFrames`) and served by `serve` (the handler's `serve_steps`) through a
-    `PeerStreamPort`, so that its steps run by callbacks as the socket's do (no task and no await per step), under the
-    same bounds as the other streams (each message charged before its body is buffered, `stream_idle_timeout_s` inside
-    a message). A refused input is answered once the session is over (counted, its bytes given back, the error sent);
-    the session's own error is sent as an `RPCError`; the rest of a caller's input is read for up to `FINISH_INPUT_S`
-    before the stream closes (`_answer`, as a forward stream's); a caller that closed or died gets nothing. A peer
-    holding `max_opening_streams_per_peer` streams whose sessions are not open yet has a new one refused at once
-    (`OpeningStreams`), answered as a refused input."""
+    """A binary stream handler for `rpc_inference`'s p2p streams, as `guarded_stream_handler` serves the others (same
+    bounds, answers and close), its steps run by `serve` (the handler's `serve_steps`) through a `PeerStreamPort`:
+    by callbacks, as the socket's (no task and no await per step). A refused input is answered once the session is
+    over. A peer holding `max_opening_streams_per_peer` streams whose sessions are not open yet has a new one
+    refused at once (`OpeningStreams`)."""
     idle_s = budget.limits.stream_idle_timeout_s or None
     opening = OpeningStreams(budget.limits)
 

@@ -1,15 +1,8 @@
 """The core's end of the handler channels (`--num_handlers` > 1): one `DeviceChannel` per handler process serves its
-frames (`protocol.channel_frames`) against the real executor and the server's one `SpanCore`. The handler process
-validated every input (`block_functions`); this side re-checks only what a frame can get wrong by itself (sizes,
-handles, block ranges, argument types).
-
-Calls and notes (rare work) run in the event loop: a CALL names a core method (`DeviceChannel.calls`, argument types
-checked before it runs) and is answered from a task of its own; a NOTE is one way (`DeviceChannel.notes`).
-
-Steps skip the event loop: one intake thread reads every channel (`ChannelIntake`: a selector, not a reader per
-channel, each of which would take the GIL from the runtime thread: decision 0004) and its `FrameIntake` queues a
-frame's decode steps as ONE runtime task (a `StepGroup`); the runtime thread sends each channel one REPLY_BATCH per
-merged forward with a blocking `sendall` (decision 0003)."""
+frames (`protocol.channel_frames`) against the executor and the server's one `SpanCore`, re-checking only what a frame
+can get wrong by itself (sizes, handles, block ranges, argument types). Calls and notes run in the event loop; steps
+skip it: one intake thread reads every channel (`ChannelIntake`, decision 0004) and queues a frame's decode steps as
+ONE runtime task, and the runtime thread sends each channel one REPLY_BATCH per merged forward (decision 0003)."""
 
 from __future__ import annotations
 

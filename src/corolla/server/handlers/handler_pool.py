@@ -1,13 +1,8 @@
-"""`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
-registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
-and all session state (the one `SpanCore`), serving each handler process through a `DeviceChannel`, all of them read
-by one intake thread (`device_channel.ChannelIntake`).
-
-Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
-second interpreter importing torch). A handler process that dies is logged and restarted; more than
-`MAX_RESTARTS_PER_MINUTE` deaths in a minute mark the pool failed, and the server restarts its serving part
-(`healthy` is False). Stopping closes every channel: each handler process ends its sessions and exits; one that
-does not within `stop_timeout_s` is killed."""
+"""`--num_handlers N` (N > 1): N handler processes, forked from a forkserver that imported the handler module once, own
+the p2p streams (registered `balanced=True` on P2P replicas of the server's p2pd); the device process keeps all session
+state. A process that dies is restarted; more than `MAX_RESTARTS_PER_MINUTE` deaths mark the pool failed (`healthy`),
+and the server restarts its serving part. Stopping closes every channel; a process not gone within `stop_timeout_s` is
+killed."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
-(`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames` frames), so the unchanged
-`TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
-batching stay with the device process's one `SpanCore` (its admission, push table, forward slots, KV imports in flight,
-stream bytes lent and drain). Each
-call of the seam but a step is one CALL of the core's method by name with its arguments as tagged values
-(`DeviceLink.request`; what it may call: `device_channel.DeviceChannel.calls`), one-way ones a NOTE. This process
-keeps only its own streams: its sessions' push sinks (a push the core routes here: a "push" note) and their tickets
-(an "evict" note ends the stream). The core's figures (cache left, its size, the drain's deadline) come with
-every reply and whenever any process opens or closes a session."""
+"""A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the front-to-core seam
+(`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames`). Every call but a
+step is one CALL of the core's method by name (`DeviceLink.request`; what it may call: `DeviceChannel.calls`), one-way
+ones a NOTE. This process keeps only its own streams: their push sinks and tickets; the core's figures come with every
+reply and whenever any process opens or closes a session."""
 
 from __future__ import annotations
 
