@@ -214,11 +214,9 @@ def is_number(value: object) -> TypeGuard[int | float]:
 
 def _dictionary_dht_value(payload: bytes, budget: _Budget, reentries_left: int) -> Any:
     """hivemind's `DictionaryDHTValue.unpackb` with each entry decoded on its own, under `DICTIONARY_ENTRY_LIMITS`:
-    an entry that fails them or is malformed (a subkey that is no str or nests past them) is skipped, not the whole
-    dictionary, and the number of entries is bounded by the bytes only. A block key's dictionary is every server of
-    the block, written by anyone: one bad subkey, or 65,537 tiny ones (~1 MiB, within the 4 MiB a p2p message
-    carries), stored at an honest node made every corolla reader drop that node's whole answer (hivemind then
-    drops every key of the same request, and the node from its routing table)."""
+    an entry that fails them or is malformed is skipped, not the whole dictionary (a block key's dictionary is every
+    server of the block, written by anyone: one bad subkey must not drop an honest node's whole answer), and the
+    number of entries is bounded by the bytes only."""
     from hivemind.dht.storage import DictionaryDHTValue
 
     unpacker = msgpack.Unpacker(max_buffer_size=max(len(payload), 1), raw=False, strict_map_key=True)

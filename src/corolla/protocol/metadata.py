@@ -186,11 +186,9 @@ class InferenceRequestMetadata:
         if source.__class__ is not dict and not isinstance(source, Mapping):
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
         if _NOT_STEP_KEYS.isdisjoint(source):
-            # a decode step as a Petals or corolla client sends it (corolla's adds extension keys, kept in `extra`):
-            # only these keys are checked (in the general path's order: the same first error), every other field is
-            # absent and keeps its default (exactly what the general path below returns for them). Built without the
-            # frozen init's one object.__setattr__ per field (~2.5 us a step): its fields set at once, the defaults'
-            # copy
+            # a decode step as a Petals or corolla client sends it: only these keys are checked (in the general path's
+            # order: the same first error), every other field keeps its default; built without the frozen init's
+            # object.__setattr__ per field (~2.5 us a step)
             get = source.get
             session_id, step_id, points = get("session_id"), get("step_id"), get("points")
             adapter, position = get("active_adapter"), get("start_from_position")

@@ -15,10 +15,8 @@ MAX_MODEL_BLOCKS = 4096  # no model has more layers; a record claiming more (e.g
 MAX_SESSIONS_ACTIVE = 1 << 20  # far above what any server holds; a record claiming more is refused
 MAX_TOKENS_SERVED = 1 << 62
 MAX_NUM_MOVES = 1 << 20
-# a record (block, index or signed) valid further ahead than this is nobody's (readers skip it, `swarm.records_io`;
-# corolla DHT nodes refuse a signed one, `swarm.signed_records.SignedRecordValidator`): servers re-announce every
-# update_period_s and set 2x that (Petals: 120 s); without a bound, a record stored once with a far expiration (a
-# ghost server, ONLINE with any claim) outlived its writer for as long as it said (docs/decisions/0133)
+# a record valid further ahead than this is nobody's (readers skip it; corolla DHT nodes refuse a signed one): servers
+# re-announce every update_period_s and set 2x that, so a far expiration only keeps a ghost server alive (0133)
 MAX_EXPIRATION_AHEAD_S = 24 * 3600.0
 # a record is a few KiB (corolla stores at most 8 KiB, Petals' are smaller), but a reader decodes DHT values of up
 # to 4 MiB: one that passed these would be kept in every reader's view (and read per hop by routing) while announced

@@ -27,11 +27,10 @@ _HANDLER_TABLES = threading.Lock()  # held while a servicer class fills its tabl
 class TransformerConnectionHandler(ServicerBase):
     """Declares the service's signatures; bodies raise NotImplementedError (the server overrides them).
 
-    Unlike plain hivemind servicers, every subclass collects its own handlers (so a subclass may add new `rpc_*`
-    extensions) and always registers under `SERVICE_NAME`, whatever the subclass is called. hivemind fills a class's
-    table lazily, and publishes it before filling it, without a lock: a second thread that registers the same class
-    meanwhile (servers started at once in one process) saw a half-filled table and left rpcs unregistered with its
-    p2pd. The table is filled under a lock here, and counts as filled only once its stub type, set last, exists."""
+    Unlike plain hivemind servicers, every subclass collects its own handlers (so a subclass may add `rpc_*`
+    extensions) and registers under `SERVICE_NAME`. hivemind publishes a class's table before filling it, without a
+    lock (servers started at once in one process left rpcs unregistered): here it is filled under a lock, and counts
+    as filled only once its stub type, set last, exists."""
 
     @classmethod
     def _collect_rpc_handlers(cls) -> None:

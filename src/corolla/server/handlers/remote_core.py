@@ -71,10 +71,9 @@ class DeviceLink:
 
     @classmethod
     async def open(cls, sock: socket.socket) -> DeviceLink:
-        """`connect` over the handler process's end of its channel. The stream reader holds up to
-        `LINK_READ_LIMIT_BYTES` before it pauses reading: a merged forward's REPLY_BATCH for many sessions (64 x 8 KiB
-        of hidden states and more) would otherwise pause and resume the socket's reading, two `epoll_ctl`s and a loop
-        iteration, on every batch (asyncio's default pauses past 128 KiB). The peer is this server's device process."""
+        """`connect` over the handler process's end of its channel (the peer is this server's device process). The
+        reader holds up to `LINK_READ_LIMIT_BYTES` before it pauses: a merged forward's REPLY_BATCH for many sessions
+        would otherwise pause and resume the socket's reading on every batch (asyncio's default is 128 KiB)."""
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=LINK_READ_LIMIT_BYTES)
         return await cls.connect(reader, writer)
 
