@@ -1,11 +1,7 @@
-"""Tensor (de)serialization through hivemind's codecs, as Petals peers expect it: bf16 goes raw (2 bytes/value),
-the legacy fp32 form is still decoded; large tensors are split into 4 MiB stream parts.
-
-Decoding trusts nothing: before anything is allocated, the header is checked against `TensorLimits` (dtype in the
-compression's whitelist, ndim, element count, decoded bytes) and the buffer must be exactly as long as the
-compression's byte layout implies for that shape (hivemind's own decoders would otherwise `np.dtype()` any declared
-dtype, e.g. `S16000000`, and allocate `numel` items of it). `check_castable` refuses values that a cast to the block
-dtype would turn into inf."""
+"""Tensor (de)serialization through hivemind's codecs, as Petals peers expect it: bf16 raw (the legacy fp32 form still
+decoded), large tensors split into 4 MiB stream parts. Decoding trusts nothing: before anything is allocated the header
+is checked against `TensorLimits` and the buffer must be exactly the compression's layout for that shape (hivemind's
+own decoders would `np.dtype()` any declared dtype). `check_castable` refuses values a cast would turn into inf."""
 
 from __future__ import annotations
 

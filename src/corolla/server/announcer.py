@@ -103,12 +103,9 @@ class Announcer:
 
     async def announce(self, state: ServerState, timeout_s: float = 2 * DHT_CALL_TIMEOUT_S + PING_TIMEOUT_S) -> None:
         """Switches state and re-announces now, and returns (within `timeout_s`) once a record of that state was
-        stored: a server that says it is ONLINE can be found by a client that reads the records after that (its
-        ready line comes after this). OFFLINE also waits until the loop ends. A store that fails or times out is
-        logged; the heartbeat tries again. An OFFLINE not stored within `timeout_s` is given up on: the loop is
-        cancelled and over when this returns. Once the loop is over nothing is stored any more: returns at once
-        (awaiting the cancelled loop raised its CancelledError into the caller: where the DHT was slow, a drain's
-        OFFLINE timed out and the shutdown's own OFFLINE then skipped stopping the service)."""
+        stored: a server that says it is ONLINE can be found by a client that reads the records after that. A store
+        that fails or times out is logged (the heartbeat tries again), but an OFFLINE not stored within `timeout_s`
+        is given up on: the loop is cancelled and over when this returns. Once the loop is over, returns at once."""
         self.server_info.state = state
         self._trigger.set()
         task = self._task

@@ -1,9 +1,6 @@
-"""Prometheus metrics of one server: a private registry (several servers per process are fine), the metric
-objects (prefix `corolla_`), and the calls the server makes on events; each is cheap, thread-safe and never raises.
-
-Nothing here runs per decode step: the runtime counts its batches (`core.runtime.BatchCounts`) and the engine its
-inference tokens in place, and a scrape reads them (`read_work`); a replaced source (a span moved) adds its totals
-to those kept, so the counters never go back."""
+"""Prometheus metrics of one server: a private registry, the metric objects (prefix `corolla_`) and the calls the server
+makes on events, each cheap, thread-safe and never raising. Nothing runs per decode step: the runtime and the engine
+count in place and a scrape reads them (`read_work`); a replaced source adds its totals to those kept."""
 
 from __future__ import annotations
 

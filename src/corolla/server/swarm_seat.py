@@ -59,12 +59,10 @@ class SwarmSeat:
         self._rng = random.Random()
 
     def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
-        """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, and the RTTs it
-        measured to other servers (its announcer's pings; none before it serves), and the KV cache it holds per block
-        (`cache_tokens_per_block`, Petals' unit; None = unknown), which placement weighs against the swarm's free
-        cache per block. No `capacity_tps` curve: its KV cache is `cache_bytes_per_block` per block held whatever
-        the span length, so fewer blocks give no more rows per step, and Petals' model
-        (`ServerCapacity.throughput_for`) is the true one until the server spends freed memory on KV."""
+        """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, the RTTs it measured
+        to other servers (none before it serves), and the KV cache it holds per block (`cache_tokens_per_block`, Petals'
+        unit; None = unknown). No `capacity_tps` curve: its KV cache per block is fixed whatever the span length, so
+        fewer blocks give no more rows per step."""
         cache = () if self.cache_tokens_per_block is None else (float(self.cache_tokens_per_block),) * self.max_blocks
         return ServerCapacity(
             peer_id=self.peer_id,

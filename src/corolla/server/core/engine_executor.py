@@ -1,12 +1,7 @@
-"""The executor of every server (the core's device side): inference steps run on the engine's `SpanEngine` over its paged `KVPool`, the
-one KV store (fused kernels where the engine has them for the family, else the family's blocks run eagerly over the
-same pool: an engine-internal choice, `SpanEngine.fused`), and single-token steps of all sessions queued at once are
-merged into one batched forward by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and
-backward run on the same blocks through `SpanBackend` (shared tensors). Sessions wait for pages in arrival order
-(`engine.kv.page_queue`); their caches are handed off on drain in the canonical layout (`kv_handoff`). A session's LoRA
-adapter (Petals' `active_adapter`, fixed when the session opens) is bound to its engine session at the first step;
-merged steps mix sessions on different adapters. Forwards and backwards of all clients run as block tasks merged
-across clients (`training_batch`)."""
+"""The executor of every server (the core's device side): inference steps on the engine's `SpanEngine` over its paged
+`KVPool`, the one KV store, with the single-token steps of all sessions merged into one batched forward by the runtime
+(`engine.batcher.execute_steps` as its batch executor); forward and backward through `SpanBackend` on the same blocks,
+merged across clients (`training_batch`). Sessions wait for pages in arrival order (`engine.kv.page_queue`)."""
 
 from __future__ import annotations
 
@@ -459,10 +454,8 @@ def build_engine_executor(
     return executor
 
 
-# The server's units of queued decode work: one `StepRequest` (a step of a stream) or a `StepGroup` (a device
-# channel frame's decode steps, one runtime task and one callback). `flatten_units` lays a batch's units out as one
-# request list for `engine.batcher.execute_steps` / `launch_steps`, `regroup` hands each unit its results, and
-# `PendingUnits` does so for a launched forward. The engine knows requests only; the grouping is the executor's.
+# The server's units of queued decode work: one `StepRequest` or a `StepGroup`, laid out as one request list for the
+# engine (`flatten_units`), which knows requests only, and handed back per unit (`regroup`, `PendingUnits`).
 @dataclass(eq=False, slots=True)
 class StepGroup:
     """Step requests queued and answered as one unit (a device channel frame's decode steps: one runtime task, one
@@ -521,9 +514,8 @@ def regroup(results: Sequence[StepResult], sizes: UnitSizes | None) -> list[Step
 
 
 def note_ran(rates: StepRates, seconds: float, tokens: Sequence[int], layers: Sequence[int]) -> None:
-    """Notes a batch the device thread ran for the step rates (its steps' tokens and blocks): a plain append
-    (`StepRates.ran`), counted when the rates are read, or here once `COUNT_EVERY_BATCHES` wait (no rate code runs per
-    step)."""
+    """Notes a batch the device thread ran for the step rates (`StepRates.ran`), counted here once
+    `COUNT_EVERY_BATCHES` wait."""
     ran = rates.ran
     ran.append((time.monotonic(), seconds, tokens, layers))
     if len(ran) >= COUNT_EVERY_BATCHES:

@@ -1,17 +1,7 @@
-"""Every way the server refuses a request, as typed exceptions, and the one place (`rejection_reason`) that maps a
-refusal to its `corolla_requests_rejected_total{reason}` label (the front counts and logs it). The error the client sees is the
-exception's message (hivemind sends `str(error)` back over the stream), so the type decides the label and the text
-is free to explain.
-
-- `BadRequest` (ValueError): malformed or out-of-range input  -> bad_request
-- `TooLong` (BadRequest): a length over a limit; carries the limit -> too_long
-- `AllocationFailed` (utils.errors): no KV cache in time       -> cache_full (limits' own subclasses: their reason)
-- `Overloaded` / `RuntimeStopped`: the device can't take work   -> overloaded
-- `RequestTimeout` (TimeoutError): a deadline passed            -> timeout
-- `Draining`: the server takes no new sessions          -> draining
-
-A refusal crosses a handler channel (`protocol.channel_frames`) as (code, reason, value, limit, message) and is raised
-again as the same type in the handler process (`encode_error` / `decode_error`)."""
+"""Every way the server refuses a request, as typed exceptions, each with its `reason`, and the one place
+(`rejection_reason`) that maps a refusal to its `corolla_requests_rejected_total{reason}` label. The client sees the
+exception's message (hivemind sends `str(error)`), so the type decides the label and the text is free to explain. A
+refusal crosses a handler channel as a code and is raised again as its type there (`encode_error` / `decode_error`)."""
 
 from __future__ import annotations
 

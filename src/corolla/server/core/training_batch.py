@@ -276,8 +276,7 @@ class TrainingBatcher:
 
     def _continue(self, chain: BlockChain, work: BlockWork, result: Any, error: BaseException | None) -> None:
         """In the device thread, once the chain's `work` ran (`_execute`): queues the chain's next work at once, or,
-        at its last work or an error, leaves the chain's answer for that work's `on_done` (after the runtime counted
-        the call)."""
+        at its last work or an error, leaves the chain's answer for that work's `on_done`."""
         chain.current = None
         future = chain.future
         assert future is not None
@@ -404,8 +403,7 @@ def training_stats(stats: dict[str, KindStats]) -> KindStats:
 
 
 def default_kept_activations(backend: SpanBackend) -> KeptActivations:
-    """The store of a server's training batcher: `KEPT_RESERVE_MULTIPLE` x the sizing's autograd reserve at most,
-    and on a GPU only while the reserve itself stays free beside it."""
+    """The store of a server's training batcher (`KEPT_RESERVE_MULTIPLE`)."""
     reserve = autograd_reserve_bytes(backend.config)
     device = backend.device
     if device.type != "cuda":
