@@ -1393,6 +1393,49 @@ def test_the_clients_own_pauses_are_not_charged_from_the_callers_thread(pauses, 
     assert late_left_s >= stalls.LATE_BUDGET_S - 0.5  # the late step's 0.3 s only
 
 
+class PausedOnAnEmptyWake:
+    """The stepping thread's poll(2): while `pause_s` is set, its next wake that finds no reply falls in a pause of
+    the client of `pause_s` (`ClientPauses`), the reply still on its way."""
+
+    def __init__(self, pauses: ClientPauses, sock: socket.socket) -> None:
+        self.pauses, self.pause_s = pauses, 0.0
+        self.readable = select.poll()
+        self.readable.register(sock, select.POLLIN)
+
+    def poll(self, timeout_ms: float):
+        events = self.readable.poll(timeout_ms)
+        if not events and self.pause_s:
+            self.pauses.jump(self.pause_s)
+            self.pause_s = 0.0
+        return events
+
+
+def test_a_pause_of_the_client_past_the_request_timeout_is_not_a_timeout_from_the_callers_thread(pauses, monkeypatch):
+    """A step in the caller's thread whose thread pauses past `request_timeout_s` (25 s against 20) while A computes
+    (A answers 0.3 s after the request): the pause is the client's, credited by the step's wait, and A's reply is
+    taken. On main `exchange` kept a wall-clock deadline of its own beside the wait's, raised TimeoutError at the
+    first wake past it, and the session left A for B (replaying its history there)."""
+    torch.manual_seed(8)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    served = socket_served(monkeypatch, manager, servers["A"])
+    served.stream._readable = poller = PausedOnAnEmptyWake(pauses, served.stream.sock)
+    tokens, outputs = torch.randn(1, 4, HIDDEN), []
+    try:
+        with InferenceSession(manager, max_length=4) as session:
+            for t in range(4):
+                if t == 2:
+                    servers["A"].delay_s, poller.pause_s = 0.3, REQUEST_TIMEOUT_S + 5.0
+                outputs.append(session.step(tokens[:, t : t + 1]))
+                servers["A"].delay_s = 0.0
+            route, steps_here = [span.peer_id for span, _ in session.route], session.num_steps_here
+    finally:
+        served.stop()
+    assert poller.pause_s == 0.0  # (the pause fell)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert route == ["A"] and steps_here == 3 and not servers["B"].requests
+
+
 class PingPausedManager(FakeManager):
     """A ping asked while `pause_ping` is set fails only after the client paused past its timeout (`ClientPauses`):
     the answer came during the pause, the ping's timer fired first."""

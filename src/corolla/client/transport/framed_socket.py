@@ -8,7 +8,6 @@ implies, `output_checks.reply_limit_bytes`), never above `MAX_RESPONSE_FRAME_BYT
 from __future__ import annotations
 
 import asyncio
-import math
 import select
 import socket
 import time
@@ -109,7 +108,9 @@ class FramedSocketStream(ABC):
         polling for up to `poll_s`, else sleeping in `poll(2)` before each read (a read that finds nothing costs a
         raised BlockingIOError) until `waiter.wake_at()` at the latest, then telling `waiter.woke` and, without the
         response, `waiter.idle()` (which may end the wait: it raises). ConnectionError when the stream ends or breaks
-        or the response's frame announces more than `max_response_bytes`, TimeoutError past `timeout_s`."""
+        or the response's frame announces more than `max_response_bytes`, TimeoutError past `timeout_s` while
+        sending, and while waiting without a `waiter` (a waiter's own timeout ends its wait: it is the step's clock,
+        which does not charge the server for the caller's own pauses)."""
         max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
         deadline = start + timeout_s
@@ -132,7 +133,7 @@ class FramedSocketStream(ABC):
         while (parsed := self._parse_frame(max_response_bytes)) is None:
             now = time.monotonic()
             if now >= poll_until:  # in slices: Ctrl-C ends the wait (utils.interrupts)
-                asked = max(now, min(deadline, math.inf if waiter is None else waiter.wake_at(now), now + WAIT_SLICE_S))
+                asked = max(now, min(deadline if waiter is None else waiter.wake_at(now), now + WAIT_SLICE_S))
                 poller.poll((asked - now) * 1000)
                 slept, now = True, time.monotonic()
             else:
@@ -142,10 +143,10 @@ class FramedSocketStream(ABC):
             try:
                 chunk = self.sock.recv(RECV_BYTES)
             except BlockingIOError:
-                if now >= deadline:
-                    raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
                 if waiter is not None:
                     waiter.idle()
+                elif now >= deadline:
+                    raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
                 continue
             if not chunk:
                 raise ConnectionError(f"server ...{self.peer_id[-6:]} closed the inference stream")
