@@ -146,7 +146,7 @@ def dequantized_layers(layers: list[LayerWeights]) -> list[LayerWeights]:
     for layer in layers:
         assert layer.moe is not None and isinstance(layer.moe.experts, QuantizedExpertWeights)
         q = layer.moe.experts
-        experts = ExpertWeights.from_tensors([w.dequantize() for w in q.gate_up], [w.dequantize() for w in q.down])
+        experts = ExpertWeights(tuple(w.dequantize() for w in q.gate_up), tuple(w.dequantize() for w in q.down))
         moe = RoutedMoE(layer.moe.router, experts, layer.moe.top_k, layer.moe.normalize_top_k)
         w_qkv, w_o = layer.w_qkv, layer.w_o
         assert not isinstance(w_qkv, torch.Tensor) and not isinstance(w_o, torch.Tensor)

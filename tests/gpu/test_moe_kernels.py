@@ -30,7 +30,7 @@ def random_experts(num_experts: int, hidden: int, inter: int, *, stacked: bool, 
     down = torch.randn(num_experts, hidden, inter, device=DEV, generator=gen).mul_(inter**-0.5).to(BF16)
     if stacked:
         return ExpertWeights.from_stacked(gate_up, down)
-    return ExpertWeights.from_tensors([t.clone() for t in gate_up], [t.clone() for t in down])
+    return ExpertWeights(tuple(t.clone() for t in gate_up), tuple(t.clone() for t in down))
 
 
 def routes(n: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,9 +57,7 @@ def routes(n: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tenso
 @pytest.mark.parametrize(("num_experts", "hidden", "inter", "top_k"), [(8, 512, 768, 2), (16, 384, 320, 4)])
 def test_quantized_kernel_matches_reference(kind, num_experts, hidden, inter, top_k) -> None:
     experts = random_experts(kind, num_experts, hidden, inter)
-    dense = ExpertWeights.from_tensors(
-        [w.dequantize() for w in experts.gate_up], [w.dequantize() for w in experts.down]
-    )
+    dense = ExpertWeights(tuple(w.dequantize() for w in experts.gate_up), tuple(w.dequantize() for w in experts.down))
     for n in (1, 3, 8, 64, 200):
         x = torch.randn(n, hidden, device=DEV, dtype=BF16)
         weights, ids = routes(n, num_experts, top_k, seed=n)

@@ -40,7 +40,7 @@ def per_token_loop(x, ids, weights, gate_up, down) -> torch.Tensor:
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_reference_matches_per_token_loop(top_k: int) -> None:
     gate_up, down = random_experts()
-    experts = ExpertWeights.from_tensors(gate_up, down)
+    experts = ExpertWeights(tuple(gate_up), tuple(down))
     x = torch.randn(9, H)
     weights, ids = softmax_topk(torch.randn(9, E), top_k, normalize=True)
     expected = per_token_loop(x, ids, weights, gate_up, down)
@@ -88,13 +88,13 @@ def test_stacked_experts_are_views_and_match() -> None:
     weights, ids = softmax_topk(torch.randn(4, E), 2, normalize=True)
     torch.testing.assert_close(
         experts_forward(x, ids, weights, experts),
-        experts_forward(x, ids, weights, ExpertWeights.from_tensors(gate_up, down)),
+        experts_forward(x, ids, weights, ExpertWeights(tuple(gate_up), tuple(down))),
     )
 
 
 def test_ids_outside_the_experts_contribute_nothing() -> None:
     gate_up, down = random_experts(3)
-    experts = ExpertWeights.from_tensors(gate_up, down)
+    experts = ExpertWeights(tuple(gate_up), tuple(down))
     x = torch.randn(3, H)
     ids = torch.tensor([[0, E], [-1, 2], [4, 1]])
     weights = torch.rand(3, 2)
@@ -119,7 +119,7 @@ def test_bfloat16_rounds_each_expert_output_like_the_block() -> None:
 
 def test_validation_names_the_limit() -> None:
     gate_up, down = random_experts()
-    experts = ExpertWeights.from_tensors(gate_up, down)
+    experts = ExpertWeights(tuple(gate_up), tuple(down))
     ids = torch.zeros(2, 2, dtype=torch.long)
     w = torch.ones(2, 2)
     with pytest.raises(ValueError, match=rf"x must be \[N, {H}\]"):
@@ -131,9 +131,9 @@ def test_validation_names_the_limit() -> None:
     with pytest.raises(ValueError, match=r"x must be torch.float32"):
         experts_forward(torch.randn(2, H, dtype=torch.float64), ids, w, experts)
     with pytest.raises(ValueError, match="expert 1"):
-        ExpertWeights.from_tensors([gate_up[0], gate_up[1][:-2]], down[:2])
+        ExpertWeights((gate_up[0], gate_up[1][:-2]), tuple(down[:2]))
     with pytest.raises(ValueError, match="contiguous"):
-        ExpertWeights.from_tensors([gate_up[0], gate_up[1]], [down[0], down[1].t().contiguous().t()])
+        ExpertWeights((gate_up[0], gate_up[1]), (down[0], down[1].t().contiguous().t()))
     with pytest.raises(ValueError, match="router must be"):
         RoutedMoE(torch.randn(E + 1, H), experts, 2, True)
     block = SparseMoE(H, INTER, E, 2, "silu", expert_ids=[0, 1])

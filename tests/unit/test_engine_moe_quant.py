@@ -50,9 +50,7 @@ def random_quantized(kind: str, seed: int = 0) -> QuantizedExpertWeights:
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_experts_equal_dense_op_on_dequantized_weights(kind: str) -> None:
     experts = random_quantized(kind)
-    dense = ExpertWeights.from_tensors(
-        [w.dequantize() for w in experts.gate_up], [w.dequantize() for w in experts.down]
-    )
+    dense = ExpertWeights(tuple(w.dequantize() for w in experts.gate_up), tuple(w.dequantize() for w in experts.down))
     x = torch.randn(11, H)
     weights, ids = softmax_topk(torch.randn(11, E), 2, normalize=True)
     ids[3, 1] = E  # outside [0, E): contributes nothing

@@ -1,12 +1,8 @@
-"""Merging of queued steps: `execute_steps` runs a set of step requests of many sessions on one span with as much
-merging as is correct (decode steps of distinct sessions share one batched decode forward per layer range: single-
-token steps, and short steps marked so as B x T rows (`StepRequest.is_decode`); other multi-token steps run one by
-one after it). The server's `Runtime` is the one scheduler in production: the fast
-executor registers `execute_steps` as its batch executor, and `launch_steps` as its launcher: a set of decode steps
-that one CUDA-graph forward serves is launched on the device and finished later (`PendingSteps.wait`), so that the
-runtime can launch the next forward before it sends this one's replies. How the server groups requests into its
-tasks is the server's (`server.core.engine_executor`). (The bench's own-thread driver is
-`benchmarks.common.batcher.ContinuousBatcher`.)"""
+"""Merging of queued steps, the server `Runtime`'s batch executor and launcher: `execute_steps` runs a set of step
+requests of many sessions with as much merging as is correct; `launch_steps` launches a set of decode steps that one
+CUDA-graph forward serves and finishes it later (`PendingSteps.wait`), so that the runtime can launch the next
+forward before it sends this one's replies. How the server groups requests into tasks is its own
+(`server.core.engine_executor`)."""
 
 from __future__ import annotations
 

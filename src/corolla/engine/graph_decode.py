@@ -10,16 +10,9 @@ thread) can stage and launch the next forward while the device still runs this o
 
 Buffer lifetimes: the graph's static device buffers are reused by the next launch in stream order (its input copies
 run after this replay and this output copy). The pinned host buffers are not ordered by the stream: the CPU writes
-the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it: it
-collects the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
-last event (a launch never overwrites inputs that a queued copy has not read yet). With at most one forward pending
-while the next is launched (the runtime), nothing waits there in practice.
-
-The output is not copied out of its pinned buffer (`HostOutput`): the replies get views of it (`output_bytes`), and a
-launch writes its output into a set's buffer only once nothing views that buffer any more (every view handed out
-keeps one array object alive, watched through a weak reference: no release call to forget); while a reply still
-views it, the set takes a spare buffer instead (allocated where none is free), and the viewed one lives on with its
-views."""
+the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it
+(`HostStaging.reuse`). With at most one forward pending while the next is launched (the runtime), nothing waits
+there in practice. The output is not copied out of its pinned buffer: the replies view it (`HostOutput`)."""
 
 from __future__ import annotations
 

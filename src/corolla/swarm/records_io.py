@@ -279,11 +279,10 @@ async def _get_index_and_signed(
         if len(entries) >= MAX_INDEXED_MODELS:
             logger.warning(f"records.index_capped(max_models={MAX_INDEXED_MODELS})")
             break
-    if max_signed_lookups <= 0 or not probe:
+    if not probe:
         return entries, {}
-    probe = list(dict.fromkeys(probe))
-    raw = await _get_records(dht, node, keys=probe, latest=latest)
-    signed = await _lookup_signed(dht, node, keys=probe, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
+    keys = list(dict.fromkeys(probe))
+    _, signed = await _get_block_records(dht, node, keys=keys, latest=latest, max_signed_lookups=max_signed_lookups)
     return entries, signed
 
 

@@ -1,29 +1,8 @@
-"""Routed mixture-of-experts for the fast path: SwiGLU experts read in place, routers as functions.
-
-API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own group-limited router):
-
-- `ExpertWeights`: one layer's E experts, each a fused `gate_up` [2I, H] (rows [gate (I); up (I)]) and a `down`
-  [H, I] tensor, all of one dtype on one device, row-major. Build it from per-expert tensors
-  (`ExpertWeights.from_tensors`), from transformers 5's stacked tensors (`from_stacked`, gate_up [E, 2I, H],
-  down [E, H, I]: per-expert views, no copy) or from corolla's `GatedMLP` modules (`from_modules`). The tensors stay
-  where they are: the CUDA kernel reads them through a table of their addresses (`gate_up_ptrs`, `down_ptrs`,
-  int64 [E]), so nothing is gathered or copied per step.
-- `experts_forward(x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32, experts) -> [N, H]` in x's dtype:
-  out[n] = sum_j expert_weights[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n])) with e = expert_ids[n, j]. Each
-  expert's output is rounded to x's dtype before it is weighted (as the plain blocks do), the k terms are summed in
-  fp32 and rounded once. Ids outside [0, E) contribute nothing. On CUDA with Triton and N <= `KERNEL_MAX_TOKENS`
-  it runs the grouped kernels of `moe_kernels` (assignments sorted by expert on the device; no host sync, so it is
-  CUDA-graph safe; each chosen expert's weights are read once per step whatever the number of tokens choosing it);
-  otherwise the torch reference `experts_forward_ref` (one dense GEMM per used expert; syncs to find them).
-- Routers: `softmax_topk(logits [N, E], top_k, normalize=...)` -> (weights [N, k] fp32, ids [N, k] int64), the
-  Mixtral / Qwen3-MoE rule of the blocks' own `models.layers.SparseMoE` (softmax in fp32, top-k, optionally
-  renormalized to sum 1).
-- `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer.
-- Quantized experts (bitsandbytes NF4 / Int8 layouts read in place): `moe_quant.QuantizedExpertWeights` stands
-  wherever `ExpertWeights` does (`Experts` is either); `experts_forward` runs `moe_quant_kernels`' grouped kernels
-  for them on CUDA (same contract, same routing and epilogues, the weight tiles decoded in registers), NF4 steps of
-  at most `moe_nf4_tile.TILE_MAX_TOKENS` tokens the dense NF4 projections' matrix-unit GEMV (`moe_nf4_tile`), and
-  the reference dequantizes the used experts (`dense(e)`). `RoutedMoE.from_module` picks the kind from the modules."""
+"""Routed mixture-of-experts for the fast path: SwiGLU experts read in place (`ExpertWeights`, or bitsandbytes'
+NF4 / Int8 layouts as `moe_quant.QuantizedExpertWeights`), `experts_forward` over them, and `RoutedMoE`, the MLP of
+one Mixtral / Qwen3-MoE layer (the DeepSeek-V3 fast path calls `experts_forward` with its own group-limited router).
+The CUDA kernels read the experts' tensors through a table of their addresses: nothing is gathered or copied per
+step."""
 
 from __future__ import annotations
 
@@ -56,7 +35,8 @@ KERNEL_MAX_TOKENS = 256  # above this (prefill chunks) one dense GEMM per used e
 
 @dataclass(frozen=True)
 class ExpertWeights(ExpertSet):
-    """E SwiGLU experts of one layer: `gate_up[e]` [2I, H], `down[e]` [H, I], read in place (see module docstring)."""
+    """E SwiGLU experts of one layer: `gate_up[e]` [2I, H] (rows [gate; up]), `down[e]` [H, I], of one dtype on one
+    device, row-major, read in place."""
 
     gate_up: tuple[torch.Tensor, ...]
     down: tuple[torch.Tensor, ...]
@@ -78,10 +58,6 @@ class ExpertWeights(ExpertSet):
         dev = first.device
         object.__setattr__(self, "gate_up_ptrs", _address_table(self.gate_up, dev))
         object.__setattr__(self, "down_ptrs", _address_table(self.down, dev))
-
-    @classmethod
-    def from_tensors(cls, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor]) -> ExpertWeights:
-        return cls(tuple(gate_up), tuple(down))
 
     @classmethod
     def from_stacked(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
@@ -153,9 +129,14 @@ def experts_forward(
     config: tuple[int, ...] | None = None,
     graph_safe: bool = False,
 ) -> torch.Tensor:
-    """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype (module docstring).
-    `use_triton=False` forces the reference; `config` is an entry of `expert_configs(experts)` (default: the first);
-    `graph_safe=True` keeps the kernel (no host sync) on CUDA whatever N, as a step captured in a CUDA graph needs."""
+    """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype: out[n] = sum_j
+    expert_weights[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n])), e = expert_ids[n, j]; each expert's output is
+    rounded to x's dtype before it is weighted (as the plain blocks do), the k terms summed in fp32 and rounded once;
+    ids outside [0, E) contribute nothing. On CUDA with Triton and N <= `KERNEL_MAX_TOKENS`: the grouped kernels
+    (`moe_kernels`, `moe_quant_kernels`; NF4 steps of at most `moe_nf4_tile.TILE_MAX_TOKENS` tokens the matrix-unit
+    GEMV), no host sync, so CUDA-graph safe, each chosen expert's weights read once per step; else
+    `experts_forward_ref`. `use_triton=False` forces the reference; `config` is an entry of `expert_configs(experts)`
+    (default: the first); `graph_safe=True` keeps the kernel on CUDA whatever N, as a captured step needs."""
     _check_inputs(x, expert_ids, expert_weights, experts)
     if use_triton and kernel_usable(experts.device) and (graph_safe or x.shape[0] <= KERNEL_MAX_TOKENS):
         if isinstance(experts, QuantizedExpertWeights) and tile_serves(experts, x.shape[0]):

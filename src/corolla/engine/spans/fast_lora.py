@@ -1,23 +1,16 @@
 """LoRA adapters on the fast path (S-LoRA / punica style): every loaded adapter of a llama-family span stacked per
-layer and projection, so that one batched decode step applies a different adapter to each row.
+layer and projection (`FusedProjection`), so that one batched decode step applies a different adapter to each row.
 
 An adapter on q/k/v or gate/up lives in `models.lora.LoraLinear` as one A [R, in] (its sub-projections' A
-concatenated) and one B [out, R] that is zero outside each sub-projection's rows; the stacks keep that form (so the
-shrink of a fused projection is one matmul for all its sub-projections and all adapters). The blocks' `LoraLinear`
-parameters are re-pointed at views of the stacks: the plain path (forward, backward) reads the same memory, nothing
-is stored twice.
+concatenated) and one B [out, R] that is zero outside each sub-projection's rows; the stacks keep that form (one
+shrink matmul for all sub-projections and adapters) and the blocks' `LoraLinear` parameters are re-pointed at views
+of them, so nothing is stored twice: the stacks hold exactly what `models.lora.adapter_stored_bytes` (the server's
+sizing) counts (the padded forms they replaced: docs/decisions/0026-lora-fused-form.md).
 
-Per layer and fused projection (`qkv`, `o`, `gate_up`, `down`) that some adapter targets, a `FusedProjection`:
-A [C, in] and B^T [C, out], C = the sum of the adapters' ranks there (scaling folded into B, no padding, no zero
-adapter): exactly the bytes of the blocks' `LoraLinear`s, which is what `models.lora.adapter_stored_bytes` (the
-server's sizing) counts. (The padded forms it replaced lost: `docs/decisions/0026-lora-fused-form.md`.)
-
-A decode step reads each row's adapter index from the static buffer `row_ids` (filled by the engine before the
-step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row as
-`y.addmm_(mask(x @ A_all^T), B_all)`: three kernels per projection (shrink, mask, expand accumulating into the
-projection's output in place); the [B, C] masks are built once per step per column layout. The masks set other adapters' columns to zero (`masked_fill_`, not a multiply: an overflow there must not leak).
-Steps where no row uses an adapter skip all of it (the engine captures a graph without adapters for them).
-Prefill runs one sequence with its session's adapter."""
+A decode step reads each row's adapter index from the static buffer `row_ids` (CUDA-graph safe) and adds
+`x @ A[id]^T @ B[id]` per row in three kernels per projection (`DecodeRows.expand`); steps where no row uses an
+adapter skip all of it (the engine captures a graph without adapters for them). Prefill runs one sequence with its
+session's adapter (`OneAdapter`)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,6 @@ from corolla.models.layers import DenseMLP
 
 
 class BloomBlock(CorollaBlock):
-    """Checkpoint names: `input_layernorm`, `self_attention.query_key_value` (per head q|k|v),
-    `self_attention.dense`, `post_attention_layernorm`, `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`."""
-
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         H, heads = config.hidden_size, config.n_head

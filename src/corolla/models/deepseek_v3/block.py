@@ -22,11 +22,6 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 
 
 class DeepseekV3Block(CorollaBlock):
-    """Checkpoint names: `self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj}`, `self_attn.kv_a_proj_with_mqa`,
-    `self_attn.kv_a_layernorm`, `self_attn.kv_b_proj`, `self_attn.o_proj`; dense layers `mlp.{gate,up,down}_proj`;
-    MoE layers `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.experts.<e>.{gate,up,down}_proj`,
-    `mlp.shared_experts.{gate,up,down}_proj`; `input_layernorm`, `post_attention_layernorm`."""
-
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -21,10 +21,6 @@ def falcon_kv_heads(config) -> int:
 
 
 class FalconBlock(CorollaBlock):
-    """Checkpoint names: `self_attention.query_key_value`, `self_attention.dense`, `mlp.dense_h_to_4h`,
-    `mlp.dense_4h_to_h`, and `ln_attn`/`ln_mlp` (new architecture) or `input_layernorm`
-    [+ `post_attention_layernorm` when attention and MLP run in sequence]."""
-
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         H, heads = config.hidden_size, config.num_attention_heads

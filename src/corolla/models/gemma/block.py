@@ -64,8 +64,7 @@ def make_gemma_attention(config, layer_idx: int, *, qk_norm: bool) -> WindowedAt
 
 
 class Gemma2Block(CorollaBlock):
-    """x + post_attn_norm(attn(input_norm(x))), then + post_ff_norm(mlp(pre_ff_norm(.))).
-    Checkpoint names: `self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, the four norms."""
+    """x + post_attn_norm(attn(input_norm(x))), then + post_ff_norm(mlp(pre_ff_norm(.)))."""
 
     QK_NORM = False
     NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")

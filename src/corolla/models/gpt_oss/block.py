@@ -66,9 +66,7 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssBlock(CorollaBlock):
-    """x + attn(norm(x)), then + moe(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj.{weight,bias}`,
-    `self_attn.sinks`, `mlp.router.{weight,bias}`, `mlp.experts.{gate_up_proj,down_proj}[_bias]`,
-    `input_layernorm`, `post_attention_layernorm`."""
+    """x + attn(norm(x)), then + moe(norm(.))."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)

@@ -51,15 +51,9 @@ def make_rotary_attention(config, layer_idx: int, *, qk_norm: bool = False) -> A
     )  # fmt: skip
 
 
-def qkv_layout(
-    config,
-    *,
-    qkv_bias: bool,
-    out_bias: bool,
-    names: tuple[str, str, str, str] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
-) -> dict[str, TensorTarget]:
-    """Separate checkpoint q/k/v projections (`names`: q, k, v, o) -> row ranges of our fused `attn.qkv`."""
-    q_name, k_name, v_name, o_name = names
+def qkv_layout(config, *, qkv_bias: bool, out_bias: bool) -> dict[str, TensorTarget]:
+    """Separate checkpoint q/k/v projections -> row ranges of our fused `attn.qkv`."""
+    q_name, k_name, v_name, o_name = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"
     hd = head_dim_of(config)
     nq, nkv = config.num_attention_heads * hd, num_kv_heads_of(config) * hd
     rows = {
@@ -83,9 +77,7 @@ QK_NORM_LAYOUT = {f"self_attn.{n}_norm.weight": TensorTarget(f"attn.{n}_norm.wei
 
 
 class LlamaBlock(CorollaBlock):
-    """x + attn(norm(x)), then + mlp(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj`,
-    `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm` (and `self_attn.{q,k}_norm` where
-    `QK_NORM`)."""
+    """x + attn(norm(x)), then + mlp(norm(.))."""
 
     QK_NORM = False  # Qwen3: per-head RMSNorm of queries and keys before rotary
 
@@ -124,6 +116,4 @@ class LlamaBlock(CorollaBlock):
 
 
 class Qwen3Block(LlamaBlock):
-    """Checkpoint names: Llama's and `self_attn.{q,k}_norm` (weights `[head_dim]`)."""
-
     QK_NORM = True

@@ -16,9 +16,8 @@ _MIXTRAL_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 
 class MixtralBlock(LlamaBlock):
-    """Checkpoint names: `self_attn.{q,k,v,o}_proj`, `block_sparse_moe.gate` (router),
-    `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down), the two RMSNorms. Newer transformers spellings
-    (`mlp.gate`, stacked `mlp.experts.gate_up_proj` / `down_proj`) are accepted too."""
+    """Newer transformers spellings (`mlp.gate`, stacked `mlp.experts.gate_up_proj` / `down_proj`) are accepted
+    beside the checkpoints' `block_sparse_moe` names."""
 
     def _make_mlp(self, config):
         return SparseMoE(

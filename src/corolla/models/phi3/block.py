@@ -21,9 +21,6 @@ def make_phi3_attention(config) -> Attention:
 
 
 class Phi3Block(LlamaBlock):
-    """Checkpoint names: `self_attn.qkv_proj`, `self_attn.o_proj`, `mlp.gate_up_proj`, `mlp.down_proj`,
-    `input_layernorm`, `post_attention_layernorm` (no biases)."""
-
     def _make_attention(self, config, layer_idx: int) -> Attention:
         return make_phi3_attention(config)
 

@@ -24,10 +24,6 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 
 class Qwen3MoeBlock(Qwen3Block):
-    """Checkpoint names: Qwen3 attention, `mlp.gate` (router) and `mlp.experts.<e>.{gate,up,down}_proj` for sparse
-    layers (stacked `mlp.experts.gate_up_proj` / `down_proj` accepted too), `mlp.{gate,up,down}_proj` for dense
-    ones, the two RMSNorms."""
-
     def _make_mlp(self, config) -> nn.Module:
         if not is_sparse_layer(config, self.layer_idx):
             return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
