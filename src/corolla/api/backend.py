@@ -1,11 +1,7 @@
-"""What the gateway needs from a model: a text codec (encode, decode, chat prompt) and a blocking stream of logits.
-
-`GenerationBackend` is the protocol `create_app` drives (the app samples, so that every sampling parameter is applied
-in one place whatever the backend); `TokenizerCodec` adapts a Hugging Face tokenizer (its chat template, or plain
-"role: content" lines when it has none); `SwarmBackend` runs a distributed model, one inference session per request,
-so concurrent requests reach the servers as concurrent sessions. `generation_defaults` reads the sampling defaults of
-a model's `generation_config.json` (applied by the app when a request leaves them unset, as vLLM does).
-"""
+"""What the gateway needs from a model (`GenerationBackend`: a text codec and a blocking stream of logits; the app
+samples, so that every sampling parameter is applied in one place whatever the backend), and `SwarmBackend`, which
+runs a distributed model with one inference session per request, so concurrent requests reach the servers as
+concurrent sessions."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Which servers each generation of `corolla-api` goes through: the route log behind `/corolla/route` and the chat
-page's "servers" panel.
-
-`RouteTraceMiddleware` gives every completion request a `GenerationTrace` in a context variable (the gateway copies
-the context into its generation thread); the backend reports its inference session's chain after every step
-(`current_trace().step(session.route)`) and `finish()`es when the session is closed. A trace enters the bounded
-`RouteLog` only when its generation reports a first step (failed, refused or unauthenticated requests leave
-nothing), and its id goes back in the `x-corolla-route-id` response header. Outside a request, `current_trace()` is
-a no-op object, so backends call it unconditionally.
-"""
+page's "servers" panel. `RouteTraceMiddleware` gives every completion request a `GenerationTrace` in a context
+variable, which the backend reports its session's chain to (`current_trace()`: a no-op outside a request); a trace
+enters the bounded `RouteLog` only once its generation has run a step (failed, refused or unauthenticated requests
+leave nothing)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """A merged decode forward on the CUDA-graph path split in two phases, so that the caller (the server's runtime
 thread) can stage and launch the next forward while the device still runs this one and its replies are encoded:
-
-- `launch_graph_decode` stages the rows' inputs (hidden states, positions, block tables) in one pinned host block
-  laid out as the bucket's graph inputs (`cuda_graphs.InputLayout`), queues its one host-to-device copy, the graph
-  replay and the device-to-host copy of the output on the current stream, records an event, and returns a
-  `PendingDecode` at once;
-- `PendingDecode.wait` waits for that event only (not for later forwards queued behind it), copies the output out
-  of the pinned buffer and splits it per request.
+`launch_graph_decode` queues the forward and returns a `PendingDecode` at once, whose `wait` waits for that forward
+only (not for later forwards queued behind it).
 
 Buffer lifetimes: the graph's static device buffers are reused by the next launch in stream order (its input copies
 run after this replay and this output copy). The pinned host buffers are not ordered by the stream: the CPU writes

@@ -1,9 +1,7 @@
-"""The session-level face of the fast path: `SpanEngine` owns the span's fused layers (a `SpanModel`: llama-family
-`FastLlamaSpan` or DeepSeek-V3 `FastMlaSpan`, chosen from the blocks), the KV pool sized by the model's per-token
-`KVLayout`, and the CUDA graphs; `EngineSession` is one client's reservation in the pool. `step` runs one session alone; `decode_many`
-merges single-token steps of many sessions into one batched forward (what the batcher calls). With LoRA adapters
-(`fast_lora.SpanAdapters`, llama-family spans) each session has one adapter, fixed at open or by its first step, and
-a merged step mixes sessions on different adapters (each row's adapter index is a static input of the graphs)."""
+"""The session-level face of the fast path: `SpanEngine` owns the span's model (a `SpanModel` chosen from the blocks),
+the KV pool sized by the model's per-token `KVLayout`, and the CUDA graphs; `EngineSession` is one client's
+reservation in the pool, with its LoRA adapter (a merged step mixes sessions on different adapters: each row's
+adapter index is a static input of the graphs)."""
 
 from __future__ import annotations
 

@@ -10,13 +10,11 @@ runs each layer's `chunk_pre` (norm, QKV projection, rotation, cache write), the
 (`prefill_attention_triton`: split over the keys, lengths read on the device, so one graph serves any prefix
 length) and `chunk_post` (output projection, MLP).
 
-`warmup(layers)` (the engine's warm-up, before serving) chooses the attention's launch for every row bucket
-(`ATTENTION_CONFIGS`, timed on the span's layers over a 4,096-position prefix, which compiles them) and runs each
-bucket's work once on the trash page, so no chunk pays a Triton compile (seconds) or a timing. The graph of a (layer
-range, row bucket) group is captured at its first chunk, which runs the same work eagerly first (and chooses the
-launch if no warm-up did); the graphs share one memory pool (they run one at a time); at most `MAX_GROUPS` groups are
-kept (least recently used dropped); `reserved_bytes` is what their captures added to the device's reserved memory.
-With `capture=False` (the CPU, in tests) the same work runs eagerly with the attention's reference."""
+`warmup` (before serving) compiles and times every row bucket's work, so no chunk pays a Triton compile (seconds);
+the graph of a (layer range, row bucket) group is captured at its first chunk, which runs the same work eagerly
+first; the graphs share one memory pool (they run one at a time); at most `MAX_GROUPS` groups are kept (least
+recently used dropped). With `capture=False` (the CPU, in tests) the same work runs eagerly with the attention's
+reference."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """Quantized routed experts for the fast path: a layer's E SwiGLU experts whose projections are bitsandbytes NF4
-or Int8 layouts (`engine.quant.quant_weights.NF4Weight` / `Int8Weight`), read in place by the grouped kernels of
-`moe_quant_kernels` and by the torch reference of `engine.moe.routed_experts.experts_forward_ref` (which dequantizes only the
-experts a call uses).
-
-`QuantizedExpertWeights` has the same surface as `engine.moe.routed_experts.ExpertWeights` (their base `ExpertSet`'s
-num_experts, hidden_size, intermediate_size, dtype = the compute dtype, device; expert_nbytes, nbytes, dense(e)) plus address tables the
-kernels read: per expert, the address of each projection's packed codes and statistics (no gather, no repack, no
-copy per step: a step reads the chosen experts' packed bytes and their scales, nothing else). NF4 tables: packed
-codes, first-level absmax codes, second-level absmaxes, the second-level code table (each an int64 [E] address
-table) and the absmax offsets (fp32 [E]); every expert must use the same 16 NF4 levels and the same second-level
-code table (bitsandbytes always does; the tile GEMV of `moe_nf4_tile` stages that table once). Int8 tables: codes and the per-output-row scales (row absmax / 127)."""
+or Int8 layouts, read in place (no gather, repack or copy per step) by the grouped kernels of `moe_quant_kernels`
+through per-expert address tables (`ProjectionTables`), and by `routed_experts.experts_forward_ref`, which
+dequantizes only the experts a call uses. Every NF4 expert must use the same 16 levels and second-level code table
+(bitsandbytes always does; the tile GEMV of `moe_nf4_tile` stages that table once)."""
 
 from __future__ import annotations
 
