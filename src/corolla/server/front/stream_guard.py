@@ -111,13 +111,9 @@ def guarded_stream_handler(
     on_reject: Callable[[str, BaseException], None],
 ) -> Callable[..., Any]:
     """A binary stream handler serving `method` (an async-generator rpc: a forward or backward stream, its request
-    gathered whole) over the stream's connection taken from hivemind's reader (`FrameConnection.take_over`,
-    `PeerFrames`) and read as the socket's are (`RequestPort`): each message charged before its body is buffered and
-    whole within the limits' pace, the request's bytes charged until the stream ends, each reply taken within its pace
-    (`drain_reply`), else what waits to go out is dropped and the stream cut (`ReplyStalled`, counted). A refused input
-    is counted and answered alone (its bytes given back first), the method's error is answered with its text, a caller
-    that closed or died gets nothing; the rest of the caller's input is read for up to `FINISH_INPUT_S` before the
-    close (a unix socket closed with unread bytes resets, and p2pd may then drop the reply it has not delivered)."""
+    gathered whole) over the stream's connection taken from hivemind's reader and read as the socket's are
+    (`RequestPort`); each reply taken within its pace (`drain_reply`), else the stream is cut (`ReplyStalled`,
+    counted). A caller that closed or died gets nothing; any other ends with `_answer`."""
     limits = budget.limits
     idle_s, pace = limits.stream_idle_timeout_s or None, limits.message_pace
 
