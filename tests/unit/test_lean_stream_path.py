@@ -162,7 +162,7 @@ async def _steps(session: SessionState, delays_s: list[float], *, step_s: float,
             order.client(request)
 
     feeding = asyncio.create_task(feed())
-    order.start(_step("s0"))
+    order.client(_step("s0"))
     try:
         await ended
     finally:

@@ -323,7 +323,7 @@ async def _drive(requests: list[runtime_pb2.ExpertRequest], session: SessionStat
 
     timeouts = SessionTimeouts(step_timeout_s=0.5, session_timeout_s=5, request_timeout_s=5)
     order = StepOrder(session, timeouts, time.monotonic() + 5, None, run=run, ready=lambda: None, end=end)
-    order.start(requests[0])
+    order.client(requests[0])
     for request in later:
         order.client(request)
     order.client(None)

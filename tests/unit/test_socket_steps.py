@@ -55,7 +55,7 @@ async def _serve(send, *, idle_s: float | None = None, reply_bytes: int = 0) -> 
     port.attach(order, requests)
     sending = asyncio.create_task(send(theirs))
     try:
-        order.start(await requests.__anext__())
+        order.client(await requests.__anext__())
         error = await asyncio.wait_for(ended, BOUND_S)
     finally:
         sending.cancel()

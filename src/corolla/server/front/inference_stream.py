@@ -173,10 +173,6 @@ class StepOrder:
         if inbox is not None:
             inbox.wake = self._wake
 
-    def start(self, first: runtime_pb2.ExpertRequest) -> None:
-        """Begins with the session's opening request."""
-        self.client(first)
-
     def client(self, request: runtime_pb2.ExpertRequest | None) -> None:
         """The client's next request (None: its stream ended)."""
         if self.ended:
@@ -802,7 +798,7 @@ class InferenceStreams:
                 )
                 port.attach(order, requests)
                 try:
-                    order.start(first)
+                    order.client(first)  # the session's opening request
                     await steps.ended
                 finally:
                     order.close()

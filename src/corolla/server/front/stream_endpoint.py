@@ -58,9 +58,8 @@ DEFAULT_LIMIT_BYTES = 1 << 16
 INSIDE_A_MESSAGE = "inside a message"
 TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
 TRIM_DELAY_S = 0.5
-# a message whose payload is still arriving this long after its declared length was charged is slow: its stream may be
-# cut for a peer within its fair share that finds the stream total full (decision 0212). A decode step's message
-# arrives within a round trip; at the minimum rate (`min_stream_rate_kib_s`) a message may take hours
+# a message whose payload is still arriving this long after its declared length was charged is slow (`reclaim`): a
+# decode step's arrives within a round trip, one at the minimum rate (`min_stream_rate_kib_s`) may take hours
 RECLAIM_AFTER_S = 1.0
 
 
