@@ -13,7 +13,8 @@ from transformers import LlamaConfig
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest
-from corolla.models.lora import LoraWeights, add_adapter, using_adapter
+from corolla.models.block_base import using_adapter
+from corolla.models.lora import LoraWeights, add_adapter
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
 from helpers.lora_blocks import ALL_MODULES, module_shapes

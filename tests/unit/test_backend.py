@@ -321,7 +321,8 @@ async def test_runtime_pool_and_backend_together(blocks_and_config) -> None:
 
 
 def test_adapters_are_selected_per_request() -> None:
-    from corolla.models.lora import LoraWeights, add_adapter, using_adapter
+    from corolla.models.block_base import using_adapter
+    from corolla.models.lora import LoraWeights, add_adapter
 
     torch.manual_seed(0)
     config, blocks = _build_family_blocks("llama")

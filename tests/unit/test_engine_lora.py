@@ -15,7 +15,8 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.engine.spans.fast_lora import FusedProjection
-from corolla.models.lora import LoraWeights, add_adapter, using_adapter
+from corolla.models.block_base import using_adapter
+from corolla.models.lora import LoraWeights, add_adapter
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
 from helpers.lora_blocks import make_lora_blocks as make_blocks

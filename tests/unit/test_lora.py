@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 # importing these registers the newer families' tiny configs with make_tiny_model
 import helpers.tiny_models_fam_a
 import helpers.tiny_models_fam_b  # noqa: F401
+from corolla.models.block_base import using_adapter
 from corolla.models.config import load_config
-from corolla.models.lora import add_adapter, load_adapter, using_adapter
+from corolla.models.lora import add_adapter, load_adapter
 from corolla.models.tensor_parallel import make_tensor_parallel
 from helpers.tiny_models import capture_hf_layer, make_tiny_model
 

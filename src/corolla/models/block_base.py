@@ -53,7 +53,7 @@ def same_names(*names: str) -> dict[str, TensorTarget]:
     return {name: TensorTarget(name) for name in names}
 
 
-# The adapter selected for the current request (see `lora.using_adapter`); "" means none.
+# The adapter selected for the current request (`using_adapter`); "" means none.
 _ACTIVE_ADAPTER: contextvars.ContextVar[str] = contextvars.ContextVar("corolla_active_adapter", default="")
 
 
@@ -62,8 +62,10 @@ def active_adapter() -> str:
 
 
 @contextlib.contextmanager
-def set_active_adapter(name: str) -> Iterator[None]:
-    token = _ACTIVE_ADAPTER.set(name)
+def using_adapter(name: str | None) -> Iterator[None]:
+    """Makes `name` the active adapter in this thread/task for the duration ("" or None = none). Blocks raise
+    `KeyError` listing theirs when asked for one they lack."""
+    token = _ACTIVE_ADAPTER.set(name or "")
     try:
         yield
     finally:

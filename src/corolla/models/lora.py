@@ -1,21 +1,19 @@
 """LoRA adapters in peft format (safetensors only), applied to our blocks' linear layers: load the tensors of one
-block, attach them under a name, and pick the active adapter per request with `using_adapter(name)` ("" = none)."""
+block, attach them under a name (the active one per request: `block_base.using_adapter`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from corolla.models.block_base import CorollaBlock, active_adapter, set_active_adapter
+from corolla.models.block_base import CorollaBlock, active_adapter
 from corolla.models.loading import CheckpointSource
 from corolla.models.tensor_parallel import SPLIT_ATTR, ParallelAttention, ParallelMLP
 from corolla.utils.logging import get_logger
@@ -228,11 +226,3 @@ def add_adapter(block: CorollaBlock, name: str, weights: LoraWeights) -> None:
             setattr(parent, attr, wrapper)
     block.adapter_names.add(name)
     logger.info("lora.add(layer=%d, adapter=%s, linears=%d)", block.layer_idx, name, len(grouped))
-
-
-@contextlib.contextmanager
-def using_adapter(name: str | None) -> Iterator[None]:
-    """Makes `name` the active adapter in this thread/task for the duration ("" or None = none). Blocks raise
-    `KeyError` listing theirs when asked for one they lack."""
-    with set_active_adapter(name or ""):
-        yield

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from corolla.engine.spans.span_model import add_prompt
-from corolla.models.lora import using_adapter
+from corolla.models.block_base import using_adapter
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:

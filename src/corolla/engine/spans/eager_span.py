@@ -19,8 +19,7 @@ import torch
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.spans.adapter_rows import AdapterRows
 from corolla.engine.spans.span_model import SpanModel, add_prompt
-from corolla.models.block_base import TensorDescriptor
-from corolla.models.lora import using_adapter
+from corolla.models.block_base import TensorDescriptor, using_adapter
 
 PROBE_LENGTH_TOKENS = 1 << 30  # descriptors for a sequence this long show a sliding layer's ring capacity
 RING_STATE_FIELDS = 2  # a sliding layer's ring state [B, 2] int64: (first held position, end of the written prefix)
