@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ from tests.unit.test_client_distrust import FramersFirst, Server
 from tests.unit.test_client_remote_sequential import FakeForwardServer, run_blocks
 
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS
-from corolla.client.verification.chains import CHAINS_MAX, Outsiders, chain_backward, chain_forward, chains_over
+from corolla.client.verification.chains import Outsiders, chain_backward, chain_forward, chains_over
 from corolla.client.verification.stretches import StretchReferees
-from corolla.client.verification.witnesses import trusted
+from corolla.client.verification.witnesses import OUTSIDERS_MAX, trusted
 from corolla.protocol.records import RemoteSpanInfo
 from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference, vouch
 from helpers.framed_session import framed_client, run_framed
@@ -162,24 +163,23 @@ def _span(peer_id: str, start: int, end: int) -> RemoteSpanInfo:
 def test_chains_cover_the_span_from_outside_holders_and_say_when_none_can():
     span = _span("accused", 0, 4)
     holders = [_span("W", 0, 8), _span("A1", 0, 2), _span("A2", 0, 1), _span("B1", 2, 4), _span("C1", 1, 4)]
-    outsiders = chains_over(span, holders, random.Random(0))
+    outsiders = chains_over(span, holders, random.Random(0), seats=8)
     routes = {tuple((hop.peer_id, hop.start, hop.end) for hop in chain.hops) for chain in outsiders.chains}
     assert outsiders.unheard == 0 and routes == {
         (("W", 0, 4),),  # held whole: asked alone, never a hop
         (("A1", 0, 2), ("B1", 2, 4)),
         (("A1", 0, 2), ("C1", 2, 4)),
-        (("A2", 0, 1), ("A1", 1, 2), ("B1", 2, 4)),
-        (("A2", 0, 1), ("A1", 1, 2), ("C1", 2, 4)),
         (("A2", 0, 1), ("C1", 1, 4)),
+        # not A2 > A1 > B1 (nor > C1): A1 holds block 0, where A2's hop started; A1 > B1 is the same servers less A2
     }
-    # more than CHAINS_MAX: that many drawn, each over [0, 4) hop after hop
+    # more chains than seats: the seats, each chain over [0, 4) hop after hop, one a server at block 0 (9 for 8)
     many = [_span(f"{name}{i}", start, end) for i in range(9) for name, start, end in (("P", 0, 2), ("Q", 2, 4))]
-    drawn = chains_over(span, many, random.Random(0)).chains
-    assert len(drawn) <= CHAINS_MAX and len({chain.peer_ids for chain in drawn}) == len(drawn) > CHAINS_MAX // 2
+    drawn = chains_over(span, many, random.Random(0), seats=8).chains
+    assert len(drawn) == len({chain.hops[0].peer_id for chain in drawn}) == 8
     assert all([(h.start, h.end) for h in chain.hops] == [(0, 2), (2, 4)] for chain in drawn)
     # blocks 2:4 held by nobody outside: no chain, one word not heard; nobody outside at all (a span of three): none
-    assert chains_over(span, [_span("A1", 0, 2)], random.Random(0)) == Outsiders([], unheard=1)
-    assert chains_over(span, [], random.Random(0)) == Outsiders([], unheard=0)
+    assert chains_over(span, [_span("A1", 0, 2)], random.Random(0), seats=8) == Outsiders([], unheard=1)
+    assert chains_over(span, [], random.Random(0), seats=8) == Outsiders([], unheard=0)
 
 
 def test_a_chain_runs_the_stretch_as_a_route_with_each_hops_deep_prompts():
@@ -277,3 +277,70 @@ def test_fresh_identities_on_short_sub_spans_never_push_a_chain_with_standing_ou
     for seed in range(20):
         outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H", "SA", "SB"})
         assert outsiders.chains[0].peer_ids == ("X1", "X2"), seed
+
+
+def _seated(manager: FakeManager, seed: int) -> list[tuple[str, ...]]:
+    span = _span("H", 0, 4)
+    outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H"})
+    return [chain.peer_ids for chain in outsiders.chains[:OUTSIDERS_MAX]]  # (those a recheck asks)
+
+
+@pytest.mark.parametrize("honest", ["a_chain", "a_whole_holder"])
+def test_cheap_identities_on_single_blocks_take_one_servers_share_of_the_seats(honest):
+    """Decision 0239 (hrev17's finding kept open in 0237). Nobody outside H has standing; the honest outside servers
+    are X1 (0:2) and X2 (2:4), or W (0:4); the attacker adds three fresh identities on each single block of 0:4 (12).
+    Main drew the seats uniformly over chains, and those identities make 169 of them, all but one through them: X1 >
+    X2 was seated in 4.5% of draws, W (one chain against 64 drawn) in 17%. Now the seats are given per server: the
+    4 servers that start a chain (X1 or W, and the three on block 0) hold 2 of the 8 each, in every draw; X1's two go
+    to two of X2 and the three on block 2 (X2 seated in half the draws); W's one is W's."""
+    servers = {f"F{block}.{i}": Server(block, block + 1) for block in range(4) for i in range(3)}
+    servers |= {"W": Server(0, 4)} if honest == "a_whole_holder" else {"X1": Server(0, 2), "X2": Server(2, 4)}
+    manager = FakeManager(servers, 4)
+    draws = [_seated(manager, seed) for seed in range(200)]
+    for seated in draws:
+        assert len(seated) == 8
+        starts = Counter(peers[0] for peers in seated)
+        assert sorted(starts) == sorted(["F0.0", "F0.1", "F0.2", "W" if honest == "a_whole_holder" else "X1"])
+        assert set(starts.values()) == {2} or (honest == "a_whole_holder" and starts["W"] == 1)
+    if honest == "a_whole_holder":
+        assert all(("W",) in seated for seated in draws)
+    else:  # (a draw of 2 of 4: half of 200, give or take sampling)
+        assert 75 <= sum(("X1", "X2") in seated for seated in draws) <= 125
+
+
+class Unanswering(Server):
+    """An attacker's cheap identity: every stateless forward fails, so a chain through it is silent (not counted: a
+    failed server is no liar), which a ban resting on two standings ignores (decision 0232's rule)."""
+
+    async def rpc_forward(self, request, timeout=None):
+        self.forward_calls += 1
+        raise ConnectionError("no answer")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cheap_identities_on_single_blocks_cannot_crowd_the_honest_chains_out_of_a_framing(seed):
+    """Decision 0239, end to end. SA and SB (one attacker, both with standing) frame H (0:4) with the same made-up
+    outputs; X1, X1b (0:2) and X2, X2b (2:4), honest, have no standing; the attacker announces 42 fresh identities on
+    single blocks (one on block 0, twenty on block 1, one on block 2, twenty on block 3; slow: never routed), each
+    failing every recheck forward. They make 576 chains, 4 of them honest: main drew 64 uniformly and seated 8 of
+    those, and the rest were silent: "unchecked" on two standings, H banned for good (each of these seeds). Now the
+    servers that start a chain at block 0 hold the seats in equal shares (X1 and X1b 3 or 2 each against the one
+    identity there), and each share is split among the servers at block 2 (X2, X2b and one identity): honest chains
+    refute the framers in every draw, nobody is banned, H avoided, SA and SB lose their standing."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 4, inference_rps=1e6),
+        "SA": OneShot(0, 4, lies=1),
+        "SB": OneShot(0, 4, lies=1),
+        "X1": Server(0, 2),
+        "X1b": Server(0, 2),
+        "X2": Server(2, 4),
+        "X2b": Server(2, 4),
+    }
+    for block, count in ((0, 1), (1, 20), (2, 1), (3, 20)):
+        servers |= {f"F{block}.{i}": Unanswering(block, block + 1, inference_rps=1.0) for i in range(count)}
+    manager = framed_client(servers, "SA", "SB")
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirst(seed))
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert "H" in manager.avoided_peers() and servers["X1"].forward_calls and servers["X2"].forward_calls
+    assert not trusted(manager, "SA") and not trusted(manager, "SB") and {"SA", "SB"} <= manager.avoided_peers()

@@ -20,6 +20,7 @@ witness's standing first (`StretchReferees.outsiders`)."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import random
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -31,10 +32,7 @@ from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 
-# chains over a span built at most (each a few list operations): all of them where there are no more, else this many
-# drawn uniformly; `witnesses.OUTSIDERS_MAX` of them (with the servers holding the span whole) are asked
-CHAINS_MAX = 64
-COUNT_CAP = 2**62  # (a draw's weights stay floats: holders ** blocks chains would overflow one)
+NO_HOP = -1  # where the hop before a chain's first started: before every block
 
 T = TypeVar("T")
 Path = tuple[tuple[str, int, int], ...]  # a chain's hops up to one, (peer id, start, end) each
@@ -99,50 +97,76 @@ class Outsiders:
     answers: HopAnswers | None = field(default=None, compare=False, repr=False)
 
 
-def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: random.Random) -> Outsiders:
-    """The chains over `span`'s blocks of `holders` (outside servers, any overlap): each holding the blocks whole as one
-    hop, then the chains of those holding part (never one that holds them whole: it is asked alone), each hop a
-    holder's blocks from where the chain stands to its end or the span's: every such chain where there are at most
-    `CHAINS_MAX`, else `CHAINS_MAX` drawn uniformly by `rng` (duplicates dropped)."""
-    whole = [h for h in holders if h.start <= span.start and span.end <= h.end]
-    whole_ids = {h.peer_id for h in whole}
-    parts = [h for h in holders if h.start < span.end and span.start < h.end and h.peer_id not in whole_ids]
-    chains = [Chain((RemoteSpanInfo(h.peer_id, span.start, span.end, h.server_info),)) for h in whole]
+def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: random.Random, seats: int) -> Outsiders:
+    """Up to `seats` chains over `span`'s blocks of `holders` (outside servers, any overlap), every one where there
+    are no more: a server holding the blocks whole is one hop (never a hop of a longer chain: it is asked alone), each
+    hop of a longer chain a holder's blocks from where the chain stands to its end or the span's.
+
+    Only chains that no chain of fewer of the same servers can replace: a hop never goes to a holder that also holds
+    where the chain's hop before it started (it could have been taken from there, leaving out the hops between), so
+    a server is a candidate at one block of any chain only (a chain of the same servers less some is honest wherever
+    the longer one is, so nothing honest is lost).
+
+    Seats are given per server, not per chain: at the span's first block every server that starts a chain (a whole
+    holder too) gets an equal share of the seats (the remainder drawn by `rng`), and each share is split the same way
+    among the servers that go on from that hop's end, down to the span's end (a server whose chains are fewer than
+    its share gives the rest to the others). Servers announcing short sub-spans multiply the chains through them (3
+    on each block of 0:4 make 169 chains, all but one through them), so a uniform draw over chains seated the one
+    honest chain in 4.5% of draws (decision 0237); here each of those servers takes one server's share at one block,
+    as one identity announcing the honest server's own blocks would (decision 0239)."""
+    holders = [h for h in holders if h.start < span.end and span.start < h.end]
     blocks = range(span.start, span.end)
-    # count[b]: the chains over blocks [b, span.end) (0: none gets there from b; capped: only a draw's weight past
-    # CHAINS_MAX), counted from the end back; at[b]: the holders a chain at block b may take, each with its end
-    count = {span.end: 1}
-    at: dict[int, list[tuple[RemoteSpanInfo, int]]] = {}
-    for block in reversed(blocks):
-        at[block] = [(h, end) for h in parts if h.start <= block < h.end and count[end := min(h.end, span.end)]]
-        count[block] = min(sum(count[end] for _, end in at[block]), COUNT_CAP)
-    if not count[span.start]:
-        return Outsiders(chains, unheard=int(bool(parts) and not whole))
+    at = {block: sorted((h for h in holders if h.start <= block < h.end), key=lambda h: h.start) for block in blocks}
+    starts = {block: [h.start for h in at[block]] for block in blocks}
+    # ways[block][i]: the chains (capped at `seats`: no share is larger) that take at[block][i] at `block`;
+    # after[block][i]: those through at[block][i:], the holders that start after a hop that began before them
+    ways: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}
 
-    def every(block: int) -> list[tuple[RemoteSpanInfo, ...]]:
+    def onward(block: int, since: int) -> int:
+        """The chains (capped) from `block` on, where the hop before it started at `since`."""
         if block == span.end:
-            return [()]
-        return [
-            (RemoteSpanInfo(h.peer_id, block, end, h.server_info), *rest) for h, end in at[block] for rest in every(end)
-        ]
+            return 1
+        return after[block][bisect.bisect_right(starts[block], since)]
 
-    def drawn() -> tuple[RemoteSpanInfo, ...]:
-        block, hops = span.start, []
-        while block < span.end:  # each holder weighted by the chains through it: every chain equally likely
-            h, end = rng.choices(at[block], weights=[count[end] for _, end in at[block]])[0]
-            hops.append(RemoteSpanInfo(h.peer_id, block, end, h.server_info))
-            block = end
-        return tuple(hops)
+    for block in reversed(blocks):
+        ways[block] = [onward(min(h.end, span.end), block) for h in at[block]]
+        after[block] = [0] * (len(at[block]) + 1)
+        for i in reversed(range(len(at[block]))):
+            after[block][i] = min(seats, ways[block][i] + after[block][i + 1])
+    if not onward(span.start, NO_HOP):
+        return Outsiders([], unheard=int(bool(holders)))
 
-    if count[span.start] <= CHAINS_MAX:
-        routes = every(span.start)
-    else:
-        seen: dict[tuple[tuple[str, int], ...], tuple[RemoteSpanInfo, ...]] = {}
-        for _ in range(CHAINS_MAX):
-            route = drawn()
-            seen.setdefault(tuple((hop.peer_id, hop.start) for hop in route), route)
-        routes = list(seen.values())
-    return Outsiders(chains + [Chain(route) for route in routes])
+    def place(block: int, since: int, share: int, hops: tuple[RemoteSpanInfo, ...]) -> list[Chain]:
+        if block == span.end:
+            return [Chain(hops)]
+        first = bisect.bisect_right(starts[block], since)
+        room = {h.peer_id: n for h, n in zip(at[block][first:], ways[block][first:], strict=True) if n}
+        options = [h for h in at[block][first:] if h.peer_id in room]
+        rng.shuffle(options)  # (who gets the remainder of an uneven share)
+        placed = []
+        for h, n in zip(options, spread(share, [room[h.peer_id] for h in options]), strict=True):
+            if n:
+                end = min(h.end, span.end)
+                placed += place(end, block, n, (*hops, RemoteSpanInfo(h.peer_id, block, end, h.server_info)))
+        return placed
+
+    return Outsiders(place(span.start, NO_HOP, seats, ()))
+
+
+def spread(seats: int, room: Sequence[int]) -> list[int]:
+    """`seats` split as evenly as `room` (each one's most) allows, the remainder to the first: min(seats, sum(room))
+    given in all."""
+    share = [0] * len(room)
+    left, open_ = seats, list(range(len(room)))
+    while left and open_:
+        each, extra = divmod(left, len(open_))
+        for rank, i in enumerate(open_):
+            given = min(room[i] - share[i], each + (rank < extra))
+            share[i] += given
+            left -= given
+        open_ = [i for i in open_ if share[i] < room[i]]
+    return share
 
 
 async def within_one_request(manager: RemoteSequenceManager, chain: Chain, calls: Awaitable[T]) -> T:

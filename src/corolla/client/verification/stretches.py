@@ -26,7 +26,15 @@ from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.chains import Chain, HopAnswers, Outsiders, chain_forward, chains_over
-from corolla.client.verification.witnesses import UNCHECKED, Rechecked, needs_recheck, outvote, recheck, trusted
+from corolla.client.verification.witnesses import (
+    OUTSIDERS_MAX,
+    UNCHECKED,
+    Rechecked,
+    needs_recheck,
+    outvote,
+    recheck,
+    trusted,
+)
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -76,10 +84,11 @@ class StretchReferees:
         chains of them that hold the blocks together (`chains.chains_over`, decision 0234: often no honest server
         holds the accused's blocks whole), to recheck it before a ban on standing (decision 0208); avoided ones too
         (decision 0228: an attacker's fresh pair gets any honest server avoided, and would empty the seats of honest
-        outsiders first). Those with a witness's standing first (every server of a chain: an attacker's fresh
-        identity is not drawn before them, nor do the chains through fresh ones crowd them out of the draw), a chain
-        with a co-witness of any party in an open dispute last, the rest in random order (a whole holder and a chain
-        alike: fresh identities announcing the blocks whole must not push every chain out of the seats)."""
+        outsiders first). The seats, `OUTSIDERS_MAX`, in tiers, each given per server (`chains_over`: identities on
+        short sub-spans multiply chains, not seats, decision 0239): the chains whose every server has a witness's
+        standing (an attacker's fresh identity is never seated before them, 0208 and 0237), then any; in each the
+        servers that are co-witnesses of a party in an open dispute only after all the rest (their agreement earns
+        no standing: one attacker's identities vouching for each other)."""
         banned = self.manager.bans.banned_peers()
         candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | {s.peer_id: s for s in self.manager.spans}
         holders = [
@@ -88,26 +97,23 @@ class StretchReferees:
             if s.peer_id not in parties and s.peer_id not in banned and s.start < span.end and span.start < s.end
         ]
         co_witnesses = set().union(*(self.manager.disputes.co_witnesses(peer) for peer in parties))
-
-        def place(chain: Chain) -> tuple[bool, bool, float]:
-            return (
-                any(peer in co_witnesses for peer in chain.peer_ids),
-                not all(trusted(self.manager, peer) for peer in chain.peer_ids),
-                self.rng.random(),
-            )
-
-        # the chains of servers with standing are built on their own first: past `CHAINS_MAX` chains are drawn, and
-        # fresh identities announcing short sub-spans multiply the chains through them (12 on single blocks of 0:4
-        # made 169, and the one chain with standing was drawn in 6 of 20 draws: decision 0237)
-        with_standing = chains_over(span, [s for s in holders if trusted(self.manager, s.peer_id)], self.rng)
-        outsiders = chains_over(span, holders, self.rng)
-        chains = {
-            tuple((hop.peer_id, hop.start) for hop in chain.hops): chain
-            for chain in [*with_standing.chains, *outsiders.chains]
-        }
-        placed = sorted(((place(chain), key) for key, chain in chains.items()))
+        plain = [s for s in holders if s.peer_id not in co_witnesses]
+        tiers = [
+            [s for s in plain if trusted(self.manager, s.peer_id)],
+            plain,
+            [s for s in holders if trusted(self.manager, s.peer_id)],
+            holders,
+        ]
+        seated: dict[tuple[tuple[str, int], ...], Chain] = {}
+        for tier in tiers:
+            outsiders = chains_over(span, tier, self.rng, OUTSIDERS_MAX)
+            for chain in outsiders.chains:
+                seated.setdefault(tuple((hop.peer_id, hop.start) for hop in chain.hops), chain)
+            if len(seated) >= OUTSIDERS_MAX:
+                break
         answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
-        return Outsiders([Chain(chains[key].hops, answers) for _, key in placed], outsiders.unheard, answers)
+        unheard = outsiders.unheard  # (the last tier's, `holders`, or one that had chains: 0, as `holders`')
+        return Outsiders([Chain(chain.hops, answers) for chain in seated.values()][:OUTSIDERS_MAX], unheard, answers)
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
