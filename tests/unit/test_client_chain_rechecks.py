@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 from tests.unit.test_client_avoided_outsiders import OneShot
 from tests.unit.test_client_distrust import FramersFirst, Server
 from tests.unit.test_client_remote_sequential import FakeForwardServer, run_blocks
@@ -19,6 +20,7 @@ from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.verification.chains import Outsiders, chain_backward, chain_forward, chains_over
 from corolla.client.verification.stretches import StretchReferees
 from corolla.client.verification.witnesses import OUTSIDERS_MAX, trusted
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.records import RemoteSpanInfo
 from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference, vouch
 from helpers.framed_session import framed_client, run_framed
@@ -108,6 +110,41 @@ def test_a_liar_is_still_banned_where_only_chains_recheck():
     run_framed(manager, torch.randn(1, 4, HIDDEN))
     assert manager.bans.is_liar("L") and servers["X1"].forward_calls == servers["X2"].forward_calls == 1
     assert not manager.bans.banned_peers() & {"H1", "H2", "X1", "X2"}
+
+
+class InDtype(Server):
+    """Computes in `dtype`, as a real server computes in its blocks' dtype: its inputs cast to it, its outputs sent in
+    it (`server.front.block_functions`)."""
+
+    def __init__(self, start: int, end: int, dtype: torch.dtype):
+        super().__init__(start, end)
+        self.dtype = dtype
+
+    async def rpc_forward(self, request, timeout=None):
+        tensors = [serialize_tensor(deserialize_tensor(t).to(self.dtype)) for t in request.tensors]
+        cast = runtime_pb2.ExpertRequest(uid=request.uid, metadata=request.metadata, tensors=tensors)
+        response = await super().rpc_forward(cast, timeout)
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(deserialize_tensor(t)) for t in response.tensors])
+
+
+def test_a_chain_with_a_bfloat16_hop_is_compared_at_bfloat16s_tolerance():
+    """Decision 0239 (0237's tolerance finding). L lies, H1 (standing) and H2 (fresh) outvote it; the one chain outside
+    is X1 (0:2, computing in bfloat16) > X2 (2:4, float32). Main compared the chain's float32 answer at float32's
+    tolerance (1e-3), blind to the rounding X1's bfloat16 outputs carried into X2 (~0.2%): the honest chain refuted
+    the honest witnesses, L was not banned and H1 and H2 lost their standing. Now a chain's answer is compared in the
+    coarsest dtype any hop sent (as one server computing in bfloat16 is): it confirms them, L banned for good."""
+    torch.manual_seed(7)
+    servers = {
+        "L": Server(0, 4, "garbage", inference_rps=1e6),
+        "H1": Server(0, 4, inference_rps=1e4),
+        "H2": Server(0, 4, inference_rps=1e4),
+        "X1": InDtype(0, 2, torch.bfloat16),
+        "X2": InDtype(2, 4, torch.float32),
+    }
+    manager = framed_client(servers, "H1")
+    run_framed(manager, torch.randn(1, 4, HIDDEN))
+    assert servers["X1"].forward_calls == servers["X2"].forward_calls == 1
+    assert manager.bans.is_liar("L") and not manager.bans.banned_peers() & {"H1", "H2", "X1", "X2"}
 
 
 class OneAtATime(Server):

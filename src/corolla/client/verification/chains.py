@@ -209,12 +209,22 @@ async def chain_forward(
     along `chain` (each hop's outputs at every position are the next hop's inputs), within one `request_timeout_s`."""
 
     async def run() -> torch.Tensor:
-        hidden = inputs
+        hidden, sent = inputs, []
         for index in range(len(chain.hops)):
             hidden = await hop_forward(manager, span, chain, index, hidden, prompts)
-        return hidden
+            sent.append(hidden.dtype)
+        return hidden.to(coarsest(sent))
 
     return await within_one_request(manager, chain, run())
+
+
+def coarsest(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype of the largest rounding among `dtypes` (the wire dtypes a chain's hops sent their outputs in), in
+    which the chain's answer is compared: a server sends its outputs in the dtype it computes in, and a hop's
+    rounding goes on through the hops after it (a bfloat16 hop's 0.2% before a float32 one), so an answer compared in
+    its last hop's float32 alone (1e-3) refuted honest witnesses; one server computing in bfloat16 is compared at
+    bfloat16's tolerance, and so is a chain with a hop that does (`output_checks.verify_rtol`, decision 0239)."""
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).eps)
 
 
 async def chain_backward(
@@ -244,11 +254,14 @@ async def _backward(
         hop_inputs.append(await hop_forward(manager, span, chain, index, hop_inputs[-1], prompts))
     grad = grad_outputs
     grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient), in order
+    sent = [hidden.dtype for hidden in hop_inputs[1:]]  # (the answer in the coarsest any hop sent: `coarsest`)
     for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):
         own_prompts = hop_prompts(prompts, span, hop)
         grad, hop_grad = await run_remote_backward(manager, hop, hidden, grad, own_prompts)
         grad_prompts.insert(0, (own_prompts, hop_grad))
+        sent += [grad.dtype] if hop_grad is None else [grad.dtype, hop_grad.dtype]
     if all(hop_grad is None for _, hop_grad in grad_prompts):  # (as one server answers: no prompts' gradient)
-        return grad, None
+        return grad.to(coarsest(sent)), None
     # a hop that sent none for its prompts: zeros there (its blocks' prompts did not move the outputs)
-    return grad, torch.cat([torch.zeros_like(own) if g is None else g for own, g in grad_prompts])
+    grads = torch.cat([torch.zeros_like(own) if g is None else g.to(own.dtype) for own, g in grad_prompts])
+    return grad.to(coarsest(sent)), grads.to(coarsest(sent))
