@@ -12,10 +12,12 @@ holders), has no chain: `Outsiders.unheard` counts it as an outside word not hea
 one standing).
 
 A chain is the attacker's where any hop is (a hop may forge what it passes on, and the framers may have made up their
-outputs as the honest later hops' answer to it), so with h honest of n outside holders of each sub-span a chain drawn
-uniformly is honest with probability the product of the h / n; every chain is asked where there are few (at most
-`witnesses.OUTSIDERS_MAX` seats with the whole holders), else seats are drawn among them, those whose every hop has a
-witness's standing first (`StretchReferees.outsiders`)."""
+outputs as the honest later hops' answer to it). The seats (`witnesses.OUTSIDERS_MAX`, with the whole holders) are
+given per server, not per chain (`chains_over`, decision 0239): identities announcing short sub-spans multiply
+chains, and a uniform draw over chains left the one honest chain a seat in 4.0% of draws against 12 of them; now
+each such identity counts as one server at one block, as one announcing an honest server's own blocks would. Those
+whose every hop has a witness's standing are seated first (`StretchReferees.outsiders`). A chain's answer is compared
+in the coarsest dtype any hop sent (`coarsest`)."""
 
 from __future__ import annotations
 
