@@ -29,6 +29,7 @@ from corolla.client.session.forwarding import StepForwarding, push_went_stale, r
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
 from corolla.client.session.replacement_race import (
     TRIAL_TOKENS,
+    RaceEvent,
     RaceLost,
     TrialDisagrees,
     check_trial,
@@ -98,6 +99,7 @@ class InferenceSession:
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
+        self.race_events: list[RaceEvent] = []  # what its replacement races did (client.session.replacement_race)
         self.pacer = MovePacer()  # its spans' moves for what they deliver, one a period (client.session.delivery)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
@@ -615,6 +617,8 @@ class InferenceSession:
             for other, theirs, their_dtype in dissent:
                 rtol = comparison_rtol(self.manager.config.verify_rtol, (racer.span, other.span), sent, their_dtype)
                 if trial_error(mine, theirs) <= rtol:
+                    pair = [other.span.peer_id, racer.span.peer_id]
+                    self.race_events.append(RaceEvent(blocks, "seated", tuple(pair)))
                     try:  # a round, while any other racer may still answer
                         until = asyncio.get_running_loop().time() + pair_wait_s
                         while len(failures) < len(racers) - 1:
@@ -624,7 +628,6 @@ class InferenceSession:
                             a_racer_failed.clear()
                             with contextlib.suppress(asyncio.TimeoutError):
                                 await asyncio.wait_for(a_racer_failed.wait(), left_s)
-                        pair = [other.span.peer_id, racer.span.peer_id]
                         # a pair short of standing may be one attacker's identities: its outputs rebuild the session
                         # only where every server outside it that answered confirms them (decision 0190 "Attacked",
                         # 0220: the attacker's third identity may be one of them); one with standing bans only so too
@@ -638,6 +641,7 @@ class InferenceSession:
                     except asyncio.CancelledError:  # the earlier outputs won: its trial proved nothing either
                         self.manager.unprove(racer.span.peer_id)
                         raise
+                    self.race_events.append(RaceEvent(blocks, "judged", tuple(pair), rechecked.verdict))
                     if rechecked.verdict in ("refuted", "split"):  # never banned: outside identities' word against two
                         for peer in pair:
                             self.manager.unprove(peer)
@@ -683,6 +687,7 @@ class InferenceSession:
         if not whole and history.shape[1] > first.shape[1]:  # the trial wrote its positions; the next step sends
             winner.history = history  # the rest (from the history's end)
         self._spans[index] = winner
+        self.race_events.append(RaceEvent(blocks, "won", (winner.span.peer_id,)))
         self._link_upstream(index, 1)
         # (its figure was taken without this session: other sessions judging their spans wait for a new one; the
         # delivery verdict marked the server it expected to win, which the race may not have picked, decision 0189)

@@ -37,7 +37,8 @@ import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import torch
 
@@ -53,6 +54,21 @@ RACE_MAX = 64  # racers of one race at most (the next race, if all of them fail,
 TRIAL_TOKENS = DECODE_MAX_TOKENS  # positions a racer's first step replays (the winner is sent the rest after)
 
 R = TypeVar("R")
+
+RaceAction = Literal["seated", "judged", "won"]
+
+
+@dataclass(frozen=True)
+class RaceEvent:
+    """What a race for span `blocks` did, in order (an `InferenceSession`'s `race_events`, beside its stall events):
+    `seated`, two racers (`peers`) whose trials agree with each other and not with the left server's earlier outputs
+    formed a pair; `judged`, what servers outside the pair said of its trial (`verdict`: `witnesses.Recheck`); `won`,
+    the racer (`peers`, one) that took the session."""
+
+    blocks: tuple[int, int]
+    action: RaceAction
+    peers: tuple[str, ...]
+    verdict: str | None = None
 
 
 class RaceLost(ConnectionError):
