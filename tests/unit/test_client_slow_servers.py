@@ -27,7 +27,13 @@ from hivemind.proto import runtime_pb2
 from corolla.client.routing.announced_pace import announced_step_s, announced_token_s
 from corolla.client.session import replacement_race, span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.session.replacement_race import TRIAL_TOKENS, TrialDisagrees, check_trial, race_candidates
+from corolla.client.session.replacement_race import (
+    TRIAL_TOKENS,
+    RaceEvent,
+    TrialDisagrees,
+    check_trial,
+    race_candidates,
+)
 from corolla.client.session.stalls import LATE_LEAK, StepClock
 from corolla.client.transport import framed_socket
 from corolla.client.transport.local_transport import LocalInferenceStream
@@ -66,14 +72,19 @@ def _manager(servers: dict[str, FakeServer]) -> FakeManager:
 
 
 def _sixteen_steps(
-    manager: FakeManager, turn: Callable[[], object], turn_at: int = 12
+    manager: FakeManager,
+    turn: Callable[[], object],
+    turn_at: int = 12,
+    race_events: list[RaceEvent] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[str], list[stalls.StallEvent]]:
     """A fresh session of 16 one-token steps over random inputs, `turn()` run before token `turn_at` (when the lorises
     of these tests start holding): its inputs [1, 16, H], its outputs [1, 16, H], its route's peer ids at its end and
-    its stall events."""
+    its stall events; its race events recorded in `race_events` where given."""
     tokens = torch.randn(1, 16, HIDDEN)
     outputs = []
     with InferenceSession(manager, max_length=16) as session:
+        if race_events is not None:
+            session.race_events = race_events
         for t in range(16):
             if t == turn_at:
                 turn()
@@ -404,7 +415,9 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(
     for their trials. Before,
     the first answer won: each loris in turn won a race and held the rest (3 moves; 7 lorises: 63 s, 7 moves, in
     process). Lorises answering the same noise agree with each other: such a pair wins only where no racer agreeing
-    with the span's earlier outputs answers within a round after it formed (decision 0183), and H does."""
+    with the span's earlier outputs answers within a round after it formed (decision 0183), and H does; the pair
+    that lost its round to H is judged all the same (decision 0238: no referee answers, H's trial disagrees with it):
+    refuted, both avoided."""
     torch.manual_seed(8)
     end = 4 if last else 2
     servers: dict[str, FakeServer] = {f"L{i}": TrialLoris(0, end, inference_rps=1000.0) for i in range(3)}
@@ -419,7 +432,9 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(
     assert route == (["H"] if last else ["H", "C"])
     moved = [e for e in events if e.action == "moved"]
     assert len(moved) == 1 and moved[0].peer_id.startswith("L"), events
-    assert manager.avoided_peers() == {moved[0].peer_id} and not manager.bans.banned_peers()
+    racing = {name for name in servers if name.startswith("L")} - {moved[0].peer_id}
+    assert manager.avoided_peers() == {moved[0].peer_id} | (racing if coordinated else set())
+    assert not manager.bans.banned_peers()
     # the lorises' trials came on time but proved nothing: the next sessions are not planned over them (0163's rule)
     assert manager.answered_on_time() == ({"H"} if last else {"H", "C"})
     if wire is torch.float32:
@@ -529,36 +544,18 @@ def test_lorises_that_lied_at_the_first_positions_are_outvoted(
         assert servers["C"].final_lengths[-1] == 16
 
 
-class PairAnswered:
-    """Set once both identities of an attacker's pair (`SybilRacer`s sharing it) answered a made-up trial."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self._answered: set[int] = set()
-
-    def answered(self, identity: object) -> None:
-        self._answered.add(id(identity))
-        if len(self._answered) >= 2:
-            self.event.set()
-
-
 class SybilRacer(Referee):
     """One of an attacker's free identities: honest (and an honest referee) but for a race's trial once `holding`:
     a fresh session's first step answered at once with made-up outputs, the same on every such identity (a pair that
-    agrees with each other and not with the left server: `pair` is told), later steps computed."""
+    agrees with each other and not with the left server), later steps computed."""
 
     holding = False
-
-    def __init__(self, start: int, end: int, pair: PairAnswered):
-        super().__init__(start, end)
-        self.pair = pair
 
     async def _serve(self, requests):
         async for response in super()._serve(requests):
             metadata, _ = self.requests[-1]
             if self.holding and metadata["start_from_position"] == 0:
                 response = _made_up(response)
-                self.pair.answered(self)
             yield response
 
 
@@ -569,42 +566,18 @@ def _made_up(response: runtime_pb2.ExpertResponse) -> runtime_pb2.ExpertResponse
     return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(made_up)])
 
 
-TRAIL_S = 0.6  # past a race's round (~0.2 s here)
-# the longest pause of the client's event loop CI showed (stop 57's rerun: a hop noticed 1.54 s after its 0.5 s
-# deadline): a `SlowTrial` answers within its deadline plus the late budget however long the pair's answers were held
-CI_PAUSE_S = 1.5
+class RaceWatch(list[RaceEvent]):
+    """A session's `race_events` (put in its list's place by `_sixteen_steps`) with an event per action, set at its
+    first record (on the client's loop, where the racers' fakes wait on them): a racer that must answer within a
+    pair's round, or after the pair was judged, answers then (`AnswersAfter`), whatever the loop's pauses."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.seated, self.judged, self.won = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-@pytest.fixture
-def pause_tolerant_budget(small_long_step_floor, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The late budget a `SlowTrial` racer needs: `TRAIL_S` after the pair's answers, which a pause of the client's
-    loop may have held `CI_PAUSE_S` (1 s of budget was spent by a 0.72 s pause: the honest racer moved off)."""
-    monkeypatch.setattr(stalls, "LATE_BUDGET_S", TRAIL_S + CI_PAUSE_S)
-
-
-class SlowTrial(FakeServer):
-    """Honest; a session's first step (a race's trial) answered `TRAIL_S` after the attacker's pair answered its
-    made-up trials (they answer at once): past a round, within its deadline and late budget (`pause_tolerant_budget`);
-    its later steps at once (a winner kept while the attacker's identities hold theirs). Timed from the pair's
-    answers, not from its request: a pause of the event loop that delays them (a GC pause on a loaded CI worker: 0.5 s
-    delayed them past a fixed 0.6 s, and this one won the race it had to lose) delays this one's as much."""
-
-    def __init__(self, start: int, end: int, pair: PairAnswered):
-        super().__init__(start, end)
-        self.pair = pair
-
-    async def _serve(self, requests):
-        first = True
-        async for response in super()._serve(requests):
-            if first:
-                await self.pair.event.wait()
-                await asyncio.sleep(TRAIL_S)
-                first = False
-            yield response
-
-
-class RefereeSlowTrial(SlowTrial, Referee):
-    """`SlowTrial` that answers `rpc_forward` too (an outside referee)."""
+    def append(self, event: RaceEvent) -> None:
+        super().append(event)
+        getattr(self, event.action).set()
 
 
 def _greedy(outputs: torch.Tensor) -> list[int]:
@@ -617,63 +590,78 @@ def _greedy(outputs: torch.Tensor) -> list[int]:
 @pytest.mark.parametrize("referee", [True, False], ids=["an_outside_referee", "no_outside_referee"])
 @pytest.mark.parametrize("turn_at", [12, 4], ids=["history_only", "and_the_new_position"])
 @pytest.mark.parametrize("lent", [False, True], ids=["fresh", "standing_lent"])
+@pytest.mark.parametrize("h2_answers", ["judged", "seated"], ids=["after_the_pair_was_judged", "in_the_pairs_round"])
 def test_two_fresh_identities_racing_first_neither_ban_nor_rebuild(
-    pause_tolerant_budget, last: bool, referee: bool, turn_at: int, lent: bool
+    small_long_step_floor, last: bool, referee: bool, turn_at: int, lent: bool, h2_answers: str
 ):
     """Decisions 0190 and its "Attacked" section. H (honest, the best figures) serves blocks 0:2 (or the whole chain)
     and turns slow at token 12 (an overloaded server: it holds every step); the race for its span has S1 and S2, one
     attacker's two fresh identities answering the same made-up trial at once (positions 0-7; or, turned slow at token
-    4, positions 0-3 of the history and the new one), and H2, honest but slower than a round. The pair outvotes H's earlier outputs; short of a witness's standing, it wins only where a
+    4, positions 0-3 of the history and the new one), and H2, honest, answering its trial once the pair was judged
+    (slower than the pair's round and its referees) or once it was seated (within the pair's round: H2 wins it).
+    The pair outvotes H's earlier outputs; short of a witness's standing, it wins only where a
     server outside the pair (H2's `rpc_forward`) confirms its trial. H2 sides with H's outputs: the pair loses, both
     avoided (never banned), H2 wins, nothing is rebuilt, and the session's greedy tokens are the honest chain's. On
     main the pair won and C's cache was rebuilt from its made-up outputs (then every later token of the session off
     the reference: greedy tokens 12 and 13 wrong, hidden states off by up to 2.1; turned at token 4, tokens 4, 7, 10
     and 11 of 4-15); for the last span nothing was rebuilt but the chain's kept first outputs (a later race's
     reference); H was not banned (0190). With no outside referee (H2 without
-    `rpc_forward`, the accused out of the view), the pair's word stands as on main (the evidence is symmetric: the
-    fresh-witnesses case of `test_lorises_that_lied_at_the_first_positions_are_outvoted` is this one with the roles
-    swapped): it wins, H avoided and not banned, the pair watched. (H2 is a `SlowTrial`: its trial trails the pair's.)
+    `rpc_forward`, the accused out of the view) and H2 answering after the pair's round, the pair's word stands as on
+    main (the evidence is symmetric: the fresh-witnesses case of
+    `test_lorises_that_lied_at_the_first_positions_are_outvoted` is this one with the roles swapped): it wins, H
+    avoided and not banned, the pair watched.
 
     `standing_lent` (decision 0208): S1 earned a witness's standing before (verified agreeing with other servers) and
     lends it to S2. Main did not check a pair with standing: H banned for good and C rebuilt from the made-up trial,
     as above. Now such a pair is checked as a fresh one (the same outcomes, and S1's standing lost); with no outside
     referee its word banned H, once, the standing spent by the ban, until decision 0232: H2, asked, does not answer
     (the framers may have kept an honest outsider busy), so a ban on S1's standing alone is none: H avoided, the pair
-    watched."""
+    watched.
+
+    H2 answering within the pair's round (decision 0238): the pair loses the round, and is judged all the same (its
+    referees asked as it was seated; H2's trial, agreeing with H's outputs, is one more server outside it that
+    disagreed): refuted, both avoided and S1's standing lost, as where H2 answers after. Before, a pair that lost the
+    round was never refereed: S1 kept the standing it lent (`agreed_in_a_row` 8), and the pair was not avoided, an
+    outcome a pause of the client's loop decided (H2's answer held past the pair's round)."""
     torch.manual_seed(12)
     end = 4 if last else 2
     servers: dict[str, FakeServer] = {"H": Referee(0, end, inference_rps=1000.0)}
-    pair = PairAnswered()
-    servers["S1"], servers["S2"] = SybilRacer(0, end, pair), SybilRacer(0, end, pair)
-    servers["H2"] = (RefereeSlowTrial if referee else SlowTrial)(0, end, pair)
+    servers["S1"], servers["S2"] = SybilRacer(0, end), SybilRacer(0, end)
+    servers["H2"] = (RefereeAnswersAfter if referee else AnswersAfter)(0, end)
     if not last:
         servers["C"] = FakeServer(2, 4)
     manager = _manager(servers)
     if lent:
         vouch(manager, "S1")
+    watch = RaceWatch()
 
     def turn() -> None:
         servers["H"].delay_s = LORIS_DELAY_S
+        servers["H2"].after = getattr(watch, h2_answers)  # type: ignore[attr-defined]
         _hold(servers, SybilRacer)()
 
-    tokens, outputs, route, events = _sixteen_steps(manager, turn, turn_at)
+    tokens, outputs, route, events = _sixteen_steps(manager, turn, turn_at, watch)
     moved = [e for e in events if e.action == "moved"]
     assert [e.peer_id for e in moved] == ["H"], events
-    if lent and not referee:  # H2 asked, and no answer: the ban would rest on S1's standing alone (decision 0232)
+    seated = [e for e in watch if e.action == "seated"]
+    assert [set(e.peers) for e in seated] == [{"S1", "S2"}], watch
+    pair_wins = not referee and h2_answers == "judged"
+    if lent and pair_wins:  # H2 asked, and no answer: the ban would rest on S1's standing alone (decision 0232)
         assert not manager.bans.is_liar("H") and "H" in manager.avoided_peers() and route[0] in ("S1", "S2"), route
         assert manager.disputes.watched() == {"S1", "S2"} and not any(manager.bans.is_liar(name) for name in servers)
         return
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H")
     assert not any(manager.bans.is_liar(name) for name in servers)
     assert manager.bans.agreed_in_a_row("S1") == 0  # lost (refuted), or never earned (fresh)
-    if referee:
+    if pair_wins:
+        assert route[0] in ("S1", "S2"), route
+        assert "H" in manager.avoided_peers() and manager.disputes.watched() == {"S1", "S2"}
+    else:
         assert route[0] == "H2", route
+        assert [e.verdict for e in watch if e.action == "judged"] == ["refuted"], watch
         assert {"S1", "S2"} <= manager.avoided_peers() and not manager.disputes.watched()
         assert _greedy(outputs) == _greedy(reference(tokens, 4))
         torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
-    else:
-        assert route[0] in ("S1", "S2"), route
-        assert "H" in manager.avoided_peers() and manager.disputes.watched() == {"S1", "S2"}
 
 
 class HeldReferee(Referee):
@@ -717,11 +705,11 @@ class Ordered(random.Random):
     ids=["the_honest_referee_asked_first", "two_fresh_witnesses_drawn_before_one_with_standing"],
 )
 def test_a_third_identity_refereeing_its_pair_does_not_rebuild_the_session(
-    pause_tolerant_budget, monkeypatch: pytest.MonkeyPatch, witnesses: list[str]
+    small_long_step_floor, monkeypatch: pytest.MonkeyPatch, witnesses: list[str]
 ):
     """Decision 0190 "Attacked" attacked (hrev14): the race of `test_two_fresh_identities_racing_first_neither_ban_nor_rebuild`
     (H honest on 0:2 with the best figures, slow from token 12; S1, S2 one attacker's fresh identities answering the
-    same made-up trial at once; H2 honest, its trial `TRAIL_S` after theirs; C on 2:4), and the attacker runs W1 (and
+    same made-up trial at once; H2 honest, answering its trial once the pair was judged; C on 2:4), and the attacker runs W1 (and
     W2) too, identities of 0:2 that hold their steps and, asked as the pair's outside referee, answer the same made-up
     outputs. Identities
     cost nothing and referees are drawn at random from the span's servers (the draw fixed here: H2 first; or W1 and
@@ -732,9 +720,8 @@ def test_a_third_identity_refereeing_its_pair_does_not_rebuild_the_session(
     rebuilt, the tokens are the reference's."""
     torch.manual_seed(12)
     servers: dict[str, FakeServer] = {"H": Referee(0, 2, inference_rps=1000.0)}
-    pair = PairAnswered()
-    servers["S1"], servers["S2"] = SybilRacer(0, 2, pair), SybilRacer(0, 2, pair)
-    servers["H2"] = RefereeSlowTrial(0, 2, pair)
+    servers["S1"], servers["S2"] = SybilRacer(0, 2), SybilRacer(0, 2)
+    servers["H2"] = RefereeAnswersAfter(0, 2)
     for name in witnesses:
         if name != "H2":
             servers[name] = SybilWitness(0, 2)
@@ -744,13 +731,15 @@ def test_a_third_identity_refereeing_its_pair_does_not_rebuild_the_session(
     if "W2" in witnesses:  # two seats, both drawn by the attacker's identities, but H2 has standing
         monkeypatch.setattr(witness_rules, "OUTSIDERS_MAX", 2)
         vouch(manager, "H2")
+    watch = RaceWatch()
 
     def turn() -> None:
         servers["H"].delay_s = LORIS_DELAY_S
+        servers["H2"].after = watch.judged  # type: ignore[attr-defined]
         _hold(servers, SybilRacer)()
         _hold(servers, SybilWitness)()
 
-    tokens, outputs, route, events = _sixteen_steps(manager, turn)
+    tokens, outputs, route, events = _sixteen_steps(manager, turn, race_events=watch)
     assert [e.peer_id for e in events if e.action == "moved"] == ["H"], events
     wrong = [t for t, (a, b) in enumerate(zip(_greedy(outputs), _greedy(reference(tokens, 4)), strict=True)) if a != b]
     assert route == ["H2", "C"] and wrong == [], (route, wrong, float((outputs - reference(tokens, 4)).abs().max()))
@@ -796,6 +785,61 @@ def test_one_referee_siding_with_a_lying_loris_gets_no_honest_racer_avoided(smal
     assert servers["W"].forward_calls  # W was asked, and disagreed with the honest pair
     assert not {"H1", "H2", "H3"} & manager.avoided_peers() and not manager.disputes.watched()
     assert not manager.bans.banned_peers() & {"H1", "H2", "H3", "C"}
+
+
+class LieEchoingRacer(AnswersAfter, Referee):
+    """The lying loris's other identity, racing: once `after` is given (at a test's turn), it answers a race's trial
+    once `after` is set, as the loris lied at the span's first positions (`_first_positions_lie`: it agrees with the
+    race's reference, and wins the tie, decision 0183), its later positions honest; asked as a pair's outside referee,
+    it recomputes as the loris lied."""
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            start = self.requests[-1][0]["start_from_position"]
+            yield _first_positions_lie(response, start) if self.after is not None and start < TRIAL_TOKENS else response
+
+    async def rpc_forward(self, request, timeout=None):
+        response = await super().rpc_forward(request, timeout)
+        return _first_positions_lie(response, 0) if self.after is not None else response
+
+
+@pytest.mark.parametrize("w_answers", ["seated", "judged"], ids=["in_the_pairs_round", "after_the_pair_was_judged"])
+def test_honest_racers_that_lose_a_round_keep_their_standing(small_long_step_floor, w_answers: str):
+    """Decision 0238's judgement of a pair that lost its round, against honest racers. L (the best figures) lied at
+    the span's first 8 positions and holds every step from token 12; H1 and H2 honest with a witness's standing (50 ms
+    a step), H3 honest (its trial answered after the race); W, L's other identity, answers its trial as L lied once H1
+    and H2's pair was seated (within the pair's round) or judged, and recomputes as L lied when asked as a referee; C
+    on 2:4. The pair's referees split (H3 confirms it, W does not), and W's trial, which wins, is one more server
+    outside the pair disputing it: a split, lost round or not, costs nobody anything: H1, H2 and H3 keep their
+    standing, none avoided, watched or banned. (Losing a round alone must not cost a pair its standing: L and W would
+    drain honest servers' standing, race after race.)"""
+    torch.manual_seed(10)
+    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
+    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), RefereeAnswersAfter(0, 2)
+    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
+    servers["W"] = LieEchoingRacer(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, "H1", "H2")
+    watch = RaceWatch()
+
+    def turn() -> None:
+        _hold(servers, FirstPositionsLoris)()
+        servers["W"].after = getattr(watch, w_answers)  # type: ignore[attr-defined]
+        servers["H3"].after = watch.won  # type: ignore[attr-defined]
+
+    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
+    assert [e.peer_id for e in events if e.action == "moved"] == ["L"], events
+    assert route[0] == "W", route
+    assert [(set(e.peers), e.verdict) for e in watch if e.action != "won"] == [
+        ({"H1", "H2"}, None),
+        ({"H1", "H2"}, "split"),
+    ], watch
+    assert servers["W"].forward_calls and servers["H3"].forward_calls  # both referees asked
+    honest = {"H1", "H2", "H3"}
+    assert all(witness_rules.trusted(manager, name) for name in ("H1", "H2"))
+    assert not honest & manager.avoided_peers() and not honest & manager.disputes.watched()
+    assert not any(manager.bans.is_banned(name) or manager.bans.is_liar(name) for name in honest | {"C"})
 
 
 def test_after_a_loris_new_sessions_start_on_servers_seen_on_time(small_long_step_floor):

@@ -100,6 +100,7 @@ class InferenceSession:
         self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
         self.race_events: list[RaceEvent] = []  # what its replacement races did (client.session.replacement_race)
+        self._judging: set[asyncio.Future[None]] = set()  # judgements of race pairs that lost their round (0238)
         self.pacer = MovePacer()  # its spans' moves for what they deliver, one a period (client.session.delivery)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
@@ -567,6 +568,8 @@ class InferenceSession:
         trial_s: dict[SpanSession, float] = {}  # each racer's trial step (a row's), once it answered
         failures: list[str] = []  # racers that failed so far (any way)
         a_racer_failed = asyncio.Event()
+        # pairs seated and not judged yet (by the racer that seated each): the pair, its referees' recheck
+        seated: dict[SpanSession, tuple[list[str], asyncio.Future[Rechecked]]] = {}
 
         async def trial(racer: SpanSession) -> tuple[torch.Tensor, int, OutvotingPair | None]:
             try:
@@ -619,6 +622,18 @@ class InferenceSession:
                 if trial_error(mine, theirs) <= rtol:
                     pair = [other.span.peer_id, racer.span.peer_id]
                     self.race_events.append(RaceEvent(blocks, "seated", tuple(pair)))
+                    # a pair short of standing may be one attacker's identities: its outputs rebuild the session only
+                    # where every server outside it that answered confirms them (decision 0190 "Attacked", 0220: the
+                    # attacker's third identity may be one of them); one with standing bans only so too (its standing
+                    # is not lent to a fresh partner: decision 0208). Asked as it is seated, not after its round: a
+                    # pair that loses the round is judged too (decision 0238, `_judge_lost_pairs`)
+                    referees = None
+                    if self.manager.config.witness_standing_steps > 0:  # (0: main's rule, every racer trusted)
+                        exclude = {failed.span.peer_id, *pair}
+                        referees = asyncio.ensure_future(
+                            referee_pair(self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng)
+                        )
+                        seated[racer] = (pair, referees)
                     try:  # a round, while any other racer may still answer
                         until = asyncio.get_running_loop().time() + pair_wait_s
                         while len(failures) < len(racers) - 1:
@@ -628,19 +643,12 @@ class InferenceSession:
                             a_racer_failed.clear()
                             with contextlib.suppress(asyncio.TimeoutError):
                                 await asyncio.wait_for(a_racer_failed.wait(), left_s)
-                        # a pair short of standing may be one attacker's identities: its outputs rebuild the session
-                        # only where every server outside it that answered confirms them (decision 0190 "Attacked",
-                        # 0220: the attacker's third identity may be one of them); one with standing bans only so too
-                        # (its standing is not lent to a fresh partner: decision 0208)
-                        rechecked = UNCHECKED
-                        if self.manager.config.witness_standing_steps > 0:  # (0: main's rule, every racer trusted)
-                            exclude = {failed.span.peer_id, *pair}
-                            rechecked = await referee_pair(
-                                self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng
-                            )
+                        # (shielded: where another racer wins meanwhile, the referees still judge the pair)
+                        rechecked = UNCHECKED if referees is None else await asyncio.shield(referees)
                     except asyncio.CancelledError:  # the earlier outputs won: its trial proved nothing either
                         self.manager.unprove(racer.span.peer_id)
                         raise
+                    seated.pop(racer, None)
                     self.race_events.append(RaceEvent(blocks, "judged", tuple(pair), rechecked.verdict))
                     if rechecked.verdict in ("refuted", "split"):  # never banned: outside identities' word against two
                         for peer in pair:
@@ -676,14 +684,23 @@ class InferenceSession:
                 racers, trial, lost, round_s=round_s(first.nbytes if whole_inputs is None else whole_inputs.nbytes),
                 first_width=first_width,
             )  # fmt: skip
-        except RaceLost:
-            if not disagreed:
+        except BaseException as e:
+            for _, referees in seated.values():  # no racer won: nothing to judge a pair against
+                referees.cancel()
+            if not isinstance(e, RaceLost) or not disagreed:
                 raise
             logger.warning(
                 "inference_session.race_disagreed(blocks=%d:%d, disagreed=%d of %d): replaced the usual way",
                 *blocks, len(disagreed), len(racers),
             )  # fmt: skip
             return None
+        if seated and pair is None:  # the winner's trial agreed with the left server's outputs: the pairs lost to it
+            judging = asyncio.ensure_future(self._judge_lost_pairs(blocks, winner.span.peer_id, list(seated.values())))
+            self._judging.add(judging)
+            judging.add_done_callback(self._judging.discard)
+        else:  # (another pair won: its own referees judged the same outputs)
+            for _, referees in seated.values():
+                referees.cancel()
         if not whole and history.shape[1] > first.shape[1]:  # the trial wrote its positions; the next step sends
             winner.history = history  # the rest (from the history's end)
         self._spans[index] = winner
@@ -705,6 +722,34 @@ class InferenceSession:
             *blocks, winner.span.peer_id[-6:], len(racers), "whole" if whole else "trial", winner.position,
         )  # fmt: skip
         return (outputs, outputs_from) if whole else True
+
+    async def _judge_lost_pairs(
+        self, blocks: tuple[int, int], winner: str, lost_pairs: list[tuple[list[str], asyncio.Future[Rechecked]]]
+    ) -> None:
+        """Judges the pairs seated in a race that `winner` won, its trial agreeing with the left server's earlier
+        outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial, one
+        more server outside the pair that recomputed its trial and disagreed: "split" where a referee confirmed the
+        pair (nobody avoided: decision 0220), else "refuted": both lose their standing and are avoided
+        (`witnesses.refuted`), once each however many pairs it was in. Unjudged, a pair that lost its round kept the
+        standing one of it lent the other, and was not avoided. In the background: a referee held to its timeout does
+        not hold the session (the session's close waits for it, as for its shadows)."""
+        refuted_peers: set[str] = set()
+        for pair, referees in lost_pairs:
+            try:
+                rechecked = await referees
+            except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
+                logger.warning("inference_session.lost_pair_unjudged(pair=%s, error=%r)", pair, e)
+                continue
+            verdict = "split" if rechecked.confirmed_by else "refuted"
+            self.race_events.append(RaceEvent(blocks, "judged", tuple(pair), verdict))
+            logger.info(
+                "inference_session.lost_pair_judged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
+                *blocks, ", ".join("..." + peer[-6:] for peer in pair), winner[-6:], rechecked.verdict, verdict,
+            )  # fmt: skip
+            if verdict == "refuted":
+                for peer in set(pair) - refuted_peers:
+                    refuted(self.manager, peer)  # standing lost (0208), avoided longer each time (0225)
+                refuted_peers.update(pair)
 
     async def _verify_last_step(self, span_session: SpanSession) -> None:
         """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for
@@ -829,10 +874,14 @@ class InferenceSession:
 
         async def _close_all() -> None:
             await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
-            try:  # the shadows catch up; a replica that does not answer in time is not waited for
-                await asyncio.wait_for(self.shadows.finish(), FINISH_TIMEOUT_S)
+            try:  # the shadows catch up, lost race pairs are judged; a server that does not answer in time is not
+                # waited for
+                await asyncio.wait_for(asyncio.gather(self.shadows.finish(), *self._judging), FINISH_TIMEOUT_S)
             except asyncio.TimeoutError:
-                logger.info("inference_session.verification_unfinished(shadows=%d)", len(self.shadows.shadows))
+                logger.info(
+                    "inference_session.verification_unfinished(shadows=%d, pairs_judging=%d)",
+                    len(self.shadows.shadows), len(self._judging),
+                )  # fmt: skip
 
         if self.prefix is not None and self._spans:  # the next turn of this conversation prefers this chain
             self.manager.prefix_routes.remember(self.prefix, [s.span for s in self._spans], self._position)
