@@ -730,9 +730,9 @@ class InferenceSession:
         outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial, one
         more server outside the pair that recomputed its trial and disagreed: "split" where a referee confirmed the
         pair (nobody avoided: decision 0220), else "refuted": both lose their standing and are avoided
-        (`witnesses.refuted`), once each however many pairs it was in. Unjudged, a pair that lost its round kept the
-        standing one of it lent the other, and was not avoided. In the background: a referee held to its timeout does
-        not hold the session (the session's close waits for it, as for its shadows)."""
+        (`witnesses.refuted`), once each however many pairs it was in (unjudged, a pair that lost its round would keep
+        the standing one of it lent the other). In the background: a referee held to its timeout does not hold the
+        session (the session's close waits for it, as for its shadows)."""
         refuted_peers: set[str] = set()
         for pair, referees in lost_pairs:
             try:

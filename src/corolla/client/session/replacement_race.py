@@ -19,9 +19,13 @@ never computed would win every race, and hold the rest. Those earlier outputs ar
 racers' trials agree with each other and not with them, the pair outvotes the left server (the verification's 2:1
 rule: a liar caught first-hand) and wins, unless a racer agreeing with the earlier outputs answers within a round
 (`round_s`) after the pair formed (decision 0183: the earlier outputs break the tie, so lorises answering one made-up
-trial at once do not outvote an honest server's outputs while honest racers compute theirs), and, where neither of
-the pair has a witness's standing, unless a server outside it recomputes the trial and disagrees
-(`verification.pair_referee`, decision 0190 "Attacked": its outputs rebuild the later spans).
+trial at once do not outvote an honest server's outputs while honest racers compute theirs), and unless a server
+outside it recomputes the trial and disagrees (`verification.pair_referee`, decision 0190 "Attacked": its outputs
+rebuild the later spans; a pair with a witness's standing too, decision 0208). Those referees are
+asked as the pair is seated, and a pair that loses its round to a racer agreeing with the earlier outputs is judged
+all the same (decision 0238): that racer's trial is one more outside server that disagreed, so the pair is refuted
+(both avoided, their standing lost) unless a referee confirmed it (split: nobody avoided); else one identity's
+standing, lent to a fresh partner, would be kept by losing races.
 
 A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
 off before it answered the rest, the session's next race sends every racer the trial and then the rest of the step (a
