@@ -1,10 +1,7 @@
-"""One forward or backward call to one server span: the `rpc_forward_stream`/`rpc_backward_stream` stream over the
-server's unix socket where it runs on this machine, else over its direct TCP port where it offers one (as inference
-streams go, `client.transport`: no p2pd on either side; through p2pd a 512-token step's tensors moved at ~100 MB/s
-on loopback, docs/decisions/0059), else through p2p (`rpc_forward`/`rpc_backward`, or their `_stream` variants when
-the payload exceeds 1 MiB). A streamed reply that ends before its first message or in the middle of a tensor is a
-`ConnectionError`: hivemind ends a stream cut under it (about 1 in 8,600 4-MiB replies in a stress on the dev VM)
-silently, and what came is not the server's answer."""
+"""One forward or backward call to one server span: over the server's unix socket where it runs on this machine, else
+its direct TCP port where it offers one (no p2pd on either side: decision 0059), else through p2p (`rpc_forward`/
+`rpc_backward`, their `_stream` variants past 1 MiB). A streamed reply that ends before its first message or inside
+a tensor is a `ConnectionError`: hivemind ends a stream cut under it silently, and what came is not the answer."""
 
 from __future__ import annotations
 

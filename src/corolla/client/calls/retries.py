@@ -1,13 +1,9 @@
 """`RetryBudget`: the fail-over budget of one client call (an inference step, a forward or backward): bans the server
-that failed, sleeps with back-off, and ends in `NoHonestServerError` (naming the blocks and the servers tried and
-banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds of failing have passed. A network
-failure of the only server of some block is not banned (a ban would hide the one server that can answer once its link
-is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read again at once (a replica that joined
-since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
-while, re-reads the records and re-routes at once (`swarm.cache_refusals`). Nor is one that answered pings but ran too slow to keep a session: the
-span session has set it aside (`ServerTooSlow`), and the call re-routes at once. Nor one whose announced dtype cannot
-hold the span's inputs (`InputsOutOfRange`: nothing was sent to it): it is avoided for `RANGE_AVOID_S`. Nor one whose
-outputs two servers short of a witness's standing outvoted (`OutputsDisputed`: avoided already, decision 0190)."""
+that failed, sleeps with back-off, and ends in `NoHonestServerError` after `ClientConfig.max_retries` failed attempts
+or `max_wait_s` seconds. Some failures re-route without a ban: the only server of a block lost to the network
+(retried every `SOLE_SERVER_RETRY_S`: a ban would hide the one server that can answer once its link is back), a
+server out of KV cache, one too slow to keep a session (`ServerTooSlow`), one whose dtype cannot hold the inputs
+(`InputsOutOfRange`) and one outvoted by witnesses without standing (`OutputsDisputed`, 0190)."""
 
 from __future__ import annotations
 

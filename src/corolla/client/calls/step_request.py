@@ -1,10 +1,8 @@
-"""A usual inference step's request as bytes (`step_payload`): exactly what
-`ExpertRequest(uid=uid, tensors=serialize_activations([inputs, prompts, hypo_ids], compression), metadata=metadata)
-.SerializeToString()` writes (upb writes fields in number order and leaves proto3's defaults out), built without the
-messages: the uid's field once per session, the empty prompts' and hypo_ids' records once per process, the inputs'
-record around their values (`codecs.record_frame`, the framing the server's replies use). A client's stepping thread
-builds it cold after each wait, where each torch, numpy or protobuf call costs 5-10 us
-(`benchmarks.users.client_cpu`); it also hands back the values as sent, which the span's history keeps."""
+"""A usual inference step's request as bytes (`step_payload`): exactly what `ExpertRequest(uid=..., tensors=
+serialize_activations([inputs, prompts, hypo_ids], compression), metadata=...).SerializeToString()` writes, built
+without the messages (the uid's field once per session, the empty prompts' and hypo_ids' records once per process):
+a client's stepping thread builds it cold after each wait, where each torch, numpy or protobuf call costs 5-10 us
+(`benchmarks.users.client_cpu`). It also hands back the values as sent, which the span's history keeps."""
 
 from __future__ import annotations
 

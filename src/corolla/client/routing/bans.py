@@ -1,10 +1,8 @@
 """Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success;
-servers caught lying (outvoted 2:1 by `client.verification.stretches` or `client.verification.step_verifier`) are banned for the client's
-lifetime. Also each server's record of verified steps in a row that agreed with other servers (`agreed_in_a_row`):
-what lets `client.verification.step_verifier` trust a server when it is the only one left to answer. Both tables are
-kept within `peer_tables.PEERS_KEPT_MAX` peers (decision 0211): past it, the ban records of fewest bans (those over
-first among equals: 0231) and the shortest records of agreement go; the liars are never forgotten (each cost its
-identity a step caught lying against a witness with standing, where a ban record costs a failed request)."""
+servers caught lying (outvoted 2:1) are banned for the client's lifetime. Also each server's verified steps in a
+row that agreed with others (`agreed_in_a_row`): the standing a witness needs. Both tables are kept within
+`peer_tables.PEERS_KEPT_MAX` peers (decision 0211; the ban records of fewest bans and the shortest records go
+first, 0231); liars are never forgotten (each cost its identity a step caught against a witness with standing)."""
 
 from __future__ import annotations
 

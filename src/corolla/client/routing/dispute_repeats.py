@@ -1,22 +1,12 @@
-"""How long a server that lost a dispute is avoided: longer each time it loses again (decision 0225).
+"""How long a server that lost a dispute is avoided: longer each time it loses again (decision 0225). Many verdicts
+end in an avoidance, not a ban (0190, 0208), and a liar avoided a fixed `DISPUTE_AVOID_S` came back and lied again,
+forever. Each server's disputes lost are counted: its next avoidance doubles with each, capped at
+`DISPUTE_AVOID_MAX_S`, forgotten after `REPEATS_FORGIVEN_STEPS` verified outputs in a row.
 
-Since decisions 0190 and 0208 many verdicts end in an avoidance, not a ban: witnesses short of standing, outside
-servers that split, a span with nobody outside to recheck. A liar that lies on every step was avoided
-`DISPUTE_AVOID_S` (300 s), came back, lied again, forever: each return cost a session a wrong-step detection, a replay
-and a move. Here each server's disputes lost are counted, and its next avoidance doubles with each (300, 600,
-1,200 s ... capped at `DISPUTE_AVOID_MAX_S`, 24 h), forgotten only after a long honest record
-(`REPEATS_FORGIVEN_STEPS` verified outputs in a row agreeing with another server).
-
-Peer ids cost nothing, so escalation must cost an accuser as much as it costs the accused:
-- an accused escalates only as far as each of its witnesses has accused before (`level`: the least of its own
-  disputes lost and each witness's accusations not refuted since): fresh identities, however many, get an honest
-  server avoided 300 s a framing, as before; to double it they must come back with the same identities;
-- an avoidance past the first is rechecked by servers outside the dispute first, as a ban on standing is
-  (`witnesses.needs_recheck`, decision 0208); where they refute the witnesses, the witnesses lose the dispute
-  (`refuted`): avoided for their own count, their accusations forgotten, the accused not counted.
-
-Both tables are kept within `peer_tables.PEERS_KEPT_MAX` peers (decision 0211), the lowest counts first: a flood
-of fresh identities each with one dispute pushes out each other, not a server's long record of repeats."""
+Peer ids cost nothing, so escalation must cost an accuser as much as the accused: an accused escalates only as far
+as each of its witnesses has accused before (`level`), and an avoidance past the first is rechecked by outside
+servers first (`witnesses.needs_recheck`); witnesses they refute lose the dispute (`refuted`). Both tables are kept
+within `peer_tables.PEERS_KEPT_MAX` peers (0211), the lowest counts going first."""
 
 from __future__ import annotations
 

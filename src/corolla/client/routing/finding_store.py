@@ -1,11 +1,8 @@
-"""What this client caught lying first-hand, kept so that its user can share it (`FindingStore`): the finding of
-each server outvoted 2:1 on outputs it sent this client (`client.session.shadows`) or on its own answer to a shared
-finding this client re-checked (`client.verification.finding_check`), one per accused (the first: a liar caught twice
-adds nothing), bounded in count and bytes (the oldest goes first), in memory or in a directory the user chose
-(`ClientConfig.findings_dir`: `<peer id>.finding`, the bytes of `findings.encode_finding`, for anyone to re-check
-with `corolla-findings`), and the peer ids it caught (`liars`, one a line, at most `MAX_LIARS`) that a client given
-the same directory bans again at start. Only first-hand verdicts are written here: a finding received from someone
-else bans nothing, wherever its file is put (the store never reads findings to decide a ban)."""
+"""What this client caught lying first-hand, kept so that its user can share it (`FindingStore`): one finding per
+accused server outvoted 2:1 (by `client.session.shadows` or `client.verification.finding_check`), bounded in count
+and bytes, in memory or in `ClientConfig.findings_dir` (`<peer id>.finding`, for anyone to re-check with
+`corolla-findings`), and the peer ids caught (`liars`), which a client given the same directory bans again at start.
+Only first-hand verdicts are written here: the store never reads findings to decide a ban."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """A `Finding` (a server's claimed outputs for a stretch of a span's session, shown wrong by verification) and its
-bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked): the accused, its
-blocks, the span's inputs for positions [0, b), the deep prompts its session sent with position 0 (if any:
-`[blocks, B|1, P, H]`, checked against the blocks and the inputs' shape) and the outputs it is said to have returned
-for [first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a finding is
-hearsay to anyone but the client that caught it. A receiver re-verifies it first-hand
-(`client.verification.finding_check`); the client that caught it keeps it (`client.routing.finding_store`)."""
+bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked). Servers do not
+sign their outputs, so a finding is hearsay to anyone but the client that caught it: a receiver re-verifies it
+first-hand (`client.verification.finding_check`)."""
 
 from __future__ import annotations
 

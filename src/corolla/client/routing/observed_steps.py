@@ -1,10 +1,7 @@
-"""`ObservedSteps`: the decode step time per block this client measured on each server it used lately (decision
-0189), kept `OBSERVED_TTL_S`, and the routes' price of a server that delivers slower than it announces. A server's
-record says what it likes (a liar announces 1e6 blocks/s and answers each step just under the 1 s deadline floor);
-what this client timed is its own word. Routes read the announced `inference_rps` (Petals' price: 1 / rps a block);
-a server seen slower than `ANNOUNCED_DISCOUNT` x its announced step is priced at what it delivered over that
-discount, so a slow server stops attracting this client's new sessions while an honest one timed within the usual
-gap between a server's figure and its clients' steps keeps its price."""
+"""`ObservedSteps`: the decode step time per block this client measured on each server it used lately (decision 0189),
+kept `OBSERVED_TTL_S`. A server's record says what it likes; what this client timed is its own word: routes price a
+server seen slower than `ANNOUNCED_DISCOUNT` x its announced step at what it delivered over that discount, so a slow
+server stops attracting new sessions while one within the usual gap keeps its price."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""`PushSuspects`: the client's memory of pushes whose answers failed its checks (decision 0169).
-
-A reply that a server flags as the answer to the copy of a step pushed to it by the previous span's server, and that
-fails the client's checks, blames nobody (`retries.PushedReplyRejected`, decision 0154): the upstream may have
-pushed other outputs than it answered, or the server may lie and flag its lie. One of the two lies (an honest pair
-never fails so), and the client cannot tell which. Without a memory, a server that flags its lies got one replay
-instead of a ban in every session. Here, after such a failure of a push from `upstream` into `target`:
-- the pair is not pushed through for `PUSH_SUSPECT_S * 2**(n - 1)` seconds after its n-th failure (capped at
-  `PUSH_SUSPECT_MAX_S`): a liar costs each partner's pair a replay at geometrically rarer times;
-- neither server is pushed into or out of, with any partner, for `PUSH_SUSPECT_S` (not lengthened): a liar costs the
-  client at most one replay a period whatever its partners; with no push, its next lie is its own, and banned.
-Framing: an honest server loses pushes (latency, never a ban, never a route) for `PUSH_SUSPECT_S` a failure it is
-part of, and a liar can make it part of one only as its partner, whose pair's suspension then doubles each time.
-The memory is the client process's (one `RemoteSequenceManager`), bounded to `MAX_PAIRS` pairs."""
+"""`PushSuspects`: the client's memory of pushes whose answers failed its checks (decision 0169). Such a failure blames
+nobody (`retries.PushedReplyRejected`, 0154): the upstream may have pushed other outputs than it answered, or the
+server may have flagged its own lie, and the client cannot tell which. After a failure of a push from `upstream`
+into `target`, the pair is not pushed through for `PUSH_SUSPECT_S * 2**(n - 1)` seconds (capped at
+`PUSH_SUSPECT_MAX_S`), and neither server is pushed into or out of for `PUSH_SUSPECT_S`: a liar costs the client at
+most one replay a period, then its lies are its own and banned; an honest partner loses only pushes (latency).
+Bounded to `MAX_PAIRS` pairs per client process."""
 
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
-"""A span judged by what it delivers, not by what its server announces (decisions 0189, 0193). Step deadlines
-(`client.session.stalls`) catch a server that holds a step; one that answers every decode step just under the 1 s
-floor (`stalls.STALL_MIN_S`), or every prompt just under the long step's 4 s floor, a liar announcing 1e6 blocks/s or
-an honest server under load or behind a slow link, is never late and held a session at a crawl while a faster chain
-of the same blocks sat unused.
-
-Each server is expected to deliver at a `Pace`: a decode step over n of its blocks, a long step (a prompt, a replay)
-of t tokens over them, each a fixed part plus a part per block (and token): what this client measured of it
-(`routing.observed_steps`; for the server in use, the span's own clock: the mean of its decode steps answered in the
-last 8 s, at least its last 8, late ones included, less the slowest, and of its last long steps, each per row and
-token, `StepClock.delivered_step_s` / `delivered_token_s`, decisions 0201, 0193), else its announced figures (or the routes'
-default rate without one) discounted by `ANNOUNCED_DISCOUNT`, plus the client's RTT to it (and for a server not in
-use, the wait for the step in progress over its whole span: decision 0205). `judge` prices a
-`Workload` (the long step about to be sent, if any, then the session's rest in decode steps, at most
-`HORIZON_STEPS`) on the span's server, and on the best other chain of its blocks (the routes' min-latency Dijkstra,
-`swarm.route_planning`, over the servers not banned, avoided or pending, each block priced at that workload plus
-the move's replay: one server or several), and moves when the span is over `SLOW_RATIO` x the chain on a kind of step
-the workload holds (one-token steps or a long one) and the saving beats the move's price (`MOVE_FIXED_S`, the replay
-of the span's history on each server of the chain at its pace, and its bytes over a slow link) by `SAVING_MARGIN`.
-Blocks of a session move so at most once per `MOVE_PERIOD_S` while they keep the move's promise (`MovePacer`; a
-move elsewhere in its chain does not hold them: decision 0196; one that delivers over `SLOW_RATIO` x what the move
-was paid for, or what the race's winner showed on its trial, is not held: decision 0214), and the server left is
-avoided as long (not banned: it failed nothing; its region's other
-servers need not cover its blocks, the chain's RTTs being priced), so honest loaded servers are not moved back and
-forth; a server another session of the
-client is moving to is no candidate until measured again (`ObservedSteps.pending`), so that a client's sessions do
-not herd onto one server whose figure was taken without them. The move itself is 0163's race among the span's servers
-where the chain is one server and two or more cover the span alone (whose first good answer wins), else the chain.
-`judge` reads its client through `DeliveryView` (the client's `RemoteSequenceManager`, or a simulated client in
-`benchmarks.sim`, which judges its sessions with this same rule: decision 0195)."""
+"""A span judged by what it delivers, not by what its server announces (decisions 0189, 0193): step deadlines
+(`stalls`) catch a server that holds a step, not one that answers every step just under the deadline's floor (a liar
+announcing 1e6 blocks/s, or an honest server under load), which held a session at a crawl beside a faster chain.
+`judge` prices a `Workload` on the span's server at its `Pace` (measured, else its announced figures discounted by
+`ANNOUNCED_DISCOUNT`, plus RTT) and on the best other chain of its blocks, and moves when the span is over
+`SLOW_RATIO` x the chain and the saving beats the move's price by `SAVING_MARGIN`; `MovePacer` keeps moved blocks
+from moving back and forth (0196, 0214). `judge` reads its client through `DeliveryView` (the client's
+`RemoteSequenceManager`, or `benchmarks.sim`'s simulated client: 0195). The rule in full: docs/contracts.md,
+"Delivery"."""
 
 from __future__ import annotations
 

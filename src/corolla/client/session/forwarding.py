@@ -1,20 +1,12 @@
-"""Server-to-server forwarding of inference steps (`ClientConfig.server_forwarding`).
+"""Server-to-server forwarding of inference steps (`ClientConfig.server_forwarding`): each span's request names the
+following spans that can take its outputs by push (`next_servers`, Petals' wire format), so the last span's reply
+reaches the client after n+1 one-way delays instead of 2n. The client still sends every span its own copy (same
+`step_id`; servers de-duplicate): a lost or refused push costs latency, never correctness. Each request announces
+the client's next step id (`NEXT_STEP_KEY`): a corolla server runs a pushed step only if it carries that id.
 
-The client names, in each span's request, the following spans that can take this step's outputs by push
-(`next_servers`, Petals' wire format): span i's server pushes its outputs straight to span i+1's server, which
-computes and pushes on, so the last span's reply reaches the client after n+1 one-way delays instead of 2n. The
-client still sends every span its own copy of the step (same `step_id`; servers de-duplicate), as soon as it has
-the previous span's outputs: a lost or refused push costs latency, never correctness, and the client keeps every
-span's inputs for replays after a failure. Each request also announces the id of the client's next step
-(`corolla.next_step_id`): corolla servers run a pushed step only if it carries that id (server/front/peer_auth.py).
-
-A span is pushed to only when the push would be exactly the request the client sends it: same start position
-(not a replay or a replacement that has yet to catch up), no deep prompts and no `hypo_ids`, an open session whose
-server already knows its upstream. A session's first request never names `next_servers`: stock Petals 2.2 servers
-push every later step with their session's *first* request's metadata and tensors[1:] (its step_id, start
-position, prompts, hypo_ids), so they forward nothing useful after it; naming hops there would only send stale
-copies. Through stock servers the chain therefore falls back to the client's own copies (relaying), still exact.
-"""
+A span is pushed to only when the push would be exactly the request the client sends it (same start position, no
+deep prompts nor `hypo_ids`, an open session whose server knows its upstream). A session's first request names no
+`next_servers`: stock Petals 2.2 servers push every later step with their first request's metadata and tensors."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Graceful drain, client side: when a server marks its responses as draining (`protocol.handoff.DrainNotice`),
-the session asks it for the span's KV cache on the same stream and relays the parts, unread, to a replacement
-server holding the same blocks (the records are read again where the client's view has none), which validates and
-imports them; the session then continues there with no replay
-of its history. If no replacement takes it or anything fails, the draining stream is closed and the next step
-replays the history on a replacement, as after any failure. Works with `span_session.SpanSession` internals
-(its request queue, response stream and history), which is why it lives beside it in `client/`."""
+"""Graceful drain, client side: when a server marks its responses as draining (`protocol.handoff.DrainNotice`), the
+session asks it for the span's KV cache on the same stream and relays the parts, unread, to a replacement server
+holding the same blocks, which validates and imports them: the session continues there with no replay. If anything
+fails, the draining stream is closed and the next step replays the history, as after any failure. Works with
+`SpanSession`'s request queue, response stream and history, hence beside it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """`InferenceSession`: one inference stream per server span of the chain (`span_session.SpanSession`); keeps every
-span's inputs so that when a server fails, a replacement chain for its span replays them (start_from_position=0) and
-rebuilds the KV cache. Steps run in the caller's thread when every span is on a local stream, else on the client's
-background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
-at its step deadline, `client.session.stalls`; the only server of a span is waited for, not banned, when its link fails, and
-dialled again once its listener answers a knock, `client.transport.link_probe`).
-With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix.prefix_chain`)
-and starts after the shortest hit; a span that must be rebuilt without the inputs of that prefix restarts the chain."""
+span's inputs so that when a server fails, a replacement chain for its span replays them and rebuilds the KV cache.
+Steps run in the caller's thread when every span is on a local stream, else on the client's background loop, where
+failures are retried on replacement chains within a `RetryBudget`. With a `PrefixChain`, a fresh session starts
+after the shortest prefix its chain already holds; a span rebuilt without that prefix's inputs restarts the chain."""
 
 from __future__ import annotations
 

@@ -1,40 +1,12 @@
-"""Verification on a replica's spare rows (`ShadowVerifier`): a sampled span session is mirrored, as it runs, to a
-replica of the span over a second `rpc_inference` stream (a "shadow session": the same span inputs at the same
-positions, its first request marked `protocol.shadow.SHADOW_KEY`), and each of the replica's outputs is compared,
-position by position within the dtype's tolerance (`output_checks.comparison_rtol`), with what the span's server returned
-for it. A corolla replica runs a shadow's steps after every real step it has queued, its single-token rows merged
-into the batched forwards it runs for its own sessions (a decode forward reads every weight once whatever its rows;
-`server.core.engine_executor`); a stock Petals replica serves it as any session (the key is an unknown metadata
-key to it). Each position is recomputed once, against the shadow's own KV cache: linear in the session's length,
-not quadratic as recomputing stretches from position 0 was (docs/decisions/0042-shadow-sessions-built.md).
-
-A disagreement is the shadow's replica against the server: `stretches.StretchReferees.decide` asks a third replica
-to recompute the stretch [0, b) in one `rpc_forward` and bans whoever is outvoted 2:1 by two replicas with a witness's
-standing (else it is only avoided: decision 0190; with no third, nobody: a lying replica cannot get an honest server
-banned). A request on which the two agree is a verified output of each (`BanList.record_verified`: that standing). The `Finding` of a server caught goes to the client's
-`FindingStore` (`RemoteSequenceManager.findings`), for its user to share; one nobody could decide is kept in
-`undecided`.
-
-Sampling is by whole span session: a position can be recomputed only with the KV of every position before it, so a
-sampled session is mirrored from its position 0 (a span session that starts after a prefix its server reused from
-its cache is not mirrored). Beam search's reorders are mirrored with their steps, and so are deep prompts (deep
-prompt tuning: the span's slice of `[blocks, B|1, P, H]`, sent with the requests from position 0, in the
-`rpc_inference` tensor where Petals takes them); a span session sent deep prompts with a step after position 0 is
-no longer mirrored (a Petals server adds a step's prompts to that step's first positions, a corolla server to
-positions [0, P): honest servers of both kinds would disagree, and no one-pass `rpc_forward` could decide).
-`DEFAULT_SHADOW_FRACTION` is the rate that catches a server lying on 1% of its steps within 1,000 of them in >= 99%
-of careers (the escape model and its measurement: `benchmarks.field.catch_rate`, docs/decisions/0062). The liar
-cannot tell which sessions are mirrored: the replica is another server, and the draw is the client's.
-
-Cost to the client: each mirrored step is sent twice (to the server, then in the background to the replica; a token
-never waits for its shadow). The replica gets a session's decode positions several at a time: `after_step` copies
-each mirrored step's inputs and outputs into the request being filled (`HeldSteps`: no wake-up of the worker, no
-queueing per step) until it holds `SHADOW_BATCH_ROWS` rows (positions x batch; a beam reorder, a rollback, deep
-prompts or the session's end send what it holds first), then hands it to the shadow's worker, which sends it as one
-request of consecutive positions, which a corolla replica runs as that many spare rows of one merged decode forward
-(`server.core.engine_executor`) and a Petals replica as a short prefill: one request, one reply, one comparison per
-`SHADOW_BATCH_ROWS` positions (a replica's host work per step was the cost: docs/decisions/0066). A lie is then
-caught up to that many of the session's steps later, or at its end. A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS`."""
+"""Verification on a replica's spare rows (`ShadowVerifier`): a sampled span session is mirrored, from its position 0,
+to a replica of the span over a second `rpc_inference` stream (a "shadow session", its first request marked
+`protocol.shadow.SHADOW_KEY`), and each of the replica's outputs is compared with the server's within the dtype's
+tolerance. Each position is recomputed once against the shadow's own KV cache (linear in the session's length,
+decision 0042), its steps sent `SHADOW_BATCH_ROWS` at a time as one request that a corolla replica runs as spare
+rows of its merged decode forwards (0066); a disagreement goes to a third replica (`stretches.StretchReferees`).
+`DEFAULT_SHADOW_FRACTION` catches a server lying on 1% of its steps within 1,000 of them in >= 99% of careers (0062);
+the liar cannot tell which sessions are mirrored. The rules in full (deep prompts, beam reorders, lag, verdicts):
+docs/contracts.md, "Verification by shadow sessions"."""
 
 from __future__ import annotations
 

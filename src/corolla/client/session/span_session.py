@@ -1,13 +1,8 @@
-"""`SpanSession`: the client's inference stream to one server for blocks `[span.start, span.end)` (over the
-server's unix socket when it runs on this machine, else through p2p). It keeps the span's inputs (`history`), exactly
-what the server's KV cache was built from, so that `inference_session.InferenceSession` can replay them on a
-replacement server; it builds each step's request, checks the response, and watches a silent server: past the
-step deadline derived from the span's measured step times (`stalls.StepClock`) it pings it, then fails over (raises
-`HopStalled`) when another server holds the blocks, or keeps waiting when it is the only one; a server that answers
-pings but whose steps keep coming late moves the session once the span's late budget is spent (`ServerTooSlow`: the
-server is avoided for a while, not banned; decision 0144).
-
-The process-wide count of steps in flight (`steps_in_flight`) decides whether waiting for a response may busy-poll."""
+"""`SpanSession`: the client's inference stream to one server for blocks `[span.start, span.end)` (the server's unix
+socket on this machine, its direct port, or p2p). It keeps the span's inputs (`history`), exactly what the server's
+KV cache was built from, so that `InferenceSession` can replay them on a replacement server; it builds each step's
+request, checks the response, and watches a silent or slow server (`StepWait`: ping, fail over with `HopStalled`
+where another server holds the blocks, move with `ServerTooSlow` once the late budget is spent: decision 0144)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""Stall and slowness detection for one hop of a chain: `StepClock` keeps a span's recent decode step times and derives
-the deadline after which a step's silence is suspect, instead of waiting for the fixed `request_timeout_s`. A decode
-step's (at most `DECODE_MAX_TOKENS`): a multiple of the slowest recent step, or of the step time the server announces
-before any was measured, never under `STALL_MIN_S` and never past that multiple of the announced time. A long step's (a
-prompt, a replay on a replacement server, decision 0149): that multiple of what its tokens cost at the rate the server
-announces for prefills (`forward_rps`, else `inference_rps`), never under the slowest decode step measured on it nor
-under `LONG_STEP_MIN_S` plus what its bytes take over a slow link, and never past `STEP_MAX_S`. A KV hand-off's
-import (its first reply, on the replacement server) and export (the draining server's header and parts): its bytes
-over a slow link plus a decode step's deadline. No step
-has no deadline: without any figure, `STEP_MAX_S`. The clock also keeps the span's late budget: seconds its steps ran past
-their deadlines while the server answered pings, leaking back at `LATE_LEAK` of wall time. Once a span has spent
-`LATE_BUDGET_S` of it and another server holds its blocks, the session moves (`calls.retries.ServerTooSlow`) and the
-slow server is avoided for `SLOW_AVOID_S`, not banned (decision 0144). `StallEvent` records what the client did."""
+"""Stall and slowness detection for one hop of a chain: `StepClock` keeps a span's recent step times and derives the
+deadline after which a step's silence is suspect (a multiple of the slowest recent decode step, or of the announced
+step time, within `STALL_MIN_S` .. `STEP_MAX_S`; a long step's from its tokens at the announced prefill rate: 0149;
+a KV hand-off's from its bytes), instead of waiting for `request_timeout_s`. It also keeps the span's late budget:
+seconds its steps ran past their deadlines while the server answered pings, leaking back at `LATE_LEAK`; once it is
+spent and another server holds the blocks, the session moves (`ServerTooSlow`) and the server is avoided for
+`SLOW_AVOID_S`, not banned (decision 0144). The figures: docs/contracts.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """`StepWait`: one step's wait policy, the same for the client loop's waiter (`SpanSession.next_response`) and a
-stepping thread's (`FramedSocketStream.exchange` for `SpanSession.step_here`; decision 0233). Pure: told when its
-waiter asked to wake and when it woke, it says when to wake next and what is due at a wake without the reply:
-`timeout` (`request_timeout_s`, or `max_wait_s` once a ping went unanswered); `stall` at the step's deadline (ping
-once: silent, fail over where another server holds the blocks, else wait; answering, it is slow: wait until the late
-budget is spent, decision 0144); `ping` every `liveness_check_period_s`; `late` once the budget ran out (leave the
-server where it may). A waiter without pings (the same-host socket: its liveness is the socket's) gets only `late`,
-at the deadline plus the budget left then, and `timeout`.
+stepping thread's (`FramedSocketStream.exchange`; decision 0233). Pure: told when its waiter asked to wake and when
+it woke, it says when to wake next and what is due without the reply (`Due`: timeout, stall, ping, late).
 
-The step's time is the server's, not the client's: a waiter that asked to wake at t and woke at t + x (its loop or
-thread paused: a GC collection, a starved CPU, a slow callback) did not look at the server for x, which is credited
-(`lost_s`): the step's time stays at t, so the pause is not charged to the late budget, makes nothing due, and is not
-counted in what the span delivers (`SpanSession.time_step`). Whatever ended the sleep, the waiter ran no sooner than
-t + x and would have run at t: the credit is at most the wall time it was not running past what it asked for, which
-no server can lengthen (it does not run the client; a reply read by the loop in the waiter's place is bounded before
-it is buffered, milliseconds). A waiter sleeps `WAKE_EVERY_S` at most, so that a pause ending before the next thing
-due is seen too (but for that much). A busy-polling thread, or a waiter busy past what was due (pinging: a ping's
-time is the server's), asked for no sleep and is credited nothing. A ping is timed by the loop too: one that failed
-only after its timeout overslept (`ping_overslept`) proves nothing; its time past the timeout is credited, and it is
-asked again."""
+The step's time is the server's, not the client's: a waiter that asked to wake at t and woke at t + x (a GC pause, a
+starved CPU) did not look at the server for x, which is credited (`lost_s`), so the pause is not charged to the late
+budget nor counted in what the span delivers. The credit is at most the wall time the waiter was not running past
+what it asked for, which no server can lengthen. A waiter sleeps `WAKE_EVERY_S` at most, so that a pause is seen
+too; a busy waiter (polling, pinging) is credited nothing, and a ping that overslept its timeout (`ping_overslept`)
+proves nothing and is asked again."""
 
 from __future__ import annotations
 

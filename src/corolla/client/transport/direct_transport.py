@@ -1,16 +1,12 @@
-"""Inference streams (and training calls' streams) to a corolla server over its direct TCP port (see `protocol.direct_stream`) instead of through
-the two p2pd daemons.
+"""Inference streams (and training calls' streams) to a corolla server over its direct TCP port (`protocol.direct_stream`)
+instead of through the two p2pd daemons. `DirectInferenceStream` is one such stream on a raw non-blocking socket
+(`framed_socket.FramedSocketStream`), sealed after a handshake that proves each side holds the ticket key p2p gave;
+`DirectOffers` keeps each server's offer (a ticket reused until shortly before it expires) and, for a while, the
+servers with no direct port or not reachable at it. Any problem means "use p2p".
 
-`DirectInferenceStream` is one such stream on a raw non-blocking TCP socket (`framed_socket.FramedSocketStream`):
-the handshake proves the server holds the ticket key that p2p gave us (else the stream is not used) and that we
-hold it (else the server refuses), then every frame both ways is sealed. `DirectOffers` keeps each server's offer (a ticket, asked for over p2p once and reused
-until shortly before it expires) and remembers, for a while, servers that have no direct port or could not be
-reached at it. Any problem means "use p2p".
-
-A server names the hosts of its offer, so it could point the client at any address: a host no other machine could
-have (loopback, unspecified, link-local, multicast, reserved) is dialled only where p2p reached that server at that
-very address (`dialable`), else a hostile server would have every client send a hello carrying ~180 bytes of its
-choosing (the token) to a service on the client's own machine (docs/decisions/0132)."""
+A host no other machine could have (loopback, link-local, multicast, ...) is dialled only where p2p reached that
+server at that very address (`dialable`): else a hostile server could have clients send its token to a service on
+their own machine (decision 0132)."""
 
 from __future__ import annotations
 

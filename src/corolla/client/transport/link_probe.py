@@ -1,20 +1,12 @@
-"""Is a server's libp2p listener reachable again, asked without the client's p2p daemon. While the only server of a
-span is unreachable, every dial the daemon makes to it and that fails adds to libp2p's dial back-off for that address
-(5 s + n^2 s after the n-th failure; p2pd has no flag for it), so a dial made near the end of an outage kept the
-client from the server for up to 6 s after the link was back (`python -m benchmarks.field`: a 30 s drop cost
-+35.8 s). A span session remembers the address of its connection (p2pd names it when it opens the stream); while the
-link is down the client knocks on that address with a bare TCP connection and waits for the listener's first bytes
-(multistream-select's header, which a libp2p TCP listener sends at once, before any handshake), and dials through the
-daemon only once it answers: the daemon's last failed dial is then as old as the outage. A knock refused (nothing
-listens there: the server died or moved) or another server covering the span ends the knocking: the client retries
-as before.
+"""Is a server's libp2p listener reachable again, asked without the client's p2p daemon: every failed dial through p2pd
+adds to libp2p's dial back-off for that address (5 s + n^2 s after the n-th; p2pd has no flag for it), which kept a
+client from its only server for seconds after the link was back. While the link is down the client knocks on the
+address of its connection with a bare TCP connection and waits for multistream-select's header (a libp2p TCP listener
+sends it before any handshake); it dials through the daemon only once the listener answers.
 
-Only direct TCP connections are knocked on (`tcp_address`). A relayed connection's address
-(`.../p2p/RELAY/p2p-circuit/p2p/SERVER`) leads to the relay, which answers a knock whether or not the server behind it
-is reachable; asking the server itself means a libp2p handshake with the relay and a circuit-relay HOP request, i.e.
-the very dial whose failures p2pd backs off. So a relayed server is retried as before (every
-`retries.SOLE_SERVER_RETRY_S`), and the back-off may delay its return after an outage (0 to ~9 s after a 30 s drop);
-QUIC addresses likewise."""
+Only direct TCP addresses are knocked on (`tcp_address`): a relayed connection's address leads to the relay, which
+answers whether or not the server behind it is reachable, so relayed (and QUIC) servers are retried every
+`retries.SOLE_SERVER_RETRY_S` and may still meet the back-off."""
 
 from __future__ import annotations
 

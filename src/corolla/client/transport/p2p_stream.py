@@ -1,12 +1,9 @@
-"""`P2PInferenceStream`: one `rpc_inference` stream to a server through the client's p2pd, on a connection to the
-daemon that this module opens itself (p2pd's STREAM_OPEN request, as hivemind's `stream_open` sends it) and then
-drives as a raw socket (`framed_socket.FramedSocketStream`). Messages are framed as hivemind frames its protobuf
-streams (a marker byte, the length as 8 bytes big-endian, the message), so stock Petals servers read exactly the
-bytes a hivemind stub sends. Unlike hivemind's stub, which writes each message in three writes from a writer task
-fed by a queue, each request is one write: one wake-up of p2pd per step instead of three; and a step may run in
-the caller's thread (`exchange`), with no hop to the client loop and back. Response lengths are bounded before
-anything is allocated (hivemind's reader trusts the length a peer sends: `P2P.receive_raw_data` reads whatever an
-8-byte header announces). Training calls' streams (`rpc_forward_stream`, `rpc_backward_stream`) go this way too."""
+"""`P2PInferenceStream`: an `rpc_inference` stream (or a training call's stream) through the client's p2pd, on a
+connection to the daemon this module opens itself (STREAM_OPEN, as hivemind's `stream_open`) and then drives as a raw
+socket (`framed_socket.FramedSocketStream`). Messages are framed as hivemind frames its protobuf streams, so stock
+Petals servers read the bytes a hivemind stub sends; but each request is one write (hivemind's stub makes three, from
+a writer task), a step may run in the caller's thread (`exchange`), and response lengths are bounded before anything
+is allocated (hivemind's reader trusts the 8-byte length a peer sends)."""
 
 from __future__ import annotations
 
