@@ -75,8 +75,7 @@ class ClientConfig:
     verify_rtol: float | None = None  # None = derived from the dtypes of the two outputs
     verify_max_referees: int = 2  # servers asked per verified span (a second, then a third to break a tie)
     # mirror this fraction of span sessions (whole) to a replica as a shadow session on its spare rows, compare in the
-    # background, and ban a server outvoted 2:1 for good (`client.session.shadows`: 0.75 catches a server lying in 1%
-    # of its steps with >= 99% probability within 1,000 of its steps); 0 = off
+    # background, and ban a server outvoted 2:1 for good (`client.session.shadows`); 0 = off
     verify_shadow_fraction: float = 0.0
     # verified outputs in a row, agreeing with another server, that one of two agreeing servers needs before their
     # word against a third bans it for good (`client.verification.witnesses`, decision 0190: peer ids cost nothing, and

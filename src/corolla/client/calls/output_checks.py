@@ -21,10 +21,8 @@ WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what servers com
 # VERIFY_RTOL_PER_EPS x machine epsilon of the coarser of the two dtypes, never below VERIFY_MIN_RTOL:
 # float32 -> 1e-3, float16 -> 0.031, bfloat16 -> 0.25. Honest servers differ by rounding (cached vs. uncached
 # attention, other kernels, another dtype); a liar that changes a token's hidden state by less than this can pass.
-# Per position (a server's incremental outputs against a replica's one-pass prefill, `verification.stretches`):
-# float32 measured ~1e-6 on CPU; on an H200 (`benchmarks.field.verify_tolerance`, 10,240 positions, 8 layers, the
-# server's Triton decode against a replica's torch prefill) max error 0.0048 in bf16, 0.0054 with NF4 weights on both
-# sides: 50x under each (benchmarks/RESULTS.md). A float replica checking a quantized server is not measured.
+# Per position, honest servers' errors measured 50x under these (`benchmarks.field.verify_tolerance`, RESULTS.md; a
+# float replica checking a quantized server is not measured).
 VERIFY_RTOL_PER_EPS = 32.0
 VERIFY_MIN_RTOL = 1e-3
 QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
@@ -65,9 +63,8 @@ class InputsOutOfRange(ConnectionError):
 def input_range_dtype(info: ServerInfo) -> torch.dtype | None:
     """The dtype whose range a server's inputs must keep (`check_fits`): float16 where it announces it computes in
     float16 (`torch_dtype`, as corolla and Petals servers write it), else None (not checked). float16 (+-65504) is the
-    one wire dtype whose range legal activations reach; float32 values past bfloat16's range (the top 0.4% of
-    float32's) are a liar's alone, and checking them cost a reduction (~6 us) a step of every bfloat16 span of a
-    float32 client (decision 0170)."""
+    one wire dtype whose range legal activations reach; float32 values past bfloat16's range are a liar's alone, not
+    worth a reduction a step (decision 0170)."""
     return (
         torch.float16 if info.torch_dtype is not None and DTYPE_NAMES.get(info.torch_dtype) is torch.float16 else None
     )
@@ -116,9 +113,8 @@ def read_output(
 ) -> torch.Tensor:
     """`check_outputs(deserialize_tensor(record), ...)` (an undecodable record is BadServerOutput too), with the
     usual record (raw values: `codecs.plain_record`) checked on its header and bytes before its tensor is built:
-    the same checks and messages, in fewer calls (`bytes_finite` on the bytes, no numpy or torch call until the
-    tensor). A client's stepping thread runs them cold after each wait, where every torch or numpy call costs
-    5-10 us (benchmarks.users.client_cpu)."""
+    the same checks and messages, in fewer calls (a stepping thread runs them cold after each wait, where every torch
+    or numpy call costs 5-10 us: benchmarks.users.client_cpu)."""
     plain = plain_record(record)
     if plain is None:  # another codec or form: decoded, then checked as a tensor
         try:
@@ -163,8 +159,7 @@ def _check_values(
 def reply_limit_bytes(*shapes: Sequence[int]) -> int:
     """The most bytes an honest reply carrying tensors of `shapes` holds: 4 a value (float32, the widest wire dtype;
     every codec writes at most that plus a header of its own) and `REPLY_OVERHEAD_BYTES`. A reply past it is the
-    server's failure, refused as its bytes arrive (without it, a reply was read for as long as the server sent it
-    within `request_timeout_s`)."""
+    server's failure, refused as its bytes arrive."""
     return 4 * sum(math.prod(shape) for shape in shapes) + REPLY_OVERHEAD_BYTES
 
 

@@ -35,14 +35,10 @@ class ServerTooSlow(ConnectionError):
 
 
 class PushedReplyRejected(ConnectionError):
-    """A reply failed a check (its shape, dtype or values, or the start its server says the step had) where the
-    server flagged it as the answer to the copy of the step pushed to it by the previous span's server, and the client
-    had named it to receive that push: the
-    push, not the server, may be at fault (an upstream may push other outputs than it answers the client, within the
-    push rules: up to the client's biggest step, decision 0154). Neither is blamed; the span is replayed from the
-    client's own inputs, and the client names neither `upstream` nor `peer_id` for pushes for a while
-    (`routing.push_suspects`, decision 0169): a server that flags its own lie so gets one replay a period, and with
-    no push its next lie is its own."""
+    """A reply failed a check where its server flagged it as the answer to the copy of the step pushed to it, and the
+    client had named it to receive that push: the push, not the server, may be at fault (decision 0154). Neither is
+    blamed; the span is replayed from the client's own inputs, and neither `upstream` nor `peer_id` is named for
+    pushes for a while (`routing.push_suspects`, decision 0169)."""
 
     def __init__(self, peer_id: str, upstream: str | None, message: str):
         self.peer_id, self.upstream = peer_id, upstream

@@ -43,9 +43,8 @@ def chain_step_s(route: Sequence[RemoteSpanInfo]) -> float:
 def fastest_step_s(view: Sequence[RemoteSpanInfo], route: Sequence[RemoteSpanInfo], start: int, end: int) -> float:
     """A lower bound of any chain's decode step over blocks `[start, end)` (which `route` covers): per block, the
     fastest server that announces its speed, or `route`'s own server if none is faster. A server that announces no
-    speed (one that has served no step yet: servers announce measured rates only) is no evidence that the chain
-    holding the prefix is slow, so it does not count: at the default figure a newcomer would look faster than a
-    measured server on a busy host and win the session, cache or not."""
+    speed (it served no step yet) does not count: at the default figure a newcomer would win the session, cache or
+    not."""
     total = 0.0
     for block in range(start, end):
         own = next(_token_block_s(s) / s.length for s in route if s.start <= block < s.end)

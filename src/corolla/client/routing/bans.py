@@ -84,7 +84,6 @@ class BanList:
 
 def _ban_worth(record: _BanRecord, now: float) -> float:
     """A ban record is worth its back-off count (the next ban's length: `base_timeout_s * backoff_rate ** num_bans`),
-    one in force more than one over of the same count. Worth its end (0211), the records over went first, so fresh
-    identities failing once each erased the count of a server failing again after each ban (decision 0231): each
-    identity's first ban is worth one failed request, a repeat failer's count as many."""
+    one in force more than one over of the same count, so that fresh identities failing once each cannot erase the
+    count of a server failing again after each ban (decision 0231)."""
     return record.num_bans + (0.5 if record.banned_until_s > now else 0.0)

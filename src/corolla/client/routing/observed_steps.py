@@ -15,8 +15,7 @@ from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 from corolla.utils.peer_tables import PEERS_KEPT_MAX, remember
 
 # A client's decode step on a server is this many times the server's announced figure and still honest: the figure
-# is device time, the client's step adds its queue, the links and the client's own CPU (decision 0165: ~3.4x seen
-# at 16 sessions on the dev VM; the step deadlines' `stalls.STALL_FACTOR` is the same 4x)
+# is device time, the client's step adds its queue, the links and its own CPU (decision 0165)
 ANNOUNCED_DISCOUNT = 4.0
 OBSERVED_TTL_S = 300.0  # an observation older than this is forgotten (0165's window: the server's own figure's age)
 OBSERVED_MAX_PEERS = PEERS_KEPT_MAX  # servers kept at most (the slowest observations go first: `_worth`)
@@ -85,8 +84,7 @@ class ObservedSteps:
         like is compared with like, an unmeasured server being priced at its figure. For a route whose first step is
         long (`step_tokens` over `DECODE_MAX_TOKENS`: a fresh session's prompt, a replay), a server seen delivering
         long steps slower than `ANNOUNCED_DISCOUNT` x its announced long step (`announced_token_s`) is priced that
-        many times under its figure as well (the lower of the two prices): one crawling on prompts only would
-        otherwise take the prompt by its decode figure (decision 0193's Left, 0218)."""
+        many times under its figure as well (the lower of the two prices; decision 0218)."""
         long_route = step_tokens > DECODE_MAX_TOKENS
         with self._lock:
             if not self._by_peer and not (long_route and self._long_by_peer):
@@ -116,9 +114,7 @@ class ObservedSteps:
 
 def _worth(seen: tuple[float, float], now_s: float) -> float:
     """What an observation (seconds, when noted) is worth keeping past `OBSERVED_MAX_PEERS` (`peer_tables.remember`):
-    those past `OBSERVED_TTL_S` nothing, then the slowest least. Kept oldest first (`peer_tables`' default), a flood
-    of identities the client measured after an honest server pushed it out of the first round of a move's race
-    (decision 0214's measured-first round, 0231); kept fastest first, only identities measured delivering faster
-    than it can, and they lead that round having delivered so."""
+    those past `OBSERVED_TTL_S` nothing, then the slowest least: a flood of identities measured later cannot push an
+    honest server out of a move race's measured-first round (decisions 0214, 0231)."""
     seconds, noted_s = seen
     return -math.inf if now_s - noted_s > OBSERVED_TTL_S else -seconds

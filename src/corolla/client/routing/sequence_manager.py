@@ -58,8 +58,8 @@ class RemoteSequenceManager:
 
     A daemon thread refreshes block records every `update_period_s` (or at once when a failure leaves a block
     uncovered); `make_sequence` plans a chain from the latest view by corolla's routing (`swarm.corolla_policy`).
-    Servers in state JOINING are never used. `policy` is a benchmark and test seam, not a user option:
-    `benchmarks.swarm_live` passes Petals' policy (`benchmarks.sim.petals_policy`) to measure its baseline on the same swarm.
+    Servers in state JOINING are never used. `policy` is a benchmark and test seam, not a user option
+    (`benchmarks.swarm_live` passes Petals' policy to measure its baseline on the same swarm).
     """
 
     def __init__(
@@ -351,8 +351,7 @@ class RemoteSequenceManager:
         """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered. A server
         this client never measured that fails makes every unmeasured server count as unreachable in routes for
         `update_period_s`, and refreshes at once (whose pings measure up to `PLACEMENT_PINGS` of them): anyone can
-        announce made-up servers (unsigned records, any peer id, any claimed speed), and without this a route tried
-        them one by one before an honest server it had measured (all 1,000 of 1,000 at 300 ms, decision 0137)."""
+        announce made-up servers, which a route would otherwise try one by one (decision 0137)."""
         if peer_id is None:
             self.request_update()
             return
@@ -379,9 +378,8 @@ class RemoteSequenceManager:
 
     def avoided_spans(self) -> list[RemoteSpanInfo]:
         """The spans of servers avoided now (`avoid`) and not banned, as last read. Never routed, but asked to recheck
-        a dispute (`StretchReferees.outsiders`, decision 0228): an avoidance proves nothing against a server (it was
-        slow, out of cache, or outvoted by witnesses short of standing: two free identities get any server avoided),
-        so free identities that got the honest outsiders avoided first must not be left the recheck's seats."""
+        a dispute (`StretchReferees.outsiders`, decision 0228): an avoidance proves nothing against a server (two free
+        identities get any server avoided), so those who got the honest outsiders avoided do not get the seats."""
         excluded = self.bans.banned_peers()
         avoided = self.avoided_peers()
         with self._lock:
@@ -393,11 +391,8 @@ class RemoteSequenceManager:
 
     def stepping_through(self, peer_id: str) -> None:
         """A session of this client opened a stream to `peer_id` (`SpanSession.open`); until as many `stepped_off`,
-        the refresh does not ping it: its steps measure it (each answer proves it alive, a silent one is pinged by its
-        session, `SpanSession.next_response`), and a ping dials through p2pd. A ping that raced the link's failure
-        dialled into the outage, and a dial that fails puts the address in libp2p's dial back-off (5 s + n^2 s, no
-        call clears it), so the session's own dial once the link was back met "dial backoff" for seconds (decision
-        0217)."""
+        the refresh does not ping it: its steps measure it, and a ping that fails during an outage puts the address in
+        libp2p's dial back-off, which the session's own dial would meet once the link is back (decision 0217)."""
         with self._lock:
             self._in_use[peer_id] = self._in_use.get(peer_id, 0) + 1
 
@@ -431,11 +426,9 @@ class RemoteSequenceManager:
         at all then: every re-read would drop it from the view again); `keep_region` False: only where the rest of
         the view would lose a block (a session leaving a server for a chain it priced, RTTs included, faster:
         decision 0196). Used for a server out of KV cache (`on_cache_refusal`), one too slow to keep a session
-        (`client.session.stalls`, decisions 0144 and 0189), and one outvoted or out of range (`verification`).
-        `slow`: avoided for its pace (late past its budget, or outpaced): no longer seen on time either
-        (`answered_on_time`). Any other avoidance says nothing of its pace and keeps that mark: two free identities
-        outvoting a server get it avoided, and forgetting the mark left it out of routes whenever a caught loris
-        made the routes keep to servers seen on time, in favour of the attacker's (decision 0231)."""
+        (decisions 0144, 0189), and one outvoted or out of range (`verification`). `slow`: avoided for its pace, so
+        no longer seen on time either (`answered_on_time`); any other avoidance says nothing of its pace and keeps
+        that mark (decision 0231: else two free identities outvoting a server kept it out of routes)."""
         rtts = self.client_rtts_s
         region_rtt_s = self.policy.route_region_rtt_s if keep_region else None
         with self._lock:
@@ -490,9 +483,8 @@ class RemoteSequenceManager:
     def reread(self, newer_than: float | None = None) -> None:
         """Re-reads the records now (blocking) unless a read started at or after `newer_than` (a `time.monotonic()`;
         default: `MIN_REREAD_S` ago): for a caller that needs the swarm as it is (a replacement for a server that
-        refused or drains), not as it was up to `update_period_s` ago. Callers that need it at once (all sessions of a
-        draining server) wait for one read, not one each. A failed read asks the background thread to try again and
-        keeps the old view."""
+        refused or drains). Concurrent callers wait for one read, not one each. A failed read asks the background
+        thread to try again and keeps the old view."""
         cutoff = time.monotonic() - MIN_REREAD_S if newer_than is None else newer_than
         try:
             with self._update_lock:
@@ -504,9 +496,8 @@ class RemoteSequenceManager:
 
     def reread_for_drain(self, peer_id: str, newer_than: float) -> None:
         """`reread(newer_than)` for a replacement of draining `peer_id`, but one read per peer per `update_period_s`
-        (later calls wait for that read and take its view; the background refresh keeps it fresh after): a server that
-        marks every reply draining, the only one of its blocks, takes each replay back and drains again, and every
-        token of its every session would wait for a read of the records (a DHT lookup of every block) before."""
+        (later calls take its view): else a server that marks every reply draining, the only one of its blocks, would
+        make every token of its sessions wait for a read of the records."""
         now = time.monotonic()
         with self._lock:
             first = self._drain_reads.get(peer_id)

@@ -27,9 +27,8 @@ from corolla.swarm.route_planning import block_time_s, make_min_latency_route
 from corolla.utils.errors import MissingBlocksError
 
 JUDGE_MIN_STEPS = 4  # decode steps a span's delivery is judged on at least (one slow step is a hiccup)
-# its delivered step is the mean of the decode steps it answered in the last this many seconds (or its last
-# `JUDGE_WINDOW_STEPS` where fewer), less the slowest (decision 0201: every step between two judgments counts; the
-# median of the last 8 let a server slow on 3 steps in 8, or slow between judgments and fast just before each, unseen)
+# its delivered step: the mean of the decode steps it answered in the last this many seconds (or its last
+# `JUDGE_WINDOW_STEPS` where fewer), less the slowest (decision 0201: every step between two judgments counts)
 JUDGE_WINDOW_S = 8.0
 JUDGE_WINDOW_STEPS = 8
 JUDGE_PERIOD_S = 1.0  # a span is judged at most this often (a GPU's 10 ms steps: once in ~100, its cost flat)
@@ -117,13 +116,9 @@ class Outpaced:
 
 class MovePacer:
     """Shared by one inference session's spans: blocks that moved for delivery move so again only `MOVE_PERIOD_S`
-    later, unless what they deliver now breaks the move's promise. Per blocks, not per session (decision 0196): in a
-    swarm of lorises a chain holds several, and one move a session a period kept every other span on its loris for
-    the period after the first move (the swarm simulator). A promise, not a plain period (decision 0214): a move is
-    paid for a decode step its chain was expected to deliver (`Outpaced.promised_s`); where the blocks then deliver
-    over `SLOW_RATIO` x that (a fresh identity answered the race's trial at once and crawls after), the period no
-    longer holds them, so such an identity keeps the session one judgment (`JUDGE_MIN_STEPS` steps), not a period,
-    while a destination whose load moves within the promise is not chased."""
+    later, per blocks, not per session (decision 0196), and only while they keep the move's promise (0214:
+    `Outpaced.promised_s`; blocks delivering over `SLOW_RATIO` x that, like a fresh identity that won the race's trial
+    and crawls after, are not held)."""
 
     def __init__(self) -> None:
         # blocks [start, end) left -> (when, the decode step promised there, one row and token over those blocks)
@@ -147,10 +142,9 @@ class MovePacer:
         self._moved[blocks] = (now_s, promised_s)
 
     def promised(self, blocks: tuple[int, int], step_s: float) -> None:
-        """The server that took `blocks` after their move showed `step_s` a step (a race's trial: decode-sized, a
-        row's): it is held to that where it is over what the verdict expected of the chain it chose, as racers answer
-        trials at their own pace and the first answer wins (an honest server that outran lorises' claims is not
-        moved again for missing a claim it never made; a fresh identity answering at once is held to its answer)."""
+        """The server that took `blocks` after their move showed `step_s` a step (a race's trial, one row): it is
+        held to that where it is over the verdict's promise (a server is held to what it showed, not to a claim it
+        never made)."""
         moved = self._moved.get(blocks)
         if moved is not None:
             self._moved[blocks] = (moved[0], max(moved[1], step_s))
@@ -172,9 +166,7 @@ def delivered_under(manager: DeliveryView, span: RemoteSpanInfo, step_s: float, 
 
 def observed_block_s(manager: DeliveryView, peer_id: str, delivered_s: float, num_blocks: int) -> float:
     """What a span's delivered decode step (`delivered_s` over `num_blocks`) says of its server for `ObservedSteps`:
-    the step less the client's RTT to it, per block. The RTT is a step's, not a block's (decision 0196): a server
-    used for 1 block over a 150 ms link was otherwise noted at 150 ms a block, expected at 3 s on a span of 20 and
-    priced 20x under its figure by the routes."""
+    the step less the client's RTT to it (a step's, not a block's: decision 0196), per block."""
     return (delivered_s - client_rtt_s(manager, peer_id)) / num_blocks
 
 
@@ -182,10 +174,7 @@ def step_wait_s(span: RemoteSpanInfo, decode_block_s: float) -> float:
     """What a decode step sent to `span`'s server waits for the step in progress there, at `decode_block_s` a block:
     its announced busy share (`busy_fraction`; 0 without one, a stock Petals peer) of half a step over its whole
     announced span, not over the blocks the client would use: the server merges its sessions' rows over all of its
-    blocks. A span's own delivered step holds its wait; a candidate's figure (announced, or observed over another
-    span's blocks per block) did not, so a wide busy server looked fast for a few blocks of it and judged clients
-    moved pieces of their chains onto the swarm's whole-model servers (decision 0205: the honest public swarm's
-    chase)."""
+    blocks (decision 0205). A span's own delivered step holds its wait already."""
     info = span.server_info
     busy = info.busy_fraction or 0.0
     if info.start_block is not None and info.end_block is not None:
@@ -207,8 +196,7 @@ def pace_of(
     over `span`'s blocks where given (the span's own clock, RTT included), else what this client measured there
     lately (`observed_block_s`: without the RTT) plus its RTT, else its record's figures x `ANNOUNCED_DISCOUNT` plus
     its RTT (a record without a decode figure: the routes' default rate, as they price it; without a prefill figure:
-    its decode step a token, a pessimist's figure). A server not in use waits too for the step in progress
-    (`step_wait_s`: its announced busy share of half a step over its whole span; decision 0205)."""
+    its decode step a token, a pessimist's figure); plus, for a server not in use, `step_wait_s`."""
     rtt_s = client_rtt_s(manager, span.peer_id)
     observed = manager.observed_steps
     decode_block_s, decode_fixed_s = (None, 0.0) if step_s is None else (step_s / span.length, 0.0)

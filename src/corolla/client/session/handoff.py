@@ -32,9 +32,8 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_CANDIDATES = 2  # replacement servers tried per hand-off before falling back to a replay
-# a hand-off may take the draining server's remaining time, at least this, at most the client's request_timeout_s
-# (the deadline is the server's word: one that claims 1e9 s must not hold the step longer than a response's wait),
-# + connect_timeout_s
+# a hand-off may take the draining server's remaining time (its word), at least this, at most the client's
+# request_timeout_s, + connect_timeout_s
 MIN_HANDOFF_S = 2.0
 NONE = runtime_pb2.CompressionType.NONE
 
@@ -191,11 +190,9 @@ async def _export(
 ) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
     (position, batch, blocks, byte counts, `kv_handoff_max_bytes`). The export has a step's deadline (decision 0168):
-    its header a zero-token step's (`StepClock.deadline_s(0)`), each part message the bytes received before it plus a
-    full message's (at most the header's count) at the slow-link rate plus that (`StepClock.handoff_deadline_s`), both
-    from the request, so a header that announces more bytes than come buys no time; past it a step's rules
-    (`SpanSession.next_response`: silent, failed over; slow, waited for until the span's late budget is spent, then
-    `ServerTooSlow`): the hand-off fails and the span is replayed elsewhere."""
+    its header a zero-token step's, each part the bytes received before it plus a full message's at the slow-link rate
+    (`StepClock.handoff_deadline_s`), all from the request, so announcing more bytes than come buys no time; past it,
+    a step's rules (`SpanSession.next_response`): the hand-off fails and the span is replayed elsewhere."""
     tensors, structure, empty = _empty_step(old)
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)
@@ -252,10 +249,9 @@ async def _import(
     new: SpanSession, old: SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
 ) -> None:
     """Opens the replacement's session at `header.position` with the cache parts; its first (zero-token) answer
-    confirms the import, within the import's deadline (`StepClock.handoff_deadline_s`: its bytes at the slow-link rate
-    plus a decode step's deadline) under a step's rules (`SpanSession.next_response`: a silent server failed over, a
-    slow one left once the late budget is spent, `ServerTooSlow`, and avoided; then the next candidate or a replay).
-    The new span session inherits the old one's history (for a later replay)."""
+    confirms the import, within `StepClock.handoff_deadline_s` under a step's rules (`SpanSession.next_response`;
+    failing, the next candidate or a replay). The new span session inherits the old one's history (for a later
+    replay)."""
     assert old.history is not None
     new.history = old.history
     new.position = header.position

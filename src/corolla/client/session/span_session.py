@@ -445,10 +445,9 @@ class SpanSession:
         *,
         step_id: str | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
-        server, or PushedReplyRejected where the server answered the copy of step `step_id` the client named it to
-        receive by push, or cannot say whether it did), records the inputs (`values`: their bytes as sent, where
-        known) as the server's cache contents; returns (outputs, first position)."""
+        """Checks the response (else BadServerOutput, or PushedReplyRejected where it may answer the copy of step
+        `step_id` pushed to it), records the inputs (`values`: their bytes as sent, where known) as the server's
+        cache contents; returns (outputs, first position)."""
         peer_id = self.span.peer_id
         drain_notice, pushed, pushed_from = reply_flags(response)
         expected = self.expected_push  # (step id, start) of a push the client named this span to receive
@@ -612,11 +611,9 @@ class SpanSession:
         return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
 
     def time_step(self, num_tokens: int, wait: StepWait) -> None:
-        """After a step answered at `wait`'s last wake: its time (the server's: the waiter's own pauses are not,
-        `client.session.step_wait`) feeds the clock's deadlines, or, past its deadline, is charged to the late budget
-        (a late step's time says nothing of the server's speed); either way it counts in what the span delivers,
-        which is judged at most once a `JUDGE_PERIOD_S`. Answered at a wake that overslept (`StepWait.overslept`: the
-        reply came by then, when is not known), none of this: it took no longer than its deadline."""
+        """After a step answered at `wait`'s last wake: its time (the server's, `client.session.step_wait`) feeds the
+        clock's deadlines or, past its deadline, the late budget, and counts in what the span delivers. Answered at a
+        wake that overslept (when the reply came is not known), none of this."""
         elapsed_s, answered_s, stall_deadline_s = wait.at_s, wait.now_s, wait.stall_deadline_s
         self.last_step_s = elapsed_s
         if not wait.overslept:
@@ -639,12 +636,9 @@ class SpanSession:
 
     def judge_delivery(self, now_s: float, step_tokens: int = 0) -> bool:
         """Notes what the span delivers on decode steps for routes (`routing.observed_steps`) and marks it `too_slow`
-        (the session's next step replaces it, as after a stall: decision 0163's race, or the chain judged faster)
-        where another chain of its blocks would run the session's rest so much faster that moving pays
-        (`delivery.judge`, decisions 0189, 0193): after a step (`step_tokens` 0: the rest is decode steps, judged once
-        `JUDGE_MIN_STEPS` were seen), or before a long step of `step_tokens` (a new turn's prompt: judged where this
-        client saw the server's long steps); the server is avoided `MOVE_PERIOD_S`, not banned. True where it
-        moves."""
+        (the next step replaces it, as after a stall) where `delivery.judge` finds a chain of its blocks that pays for
+        a move: after a step (`step_tokens` 0), or before a long step of `step_tokens` (a new turn's prompt). The
+        server is avoided `MOVE_PERIOD_S`, not banned. True where it moves."""
         delivered_s = self.clock.delivered_step_s(JUDGE_MIN_STEPS, JUDGE_WINDOW_STEPS, JUDGE_WINDOW_S, now_s)
         token_s = self.clock.delivered_token_s(JUDGE_WINDOW_STEPS)
         peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
@@ -668,9 +662,7 @@ class SpanSession:
         if verdict is None or not self.manager.avoid(peer_id, MOVE_PERIOD_S, keep_region=False, slow=True):
             return False
         self.pacer.moved(now_s, blocks, verdict.promised_s)
-        # (the servers the session goes to are marked pending as it reaches them, the race's winner or the chain: not
-        # the verdict's, which a race may not pick; marked here, a loris winning the race against the verdict's
-        # server kept it no candidate for `PENDING_S`, and the session on the loris: decision 0214)
+        # (the servers the session goes to are marked pending as it reaches them, not the verdict's: decision 0214)
         self.too_slow, self.move_to = True, verdict.route
         tokens = step_tokens or self.step_tokens
         self.stall_events.append(StallEvent(peer_id, blocks, verdict.delivered_s, verdict.other_s, "outpaced", tokens))

@@ -18,22 +18,18 @@ from corolla.protocol.records import DECODE_MAX_TOKENS
 STALL_FACTOR = 4.0  # a step this many times slower than the span's slowest recent step is suspect
 STALL_MIN_S = 1.0  # never suspect sooner: a busy CPU, a GC pause or a batch on the server can take this long
 STEP_TIMES_KEPT = 16  # recent step times a deadline is derived from
-# answered decode steps kept for what a span delivers (`StepClock.delivered_step_s`: its window in seconds holds this
-# many at most, ~26 KB a span session; 2 s of a GPU's 8 ms steps: still past the judgment's 1 s period, so a step slow
-# just after a judgment is in the next one's window unless 256 steps follow it within that second, its gain then
-# at most 1 s / 257 a step)
+# answered decode steps kept for what a span delivers (`StepClock.delivered_step_s`'s window holds this many at most,
+# ~26 KB a span session: 2 s of a GPU's 8 ms steps, past the judgment's 1 s period)
 DELIVERED_KEPT = 256
 LATE_BUDGET_S = 8.0  # a span's steps may run this long past their deadlines (net of the leak) before it is moved
 LATE_LEAK = 0.1  # the late budget refills at this fraction of wall time: a server late 10% of the time is kept
 SLOW_AVOID_S = 60.0  # a server moved off for slowness is left out of routes this long (one refresh period)
-# A long step's deadline is never shorter than this plus its bytes at `SLOW_LINK_BYTES_PER_S` (request and reply, both
-# about the inputs' size): a server announcing an absurd prefill rate (1e6 tokens/s a block) gets this, which an honest
-# server behind a busy queue meets (its own figures come from an idle device)
+# A long step's deadline is never shorter than this plus its bytes both ways at `SLOW_LINK_BYTES_PER_S`: what a server
+# announcing an absurd prefill rate gets, which an honest server behind a busy queue meets
 LONG_STEP_MIN_S = 4.0
 SLOW_LINK_BYTES_PER_S = 1e6  # 8 Mbit/s: a slow home uplink, which the client's tensors cross on top of the compute
-# No step's deadline is longer (bytes aside): a server announcing a tiny rate (or none: before its first steps) may
-# not hold a step for `request_timeout_s` (minutes); with the late budget, a step waits at most this + `LATE_BUDGET_S`
-# where another server holds the blocks
+# No step's deadline is longer (bytes aside): a server announcing a tiny rate (or none) may not hold a step for
+# `request_timeout_s` (minutes)
 STEP_MAX_S = 60.0
 
 StallAction = Literal["slow", "moved", "failed_over", "waited", "outpaced"]
@@ -41,15 +37,10 @@ StallAction = Literal["slow", "moved", "failed_over", "waited", "outpaced"]
 
 @dataclass(frozen=True)
 class StallEvent:
-    """One suspected stall: the server, its blocks, how long the step had waited when the suspicion was checked, and
-    the step deadline it had, and what the client did (`slow`: it answered a ping, so we kept waiting; `moved`: it
-    answered pings but its span's late budget ran out while another server holds its blocks; `failed_over`: it did
-    not answer and another server holds its blocks; `waited`: it did not and it is the only one, so we kept waiting
-    for the link; `outpaced`: it answered its steps, but delivered them so much slower than another server of its
-    blocks would that a move pays over the rest of the session: `detected_after_s` is then its delivered step (of
-    one row and token: `StepClock.delivered_step_s`), `step_deadline_s` the other server's expected step,
-    `client.session.delivery`), and the tokens the step
-    sent (more than `DECODE_MAX_TOKENS`: a prompt or a replay)."""
+    """One suspected stall: the server, its blocks, how long the step had waited when the suspicion was checked, its
+    step deadline, what the client did (`slow`: it answered a ping, kept; `moved`: its late budget ran out; `failed_over`:
+    silent, another server holds its blocks; `waited`: silent and the only one; `outpaced`: `client.session.delivery`'s
+    verdict, `detected_after_s` then its delivered step and `step_deadline_s` the other chain's) and the step's tokens."""
 
     peer_id: str
     blocks: tuple[int, int]
@@ -89,10 +80,8 @@ class StepClock:
             self._times_s.append(elapsed_s)
 
     def delivered(self, num_tokens: int, elapsed_s: float, answered_s: float, rows: int = 1) -> None:
-        """After any answered step, late or not: its time counts in what the span delivers, per row and token (a
-        session of 16 rows, or of 8-token steps, is not judged slow against a one-token figure): a decode step's in
-        `delivered_step_s`, a long step's (a prompt's, a replay's: its overhead spread over its tokens) in
-        `delivered_token_s`."""
+        """After any answered step, late or not: its time per row and token counts in what the span delivers, a
+        decode step's in `delivered_step_s`, a long step's (a prompt's, a replay's) in `delivered_token_s`."""
         if num_tokens <= 0 or not elapsed_s >= 0 or rows <= 0:
             return
         if num_tokens <= DECODE_MAX_TOKENS:
@@ -102,8 +91,7 @@ class StepClock:
 
     def delivered_token_s(self, window: int) -> float | None:
         """What the span delivers on long steps now, in seconds a row and token: the mean of its last `window` (late
-        ones included); None before the first (decision 0193: a server that crawls on prompts and replays only, or
-        answers only them well, is judged on them, not on its decode steps)."""
+        ones included); None before the first (decision 0193: a server is judged on its long steps apart)."""
         if not self._delivered_long:
             return None
         times = list(self._delivered_long)[-window:]
@@ -113,11 +101,8 @@ class StepClock:
         """What the span delivers now, as a step of one row and token (decision 0189: judged against what another
         server would): the mean of the decode steps answered in the last `window_s` (the last `window_steps` where
         fewer; at most `DELIVERED_KEPT`), late ones included, less the slowest one (a hiccup); None with fewer than
-        `min_steps` (at least 2). Decision 0201: not the median of the last 8 steps answered on time, which let a
-        server slow on 3 steps in 8 keep a fast median, one answering every step just past its deadline go unjudged
-        (the late budget's leak refilled it), and one slow between judgments (once a second) and fast on the 8 steps
-        before each go unseen; and per row and token, not per step, which moved an honest session of many rows or
-        tokens a step off a server as slow for it as any other."""
+        `min_steps` (at least 2); per row and token, so that a session of many rows or tokens a step is not judged
+        against a one-token figure (decision 0201)."""
         steps = self._delivered
         times = [elapsed_s for answered_s, elapsed_s in steps if now_s - answered_s <= window_s]
         if len(times) < window_steps:
@@ -144,10 +129,8 @@ class StepClock:
         return max(floor_s, min(STEP_MAX_S, STALL_FACTOR * estimate_s))
 
     def handoff_deadline_s(self, nbytes: int) -> float:
-        """A KV hand-off of `nbytes`, either side: the import's first reply on the replacement server (decision
-        0162: it reads and writes the bytes before it answers), the draining server's whole export (0168: it sends
-        them): the bytes at `SLOW_LINK_BYTES_PER_S` plus a decode step's deadline (the exchange is a zero-token
-        step's)."""
+        """A KV hand-off of `nbytes`, either side (the import's first reply, decision 0162; the whole export, 0168):
+        the bytes at `SLOW_LINK_BYTES_PER_S` plus a zero-token step's deadline."""
         return nbytes / SLOW_LINK_BYTES_PER_S + self.deadline_s(0)
 
     def late_left_s(self, now_s: float) -> float:

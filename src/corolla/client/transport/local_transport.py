@@ -31,9 +31,8 @@ logger = get_logger(__name__)
 class SocketTurns:
     """Which of a server's handler-process sockets this process tries first for its next stream: each in turn, from
     a random start per server, so that the sessions of one process (an API server, the bench's client processes)
-    spread evenly over the server's handler processes; of the turn's first two, the less loaded
-    (`fewer_streams_first`), so that processes of one session each spread nearly evenly too. Picked at random, 64
-    sessions put ~20 on the busiest of 4 processes, and that process's turnaround sets every session's pace."""
+    spread evenly over the server's handler processes (the busiest one's turnaround sets every session's pace); of
+    the turn's first two, the less loaded (`fewer_streams_first`), so that processes of one session each spread too."""
 
     MAX_PEERS = 1024  # servers remembered (only servers with several sockets on this machine are)
 
