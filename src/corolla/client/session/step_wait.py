@@ -16,6 +16,11 @@ from typing import Literal
 
 from corolla.client.session.stalls import StepClock
 
+# timeout: past `request_timeout_s` (or `max_wait_s` once a ping went unanswered); stall: at the step's deadline (ping
+# once: silent, fail over where another server holds the blocks, else wait; answering, it may run late until the late
+# budget is spent, decision 0144); ping: every `ping_period_s`; late: the budget ran out (leave the server where it
+# may). A waiter without pings (the same-host socket) gets only `late`, at the deadline plus the budget left, and
+# `timeout`.
 Due = Literal["timeout", "late", "stall", "ping"]
 PINGS = ("stall", "ping")  # what is due that asks for a ping of the server
 # a failed ping that took longer than its timeout by more than this overslept (its loop paused): it is asked again
