@@ -182,7 +182,7 @@ def linear_family(config: Any) -> str:
 
 
 def quant_family(kind: str, choice: Any) -> str:
-    """A quantized (kernel, config): its kernel; "gemv" split by weight kind (INT8 byte GEMV / NF4 fp32 table GEMV)."""
+    """A quantized (kernel, config): its kernel; "gemv" by weight kind (the NF4 fp32 table GEMV: "gemv-nf4")."""
     kernel = choice[0]
     return f"gemv-{kind}" if kernel == "gemv" else kernel
 
@@ -317,7 +317,7 @@ def offered() -> dict:
         ],
         "quant": sorted(
             {str(("block", c)) for c in quant_kernels.QUANT_CONFIGS}
-            | {str(("gemv", c)) for c in quant_gemv.INT8_GEMV_CONFIGS + quant_gemv.NF4_GEMV_CONFIGS}
+            | {str(("gemv", c)) for c in quant_gemv.NF4_GEMV_CONFIGS}
             | {str(("i8mma", c)) for c in quant_int8_gemv.INT8_MMA_CONFIGS}
             | {str(("tile", c)) for c in quant_tile_gemv.NF4_TILE_CONFIGS}
             | {str(c) for c in quant_choices.mma_candidates()}

@@ -1,5 +1,5 @@
-"""The dequantize-GEMV kernels (engine/quant/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
-residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
+"""The NF4 table GEMV (engine/quant/quant_gemv.py) and the split-K sums of the quantized kernels on a real GPU: every
+table-GEMV config, with and without residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
 poisoned first: every element written), each row's output is bit-identical alone and merged with other rows
 (1, 2 and 4 rows per program), split-K sums made in the kernel leave their counters at zero (eager and
 CUDA-graph replays) and give bit-equal repeats, DecodeOps' tuner times every candidate and serves each row range (up to
@@ -28,26 +28,20 @@ def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
     return quantize_nf4(dense) if kind == "nf4" else quantize_int8(dense)
 
 
-def _configs(kind: str):
-    from corolla.engine.quant import quant_gemv
-
-    return quant_gemv.NF4_GEMV_CONFIGS if kind == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
-
-
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("shape", [(200, 1088), (96, 4160)])
-def test_gemv_matches_reference(kind, dtype, shape) -> None:
+def test_gemv_matches_reference(dtype, shape) -> None:
     from corolla.engine.quant import quant_gemv
 
     n, k = shape
+    kind = "nf4"
     weight = _weight(kind, n, k, seed=n + k, dtype=dtype)
     dense = weight.dequantize().float()  # [N, K]
     for m in (1, 3, quant_gemv.GEMV_MAX_ROWS):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         res = torch.randn(m, n, device=DEV, dtype=dtype)
         expected = x.float() @ dense.t()  # [M, N]
-        for config in _configs(kind):
+        for config in quant_gemv.NF4_GEMV_CONFIGS:
             out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
             out.copy_(quant_gemv.quant_gemv(x, weight, None, config))
             assert torch.isfinite(out).all(), (kind, m, config)
@@ -58,14 +52,14 @@ def test_gemv_matches_reference(kind, dtype, shape) -> None:
             assert err < 1.5e-2, (kind, m, config, err)
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_gemv_rows_are_batch_invariant(kind) -> None:
+def test_gemv_rows_are_batch_invariant() -> None:
     from corolla.engine.quant import quant_gemv
 
+    kind = "nf4"
     weight = _weight(kind, 512, 2048, seed=11)
     rows = torch.randn(quant_gemv.GEMV_MAX_ROWS, 2048, device=DEV, dtype=BF16)
     res = torch.randn(quant_gemv.GEMV_MAX_ROWS, 512, device=DEV, dtype=BF16)
-    for config in _configs(kind):
+    for config in quant_gemv.NF4_GEMV_CONFIGS:
         merged = quant_gemv.quant_gemv(rows, weight, res, config)  # 4 rows per program
         for r in (0, 3, 5, quant_gemv.GEMV_MAX_ROWS - 1):
             alone = quant_gemv.quant_gemv(rows[r : r + 1].contiguous(), weight, res[r : r + 1], config)
@@ -89,8 +83,8 @@ def test_gemv_refuses_bad_calls() -> None:
     with pytest.raises(ValueError, match="rows"):
         quant_gemv.quant_gemv(x.float(), nf4, None, quant_gemv.DEFAULT_NF4_CONFIG)
     with pytest.raises(ValueError, match="NF4 GEMV config"):
-        quant_gemv.quant_gemv(x, nf4, None, quant_gemv.DEFAULT_INT8_CONFIG)
-    with pytest.raises(ValueError, match="Int8 GEMV config"):
+        quant_gemv.quant_gemv(x, nf4, None, (8, 256, 2, 4, 0))
+    with pytest.raises(ValueError, match="takes NF4 weights"):
         quant_gemv.quant_gemv(x, int8, None, quant_gemv.DEFAULT_NF4_CONFIG)
     with pytest.raises(ValueError, match="residual"):
         quant_gemv.quant_gemv(x, nf4, torch.randn(2, 64, device=DEV, dtype=BF16), quant_gemv.DEFAULT_NF4_CONFIG)
@@ -102,8 +96,6 @@ def test_gemv_refuses_bad_calls() -> None:
 
 
 _SPLIT_CASES = [
-    ("int8", "gemv", (8, 256, 8, 4, 0)),
-    ("int8", "gemv", (16, 128, 4, 4, 0)),
     ("nf4", "gemv", (32, 2, 8, 4, 0)),  # the table GEMV
     ("int8", "block", (32, 128, 8, 4, 3)),
     ("nf4", "block", (16, 256, 4, 4, 3)),
@@ -114,11 +106,12 @@ _SPLIT_CASES = [
 def test_split_k_sums_in_kernel_are_deterministic_and_replay_safe(kind, kernel, config) -> None:
     # the last program of each output tile sums the splits (quant_splits): counters back at zero after every call
     # and every graph replay, repeated calls bit-equal, replays equal eager calls on fresh inputs
-    from corolla.engine.quant import quant_kernels
+    from corolla.engine.quant import quant_gemv, quant_kernels
 
-    # K = 1600: 7 steps of [8, 256] over 8 splits, 25 NF4 blocks in steps of 2 over 8: some programs get no K
+    # K = 1600: 25 NF4 blocks in steps of 2 over 8 splits: some programs get no K
     weight = _weight(kind, 520, 1600, seed=31)
-    assert config in (_configs(kind) if kernel == "gemv" else quant_kernels.QUANT_CONFIGS)  # a config served
+    served = quant_gemv.NF4_GEMV_CONFIGS if kernel == "gemv" else quant_kernels.QUANT_CONFIGS
+    assert config in served
     assert config[2] > 1
     x = torch.randn(3, 1600, device=DEV, dtype=BF16)
     res = torch.randn(3, 520, device=DEV, dtype=BF16)
@@ -167,20 +160,19 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     entry = report[(kind, 256, 1024)]
     small, gemm, mid = entry["best"], entry["gemm_best"], entry["mid_best"]
     # NF4: the tile GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
-    # rows and its 64-row tiles above; INT8: the GEMV, tl.dot block kernel or row GEMV up to GEMV_MAX_ROWS rows (the
+    # rows and its 64-row tiles above; INT8: the tl.dot block kernel or row GEMV up to GEMV_MAX_ROWS rows (the
     # row GEMV: one row, then the block kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows), the block kernel above
     mma = mma_candidates()
     blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
     streams = [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS] if kind == "nf4" else []
-    gemvs = [] if kind == "nf4" else [("gemv", c) for c in _configs(kind)]  # NF4 16-bit: one row on the tile GEMV
     rows = [] if kind == "nf4" else [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
-    assert small in gemvs + blocks + streams + rows
+    assert small in blocks + streams + rows
     assert gemm in (blocks or [c for c in mma if c[1][1] > quant_mma.MMA_MID_MAX_ROWS])
     if kind == "nf4":
         assert mid in [c for c in mma if c[1][1] <= quant_mma.MMA_MID_MAX_ROWS]
     else:
         assert mid in blocks if small[0] == "i8mma" else mid is None
-    assert len(entry["all_us"]) == len(gemvs) + len(blocks) + len(streams) + len(rows)  # every candidate ran
+    assert len(entry["all_us"]) == len(blocks) + len(streams) + len(rows)  # every candidate ran
     assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
     assert ops.quant_small[(kind, 256, 1024)] == small and ops.quant_gemm[(kind, 256, 1024)] == gemm
     for m in (1, 2, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, quant_mma.MMA_MID_MAX_ROWS + 1, 40):

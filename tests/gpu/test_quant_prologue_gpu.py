@@ -19,8 +19,7 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 EPS = 1e-5
 CHOICES = {
-    "int8": [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)]
-    + [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))],
+    "int8": [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))],
 }
 SHAPES = {"w_qkv": (6144, 4096, "rmsnorm"), "w_gate_up": (28672, 4096, "rmsnorm"), "w_down": (4096, 14336, "silu")}
 

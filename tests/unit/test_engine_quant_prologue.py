@@ -1,5 +1,5 @@
-"""The RMSNorm and SiLU-gating prologues of the INT8 decode kernels (quant_kernels' tl.dot block kernel and
-quant_gemv's byte GEMV, engine/kernels/quant_splits.py): against a float32 torch reference and against the separate
+"""The RMSNorm and SiLU-gating prologues of the INT8 tl.dot block kernel (quant_kernels,
+engine/kernels/quant_splits.py): against a float32 torch reference and against the separate
 norm/SiLU kernel followed by the same kernel, for 1, 3 and 8 rows and 1, 4 and 8 K splits (every split holds
 work, so a split whose sum of squares is left out changes the row's 1/rms), repeated calls (the arrival counters
 back at zero, the bits repeated), a row's output independent of the other rows, the refusals, and DecodeOps'
@@ -16,7 +16,7 @@ import torch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")
+quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")  # (Triton importable)
 
 
 from benchmarks.common.quantize import quantize_int8, quantize_nf4  # noqa: E402
@@ -28,12 +28,8 @@ from corolla.engine.quant.quant_weights import Int8Weight, quant_key  # noqa: E4
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N, K, EPS = 48, 2048, 1e-5
-GEMV = [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)]  # 8 steps of 256: every split has work
 BLOCK = [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))]
-
-
-def _dtype(kernel: str) -> torch.dtype:
-    return torch.bfloat16 if kernel == "gemv" or DEV.type == "cuda" else torch.float16
+DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float16
 
 
 def _inputs(dtype: torch.dtype, rows: int, seed: int, width: int = K):
@@ -63,16 +59,16 @@ def _dot_ref(xn: torch.Tensor, weight: Int8Weight, res: torch.Tensor):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("choice", GEMV + BLOCK, ids=str)
+@pytest.mark.parametrize("choice", BLOCK, ids=str)
 def test_rmsnorm_prologue_against_reference_and_unfused(choice, rows: int) -> None:
-    weight, x, gain, res = _inputs(_dtype(choice[0]), rows, seed=rows)
+    weight, x, gain, res = _inputs(DTYPE, rows, seed=rows)
     xf = x.float()
     xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * gain.float()  # [M, K] not rounded
     ref, scale = _dot_ref(xn, weight, res)
     fused = _run(choice, x, weight, res, "rmsnorm", gain)
     unfused = _run(choice, _norm(x, gain), weight, res)
     ulp = 2.0 ** -(8 if x.dtype == torch.bfloat16 else 11)  # one rounding of the dtype, relative
-    # fused: x * gain in fp32 (GEMV) or rounded once (block), fp32 sums, one output rounding
+    # fused: x * gain rounded once, fp32 sums, one output rounding
     assert ((fused.float() - ref).abs() <= ulp * (scale + ref.abs()) + 1e-4).all()
     # unfused: the normed x rounded twice (x / rms, then * gain) before the same kernel: within one more rounding
     assert ((fused.float() - unfused.float()).abs() <= ulp * (2 * scale + 2 * ref.abs()) + 1e-4).all()
@@ -82,9 +78,9 @@ def test_rmsnorm_prologue_against_reference_and_unfused(choice, rows: int) -> No
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("choice", GEMV + BLOCK, ids=str)
+@pytest.mark.parametrize("choice", BLOCK, ids=str)
 def test_silu_prologue_is_bit_equal_to_silu_mul_then_the_kernel(choice, rows: int) -> None:
-    weight, gate_up, _, res = _inputs(_dtype(choice[0]), rows, seed=10 + rows, width=2 * K)
+    weight, gate_up, _, res = _inputs(DTYPE, rows, seed=10 + rows, width=2 * K)
     fused = _run(choice, gate_up, weight, res, "silu")
     assert torch.equal(fused, _run(choice, tk.silu_mul(gate_up), weight, res))
     g, u = gate_up.float().chunk(2, dim=-1)
@@ -97,10 +93,10 @@ def test_silu_prologue_is_bit_equal_to_silu_mul_then_the_kernel(choice, rows: in
 
 
 @pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
-@pytest.mark.parametrize("choice", [GEMV[1], BLOCK[1]], ids=str)
+@pytest.mark.parametrize("choice", BLOCK[1:], ids=str)
 def test_a_rows_output_does_not_depend_on_the_other_rows(choice, prologue: str) -> None:
     width = 2 * K if prologue == "silu" else K
-    weight, x, gain, res = _inputs(_dtype(choice[0]), 8, seed=3, width=width)
+    weight, x, gain, res = _inputs(DTYPE, 8, seed=3, width=width)
     first = _run(choice, x, weight, res, prologue, gain)
     other = x.clone()
     other[1:] = other[1:] * 7 + 1  # other rows' norms and values change
@@ -110,24 +106,23 @@ def test_a_rows_output_does_not_depend_on_the_other_rows(choice, prologue: str) 
 
 
 def test_prologue_refusals() -> None:
-    weight, x, gain, res = _inputs(torch.bfloat16, 1, seed=5)
+    weight, x, gain, res = _inputs(DTYPE, 1, seed=5)
     with pytest.raises(ValueError, match="contiguous \\[2048\\] gain"):
-        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], PROLOGUES["rmsnorm"], None, EPS)
+        quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], PROLOGUES["rmsnorm"], None, EPS)
     with pytest.raises(ValueError, match="unknown prologue code 7"):
-        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], 7)
-    with pytest.raises(ValueError, match="\\[1..8, 4096\\]"):  # SiLU reads [gate | up]
-        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], PROLOGUES["silu"])
-    nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=torch.bfloat16)
+        quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], 7)
+    with pytest.raises(ValueError, match=", 4096\\] contiguous"):  # SiLU reads [gate | up]
+        quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], PROLOGUES["silu"])
+    nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=DTYPE)
     with pytest.raises(ValueError, match="INT8 weights only"):
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
-    with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMV has none
-        quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
+    with pytest.raises(ValueError, match="unknown quantized kernel 'gemv'"):  # NF4's table GEMV has none
+        quant_choices.quant_kernel("gemv", quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"])
     for prologue in ("rmsnorm", "silu"):
         assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]), prologue)
         assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0], prologue)
         assert not quant_choices.fusable(("int8", N, K), ("tile", (16, 2, 1, 1, 0)), prologue)
         assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue)
-        assert quant_choices.fusable(("int8", N, K), GEMV[0], prologue)
     # the NF4 tile GEMV: RMSNorm in its x staging, no SiLU gating
     assert quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "rmsnorm")
     assert not quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "silu")
@@ -145,15 +140,15 @@ def _triton_ops() -> ops_module.DecodeOps:
 @pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
 def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str, monkeypatch) -> None:
     width = 2 * K if prologue == "silu" else K
-    weight, x, gain, res = _inputs(torch.bfloat16, 3, seed=7, width=width)
+    weight, x, gain, res = _inputs(DTYPE, 3, seed=7, width=width)
     ops = _triton_ops()
     monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: _norm(x, w))
     key = quant_key(weight)
-    ops.quant_small[key] = GEMV[0]
+    ops.quant_small[key] = BLOCK[0]
     unfused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
     pre = tk.silu_mul(x) if prologue == "silu" else _norm(x, gain)
-    assert torch.equal(unfused, _run(GEMV[0], pre, weight, res))
-    ops.quant_fused[(*key, prologue)] = GEMV[1]
+    assert torch.equal(unfused, _run(BLOCK[0], pre, weight, res))
+    ops.quant_fused[(*key, prologue)] = BLOCK[1]
 
     def refuse(*args):
         raise AssertionError("the separate norm/SiLU kernel ran")
@@ -161,9 +156,9 @@ def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str,
     monkeypatch.setattr(ops, "rms_norm", refuse)
     monkeypatch.setattr(ops, "silu_mul", refuse)
     fused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
-    assert torch.equal(fused, _run(GEMV[1], x, weight, res, prologue, gain))
+    assert torch.equal(fused, _run(BLOCK[1], x, weight, res, prologue, gain))
     if prologue == "silu":
-        assert torch.equal(fused, _run(GEMV[1], tk.silu_mul(x), weight, res))
+        assert torch.equal(fused, _run(BLOCK[1], tk.silu_mul(x), weight, res))
     else:
         assert not torch.equal(fused, unfused)  # the fused kernel served, not the pair
     with pytest.raises(AssertionError, match="separate"):  # more rows than the decode range: the pair
@@ -173,10 +168,11 @@ def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str,
 
 @pytest.mark.parametrize("fused_ms", [0.5, 2.0])
 def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypatch) -> None:
-    weight, *_ = _inputs(torch.bfloat16, 1, seed=9)
+    weight, *_ = _inputs(DTYPE, 1, seed=9)
     ops = _triton_ops()
     key = quant_key(weight)
-    timings = {GEMV[0]: 1.0, ("tile", (16, 2, 1, 1, 0)): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
+    i8mma = ("i8mma", (1, 8, 4, 0, 0))
+    timings = {BLOCK[0]: 1.0, ("tile", (16, 2, 1, 1, 0)): 0.9, BLOCK[1]: 1.2, BLOCK[2]: 1.1, i8mma: 1.3}
     monkeypatch.setattr(quant_choices, "graph_median_ms", lambda fn, reps: 1.0)  # the pair
     timed: list = []
 
@@ -185,9 +181,9 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
         return {c: fused_ms + 0.1 * i for i, c in enumerate(configs)}
 
     monkeypatch.setattr(quant_choices, "time_configs", fake_time)
-    ops.quant_fused[(*key, "rmsnorm")] = BLOCK[2]  # a stale choice is replaced
-    report = quant_choices.tune_prologue(ops, key, [weight], "rmsnorm", GEMV[0], timings, 3)
-    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (the NF4 tile GEMV does not)
-    expected = GEMV[0] if fused_ms < 1.0 else None
+    ops.quant_fused[(*key, "rmsnorm")] = i8mma  # a stale choice is replaced
+    report = quant_choices.tune_prologue(ops, key, [weight], "rmsnorm", BLOCK[0], timings, 3)
+    assert timed == [BLOCK[0], BLOCK[2], BLOCK[1]]  # the three fastest that fuse (the NF4 tile GEMV does not)
+    expected = BLOCK[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
     assert report["unfused_us"] == pytest.approx(1000.0)

@@ -1,6 +1,6 @@
 """Split-K sums inside the quantized GEMV/GEMM kernels themselves (no second kernel), shared by the NF4 and INT8
-kernels of quant_gemv, quant_mma and quant_kernels, and the row helpers they share
-(`rows_per_program`, `finish_row`), so that none of those modules imports another's kernels.
+kernels of quant_gemv, quant_mma and quant_kernels, and quant_gemv's row helpers (`rows_per_program`, `finish_row`),
+so that none of those modules imports another's kernels.
 
 A kernel that splits K over `splits` programs per output tile stores each program's fp32 partial sums in a
 workspace ws[split, M, N], then every program counts itself in the tile's arrival counter (`arrive_last`: a CTA
@@ -15,7 +15,7 @@ outputs, and a row's output does not depend on the other rows of the call. The c
 (`NF4Weight.split_counters()` / `Int8Weight.split_counters()`): calls on one weight must not run concurrently on
 two streams.
 
-Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV; decode rows): "rmsnorm" scales x by the
+Prologues (`PROLOGUES`; the INT8 tl.dot block kernel; decode rows): "rmsnorm" scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
 column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
@@ -77,22 +77,6 @@ def silu_gate(ptrs, mask, K, dt):
 
 
 @triton.jit
-def prologue_x(x_ptr, nw_ptr, row, M, stride_xm, offs, K, PRO: tl.constexpr):
-    # f(x)[row, offs] in fp32 for prologue PRO (PROLOGUES: 0 x, 1 RMSNorm's gain times x, 2 silu(gate) * up) and
-    # the squares of x (RMSNorm's statistics; zeros otherwise), both shaped like offs; rows >= M and offs >= K read 0
-    mask = row_mask(offs, K, row, M)
-    if PRO == 2:
-        xr = silu_gate(x_ptr + row * stride_xm + offs, mask, K, x_ptr.dtype.element_ty)
-    else:
-        xr = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    sq = tl.zeros_like(xr)
-    if PRO == 1:
-        sq = xr * xr
-        xr = xr * tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    return xr, sq
-
-
-@triton.jit
 def rstd_of(sum_sq, K, eps):
     # 1/rms of a row from its sum of squares over all K (as triton_kernels.rms_norm forms it)
     return 1.0 / tl.sqrt(sum_sq / K + eps)
@@ -116,33 +100,25 @@ def rows_per_program(m: int) -> int:
 
 
 @triton.jit
-def finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
-    # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
+def finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, USE_WS: tl.constexpr,
+               HAS_RES: tl.constexpr):  # fmt: skip
+    # vals [BLOCK_N] fp32 of one row: finished here (residual, cast) or kept as a split's partial sum
     mask = row_mask(offs_n, N, row, M)
     if USE_WS:
         tl.store(ws_ptr + (split * M + row) * N + offs_n, vals, mask=mask)
     else:
-        if HAS_SCALE:
-            vals = vals * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
         if HAS_RES:
             vals += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_om + offs_n, vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def sum_split_row(row, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, rs,
-                  HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    # out[row, offs_n] = (sum over s in order of ws[s, row, offs_n]) (* rs: the row's 1/rms, NORM) * col_scale
-    # (+ residual), offs_n [BLOCK_N]
+def sum_split_row(row, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES: tl.constexpr):
+    # out[row, offs_n] = sum over s in order of ws[s, row, offs_n] (+ residual), offs_n [BLOCK_N]
     mask = row_mask(offs_n, N, row, M)
     acc = tl.load(ws_ptr + row * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, splits):
         acc += tl.load(ws_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
-    if NORM:
-        acc = acc * rs
-    if HAS_SCALE:
-        acc = acc * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
     if HAS_RES:
         acc += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -167,16 +143,11 @@ def sum_split_tile(offs_m, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_pt
 
 
 @triton.jit
-def finish_split_rows(cnt_ptr, tile, splits, row0, offs_n, M, N, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
-                      stride_om, ss_ptr, ss_tile, n_tiles, K, eps, ROWS: tl.constexpr, HAS_RES: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    # a GEMV program's end after storing the partial sums of rows row0 + [0, ROWS) (and with NORM their partial
-    # sums of squares at ss[split, row, ss_tile] of n_tiles): the tile's last program sums them (ROWS = 1, 2 or 4)
+def finish_split_rows(cnt_ptr, tile, splits, row0, offs_n, M, N, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                      ROWS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    # a GEMV program's end after storing the partial sums of rows row0 + [0, ROWS): the tile's last program sums
+    # them (ROWS = 1, 2 or 4)
     if arrive_last(cnt_ptr, tile, splits):
         for r in tl.static_range(ROWS):
-            rs = 1.0
-            if NORM:
-                rs = split_rstd(ss_ptr, row0 + r, ss_tile, M, n_tiles, splits, K, eps)
-            sum_split_row(row0 + r, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                          rs, HAS_RES, HAS_SCALE, NORM)  # fmt: skip
+            sum_split_row(row0 + r, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
         reset_counter(cnt_ptr, tile)

@@ -329,8 +329,9 @@ class DecodeOps:
                 out = quant_kernel(*mid)(x.contiguous(), weight, res)
             else:
                 if rows <= quant_gemv.GEMV_MAX_ROWS:
-                    default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
-                    kernel, config = self.quant_small.get(key, ("gemv", default))
+                    # untuned: NF4 on the table GEMV, INT8 on the block kernel
+                    untuned = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_kernels.DEFAULT_CONFIG
+                    kernel, config = self.quant_small.get(key, ("gemv" if key[0] == "nf4" else "block", untuned))
                 else:
                     kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
                 out = quant_kernel(kernel, config)(x.contiguous(), weight, res)

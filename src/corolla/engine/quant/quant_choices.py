@@ -32,7 +32,7 @@ def mma_candidates() -> list[Choice]:
 
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0, *, gated: bool = False):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
+    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, fp32 NF4, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
     (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block"
     (quant_kernels.quant_matmul) or "mma" / "mmaf" (quant_mma.nf4_mma_matmul, NF4, no prologue; "mmaf" folded); `gated`
@@ -48,8 +48,8 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
                 x, w, res, config, prologue=prologue, norm_weight=nw, eps=eps, gated=True
             )
         raise ValueError(f"only the INT8 row GEMV and the NF4 tile GEMV gate their output, not {kernel!r}")
-    if kernel == "gemv":
-        return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
+    if kernel == "gemv" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config)
     if kernel == "tile" and prologue in quant_tile_gemv.PROLOGUE_CODES:
         return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
             x, w, res, config, prologue=prologue, norm_weight=nw, eps=eps
@@ -65,14 +65,14 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
 
 
 def fusable(key: tuple[str, int, int], choice: Choice, prologue: str) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs the norm/SiLU `prologue` (INT8: the block kernel and
-    the byte GEMV both, the matrix-unit row GEMV RMSNorm; NF4: the tile GEMV RMSNorm)."""
+    """Whether the small-row kernel `choice` for shape `key` runs the norm/SiLU `prologue` (INT8: the block kernel
+    either, the matrix-unit row GEMV RMSNorm; NF4: the tile GEMV RMSNorm)."""
     int8 = key[0] == "int8"
     if choice[0] == "i8mma":
         return int8 and PROLOGUES[prologue] in quant_int8_gemv.PROLOGUE_CODES
     if choice[0] == "tile":
         return not int8 and PROLOGUES[prologue] in quant_tile_gemv.PROLOGUE_CODES
-    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
+    return int8 and choice[0] == "block"
 
 
 def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
@@ -155,8 +155,8 @@ def tune_gated(ops, key, items: list, reps: int) -> dict:
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
     """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every tile-GEMV
-    config (NF4 in 16-bit dtypes) or every dequantize-GEMV and
-    "block" tl.dot config (INT8, fp32 NF4; INT8 in 16-bit dtypes also the row GEMV's, "i8mma"): the fastest
+    config (NF4 in 16-bit dtypes) or every "block" tl.dot config (INT8, fp32 NF4; fp32 NF4 also the table GEMV's,
+    "gemv"; INT8 in 16-bit dtypes also the row GEMV's, "i8mma"): the fastest
     serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
     configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid; INT8 where the row GEMV won one row: the
     "block" configs on MID_MAX_ROWS rows, as the row GEMV reads the weight once per row); on a `QUANT_KERNEL_MAX_ROWS`-row input
@@ -180,7 +180,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         if nf4:
             small_configs = [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
         else:
-            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
+            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else ()
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
             if key[0] == "int8" and items[0].dtype != torch.float32 and key[2] % quant_int8_gemv.CHUNK_VALUES == 0:
                 small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]

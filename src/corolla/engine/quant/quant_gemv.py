@@ -1,5 +1,6 @@
-"""Triton dequantize-GEMV kernels for decode steps of a few rows (up to `GEMV_MAX_ROWS`), reading the NF4 and Int8
-layouts of `engine.quant.quant_weights` in place without the matrix units: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+"""The Triton dequantize-GEMV kernel for NF4 decode steps of a few rows (up to `GEMV_MAX_ROWS`), reading the NF4 layout
+of `engine.quant.quant_weights` in place without the matrix units: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+INT8 rows run on the block kernel (quant_kernels) or the matrix-unit row GEMV (quant_int8_gemv).
 
 Why not `tl.dot`: at one to a few rows a matrix instruction wastes 15/16 of its work and forces the decoded weight
 tile through a shared-memory layout change; here each program streams a [BLOCK_N, bytes] tile of packed weight
@@ -9,7 +10,7 @@ docs/decisions/0017).
 NF4 decode: each nibble looked up in the 16-entry fp32 level table (64 bytes: one cache line, so a warp's lookups
 are served in one L1 pass); the two nibbles are interleaved back into element order in registers (`tl.join`), each
 64-value block is summed against x and scaled once by its decoded absmax (uint8 code -> nested code table *
-second-level absmax + offset), accumulated in fp32. This serves NF4 weights kept in fp32 (and steps before tuning);
+second-level absmax + offset), accumulated in fp32. This serves NF4 weights kept in fp32 (and NF4 steps before tuning);
 NF4 in 16-bit dtypes runs on the matrix units instead (quant_tile_gemv, quant_mma: 0015, 0017, 0060).
 
 Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
@@ -26,37 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.kernels.quant_splits import (
-    PROLOGUES,
-    check_prologue,
-    finish_row,
-    finish_split_rows,
-    prologue_width,
-    prologue_x,
-    rows_per_program,
-    rstd_of,
-)
-from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, counters_for_tiles
+from corolla.engine.kernels.quant_splits import finish_row, finish_split_rows, rows_per_program
+from corolla.engine.quant.quant_weights import NF4Weight, counters_for_tiles
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
-# (BLOCK_N, 64-value blocks per step, K splits, num_warps, 0) for NF4 (the fp32 table GEMV); (BLOCK_N, BLOCK_K, K
-# splits, num_warps, 0) for Int8 (the byte GEMV). Splits are a run-time argument. The byte GEMV's tilings are those
-# that won or came within 4% of an H100's best on some Llama-3-8B shape (docs/decisions/0017; each candidate costs
-# warm-up time).
+# (BLOCK_N, 64-value blocks per step, K splits, num_warps, 0); splits are a run-time argument
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((32, 2, 8, 4, 0),)
-INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
-    (16, 128, 4, 4, 0),
-)
 DEFAULT_NF4_CONFIG = NF4_GEMV_CONFIGS[0]  # before (or without) tuning
-DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
-
-
-def fusable(int8: bool, config: tuple[int, int, int, int, int]) -> bool:
-    """Whether the GEMV for `config` on an INT8 (`int8`) or NF4 weight runs a prologue (RMSNorm / SiLU gating,
-    quant_splits): the INT8 byte GEMV only."""
-    return int8 and config in INT8_GEMV_CONFIGS and config[4] == 0
 
 
 @triton.jit
@@ -135,167 +113,40 @@ def _nf4_gemv_kernel(
         if ROWS >= 4:
             acc2 += _nf4_row_block_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, NB) * scale
             acc3 += _nf4_row_block_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, NB) * scale
-    finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
-                stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                USE_WS, HAS_RES)  # fmt: skip
     if ROWS >= 2:
-        finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm,
+                    stride_om, USE_WS, HAS_RES)  # fmt: skip
     if ROWS >= 4:
-        finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
-        finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm,
+                    stride_om, USE_WS, HAS_RES)  # fmt: skip
+        finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm,
+                    stride_om, USE_WS, HAS_RES)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ws_ptr, 0, 1, K,
-                          0.0, ROWS, HAS_RES, False, False)  # fmt: skip
-
-
-@triton.jit
-def _int8_row_products(w, x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO: tl.constexpr):
-    # w [BLOCK_N, BLOCK_K] fp32 codes; f(x)[row, offs_k] (prologue PRO, quant_splits.PROLOGUES) -> [BLOCK_N,
-    # BLOCK_K] products and [BLOCK_K] squares of x (RMSNorm's statistics; zeros otherwise)
-    xr, sq = prologue_x(x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO)
-    return w * xr[None, :], sq
-
-
-@triton.jit
-def row_end(vals, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
-             stride_om, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
-             PRO: tl.constexpr):  # fmt: skip
-    # one row's sums vals [BLOCK_N]: finished (RMSNorm: times the row's 1/rms from sq, its sum of x^2, when this
-    # program covers all of K) or stored as a split's partial sums (RMSNorm: with sq at ss[split, row, pid_n])
-    if PRO == 1:
-        if USE_WS:
-            tl.store(ss_ptr + (split * M + row) * tl.num_programs(0) + pid_n, sq, mask=row < M)
-        else:
-            vals = vals * rstd_of(sq, K, eps)
-    finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS,
-                HAS_RES, HAS_SCALE)  # fmt: skip
-
-
-@triton.jit
-def _int8_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    cs_ptr,
-    ws_ptr,
-    res_ptr,
-    out_ptr,
-    cnt_ptr,
-    nw_ptr,
-    ss_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_rm,
-    stride_om,
-    splits,
-    eps,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
-    USE_WS: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    PRO: tl.constexpr,
-):
-    # program (n tile, split, row group): per-element fp32 accumulators over the split's K range, summed once at
-    # the end; the output scale (row absmax / 127) is applied to the finished sum. PRO: the prologue (RMSNorm's
-    # gain nw [K] and statistics, or SiLU gating of x [M, 2K]; quant_splits)
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    row0 = tl.program_id(2) * ROWS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, splits)
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq0 = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMSNorm: x^2 of each row over the split's K range
-    sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    sq2 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    sq3 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, steps)
-    offs_k0 = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k0[None, :]
-    # the split's K end: k < k_end is (k < K and step < hi) without a scalar in the mask (which Triton's
-    # interpreter widens to int32)
-    k_end = tl.minimum(K, hi * BLOCK_K)
-    # each step's codes are loaded one step ahead (registers): their latency overlaps the previous step's FMAs
-    codes = tl.load(w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < k_end)[None, :], other=0)
-    for step in range(lo, hi):
-        offs_k = step * BLOCK_K + offs_k0
-        nk = offs_k + BLOCK_K
-        codes_next = tl.load(w_ptrs + (step + 1) * BLOCK_K, mask=n_mask[:, None] & (nk < k_end)[None, :], other=0)
-        w = codes.to(tl.float32)  # [BLOCK_N, BLOCK_K] int8 codes, exact in fp32
-        codes = codes_next
-        p, s = _int8_row_products(w, x_ptr, nw_ptr, row0, M, stride_xm, offs_k, K, PRO)
-        acc0 += p
-        if PRO == 1:  # (no loop-carried zeros in the other kernels)
-            sq0 += s
-        if ROWS >= 2:
-            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 1, M, stride_xm, offs_k, K, PRO)
-            acc1 += p
-            if PRO == 1:
-                sq1 += s
-        if ROWS >= 4:
-            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 2, M, stride_xm, offs_k, K, PRO)
-            acc2 += p
-            if PRO == 1:
-                sq2 += s
-            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 3, M, stride_xm, offs_k, K, PRO)
-            acc3 += p
-            if PRO == 1:
-                sq3 += s
-    row_end(tl.sum(acc0, axis=1), tl.sum(sq0, axis=0), row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr,
-             res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
-    if ROWS >= 2:
-        row_end(tl.sum(acc1, axis=1), tl.sum(sq1, axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
-                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
-    if ROWS >= 4:
-        row_end(tl.sum(acc2, axis=1), tl.sum(sq2, axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
-                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
-        row_end(tl.sum(acc3, axis=1), tl.sum(sq3, axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
-                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
-    if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
-        finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ss_ptr, pid_n, tl.num_programs(0),
-                          K, eps, ROWS, HAS_RES, True, PRO == 1)  # fmt: skip
+                          ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES)  # fmt: skip
 
 
 def quant_gemv(
-    x: torch.Tensor,
-    weight: NF4Weight | Int8Weight,
-    residual: torch.Tensor | None,
-    config: tuple[int, int, int, int, int],
-    prologue: int = 0,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
+    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
 ) -> torch.Tensor:
-    """f(x) [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N])
-    -> [M, N] in the weight's dtype. `config` is one of NF4_GEMV_CONFIGS / INT8_GEMV_CONFIGS (ValueError for a
-    config of the other kind or a bad shape). f = `prologue` (quant_splits.PROLOGUES;
-    the INT8 byte GEMV only): the identity, RMSNorm with `norm_weight` [K] and `eps`, or SiLU gating of x [M, 2K]."""
+    """x [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N]) -> [M,
+    N] in the weight's dtype. `config` is one of NF4_GEMV_CONFIGS (ValueError for another config, a weight not NF4
+    or a bad shape)."""
+    if not isinstance(weight, NF4Weight):
+        raise ValueError(f"quant_gemv takes NF4 weights, not {type(weight).__name__}")
     m, kx = x.shape
     n, k = weight.shape
-    if kx != prologue_width(k, prologue) or not 1 <= m <= GEMV_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
+    if kx != k or not 1 <= m <= GEMV_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(
-            f"quant_gemv takes [1..{GEMV_MAX_ROWS}, {prologue_width(k, prologue)}] contiguous {weight.dtype} rows, "
-            f"got {tuple(x.shape)} {x.dtype}"
+            f"quant_gemv takes [1..{GEMV_MAX_ROWS}, {k}] contiguous {weight.dtype} rows, got {tuple(x.shape)} {x.dtype}"
         )
-    check_prologue(k, prologue, norm_weight)
-    if prologue and not fusable(isinstance(weight, Int8Weight), config):
-        raise ValueError(f"{config} runs no prologue (the INT8 byte GEMV does)")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
-    block_n, block_k, splits, warps, _ = config
-    if splits < 1 or block_n < 1 or block_k < 1:
-        raise ValueError(f"bad GEMV config {config}")
+    if config not in NF4_GEMV_CONFIGS:
+        raise ValueError(f"{config} is not an NF4 GEMV config")
+    block_n, blocks, splits, warps, _ = config  # blocks: 64-value blocks per step
     rows = rows_per_program(m)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1
@@ -304,26 +155,11 @@ def quant_gemv(
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else ws
-    if isinstance(weight, NF4Weight):
-        if config not in NF4_GEMV_CONFIGS:
-            raise ValueError(f"{config} is not an NF4 GEMV config")
-        blocks = block_k  # 64-value blocks per step
-        _nf4_gemv_kernel[grid](
-            x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,
-            weight.code, ws, res, out, counters,
-            m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-            BLOCK_N=block_n, NB=blocks, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
-            num_warps=warps,
-        )  # fmt: skip
-    else:
-        if config not in INT8_GEMV_CONFIGS:
-            raise ValueError(f"{config} is not an Int8 GEMV config")
-        norm = prologue == PROLOGUES["rmsnorm"] and use_ws  # [splits, M, N tiles] fp32 partial sums of squares
-        ss = torch.empty((splits, m, grid[0]), dtype=torch.float32, device=x.device) if norm else ws
-        _int8_gemv_kernel[grid](
-            x, weight.codes, weight.col_scale, ws, res, out, counters, norm_weight if prologue == 1 else ws, ss,
-            m, n, k, x.stride(0), weight.codes.stride(0), res.stride(0), out.stride(0), splits, eps,
-            BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
-            PRO=prologue, num_warps=warps,
-        )  # fmt: skip
+    _nf4_gemv_kernel[grid](
+        x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,
+        weight.code, ws, res, out, counters,
+        m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
+        BLOCK_N=block_n, NB=blocks, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
+        num_warps=warps,
+    )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """Triton dequantize-GEMM kernels for few-row inputs (decode steps of up to `QUANT_KERNEL_MAX_ROWS` rows) reading
 the NF4 and Int8 layouts of `engine.quant.quant_weights` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual). DecodeOps runs
-them for merged steps of more than `quant_gemv.GEMV_MAX_ROWS` rows (fewer go to quant_gemv's CUDA-core kernels).
+them for merged steps of more than `quant_gemv.GEMV_MAX_ROWS` rows, and INT8's fewer rows where tuned (or untuned).
 
 Batch invariance: every 16-row tile of the output is computed with the same instruction sequence and the same K
 order (an NF4 program may carry up to four such tiles to read its weight bytes once), and a split of K (when the
