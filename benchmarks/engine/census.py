@@ -172,12 +172,10 @@ def parse(text: str) -> Any:
 
 
 def linear_family(config: Any) -> str:
-    """tune_linear's candidates: None = prologue kernel + cuBLAS, ("pad", 8) = cuBLAS on 8 padded rows, a 4-int
-    tuple = triton_kernels.skinny_gemm, ("splitk", ...) = triton_kernels.splitk_gemv."""
+    """tune_linear's candidates: None = prologue kernel + cuBLAS, a 4-int tuple = triton_kernels.skinny_gemm,
+    ("splitk", ...) = triton_kernels.splitk_gemv."""
     if config is None:
         return "cublas"
-    if config[0] == "pad":
-        return "cublas-pad8"
     return "splitk" if config[0] == "splitk" else "skinny"
 
 
@@ -312,9 +310,7 @@ def offered() -> dict:
     except ImportError:  # no Triton (CPU): no GPU tuner's list
         return {}
     return {
-        "linear": [
-            str(c) for c in (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
-        ],
+        "linear": [str(c) for c in (None, *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)],
         "quant": sorted(
             {str(("block", c)) for c in quant_kernels.QUANT_CONFIGS}
             | {str(("gemv", c)) for c in quant_gemv.NF4_GEMV_CONFIGS}

@@ -286,8 +286,6 @@ class DecodeOps:
         return self.linear(x, weight, bias, prologue="rmsnorm", norm_weight=norm_weight, eps=eps), "silu"
 
     def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
-        if config[0] == "pad":  # cuBLAS on a zero-padded batch: other kernels than its single-row GEMV
-            return self._unfused(x, weight, None, residual, prologue, norm_weight, eps, pad_rows=config[1])
         code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
         if config[0] == "splitk":
             return triton_kernels.splitk_gemv(
@@ -362,26 +360,21 @@ class DecodeOps:
             return qk_norm_triton(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
         return qk_norm_ref(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
-    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps, pad_rows: int = 0):
+    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps):
         if prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
         elif prologue == "silu":
             x = self.silu_mul(x)
-        rows = x.shape[0]
         if self.cpu_linear is not None and x.is_cpu:
             kernel = self.cpu_linear.kernel(
-                rows, weight.shape[0], weight.shape[1], bias is not None, residual is not None
+                x.shape[0], weight.shape[0], weight.shape[1], bias is not None, residual is not None
             )
             if kernel is not None:
                 return kernel(x, weight, bias, residual)  # [M, N]
-        if pad_rows > rows:
-            x = F.pad(x, (0, 0, 0, pad_rows - rows))  # [pad_rows, K], zeros below
         if residual is None:
-            out = F.linear(x, weight, bias)
-        else:
-            out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue (broadcast if padded)
-            out = out if bias is None else out + bias
-        return out[:rows] if pad_rows > rows else out
+            return F.linear(x, weight, bias)
+        out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue
+        return out if bias is None else out + bias
 
     @torch.inference_mode()
     def tune_linear(self, slots: dict[tuple[int, int, str, bool], list[tuple]], eps: float, *, reps: int = 7) -> dict:
@@ -395,7 +388,7 @@ class DecodeOps:
         for key, items in slots.items():
             n, k, prologue, has_res = key
             dev, dt = items[0][0].device, items[0][0].dtype
-            candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
+            candidates = (None, *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
             digest = zlib.crc32(repr(candidates).encode())  # a changed candidate list tunes again
             problem = f"linear {n}x{k} {dt} prologue={prologue} residual={has_res} {digest:08x}"
             cached = self.kernel_choices.get(problem) if self.kernel_choices is not None else None

@@ -333,7 +333,7 @@ class FastLlamaSpan(SpanModel):
             return self.lora_prologue_fused
         chosen = self.ops.single_row_gemm
         base, shrink = chosen.get((n, k, prologue, has_residual)), chosen.get((c, k, prologue, False))
-        return base is not None and shrink is not None and base[0] != "pad" and shrink[0] != "pad"
+        return base is not None and shrink is not None
 
     def _adapted_linear(
         self,
