@@ -1,6 +1,5 @@
-"""The RMSNorm and SiLU-gating prologues of the INT8 tl.dot block kernel (quant_kernels,
-engine/kernels/quant_splits.py): against a float32 torch reference and against the separate
-norm/SiLU kernel followed by the same kernel, for 1, 3 and 8 rows and 1, 4 and 8 K splits (every split holds
+"""The RMSNorm prologue of the INT8 tl.dot block kernel (quant_kernels, engine/kernels/quant_splits.py): against a
+float32 torch reference and against the separate norm kernel followed by the same kernel, for 1, 3 and 8 rows and 1, 4 and 8 K splits (every split holds
 work, so a split whose sum of squares is left out changes the row's 1/rms), repeated calls (the arrival counters
 back at zero, the bits repeated), a row's output independent of the other rows, the refusals, and DecodeOps'
 dispatch and choice. Runs on CUDA, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
@@ -32,10 +31,10 @@ BLOCK = [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block",
 DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float16
 
 
-def _inputs(dtype: torch.dtype, rows: int, seed: int, width: int = K):
+def _inputs(dtype: torch.dtype, rows: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     weight = quantize_int8((torch.randn(N, K, generator=gen) * 0.02).to(DEV), dtype=dtype)
-    x = (torch.randn(rows, width, generator=gen) * 3).to(DEV, dtype)
+    x = (torch.randn(rows, K, generator=gen) * 3).to(DEV, dtype)
     gain = (torch.rand(K, generator=gen) + 0.5).to(DEV, dtype)
     res = torch.randn(rows, N, generator=gen).to(DEV, dtype)
     return weight, x, gain, res
@@ -77,30 +76,13 @@ def test_rmsnorm_prologue_against_reference_and_unfused(choice, rows: int) -> No
         assert int(weight.split_counters().abs().sum()) == 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("choice", BLOCK, ids=str)
-def test_silu_prologue_is_bit_equal_to_silu_mul_then_the_kernel(choice, rows: int) -> None:
-    weight, gate_up, _, res = _inputs(DTYPE, rows, seed=10 + rows, width=2 * K)
-    fused = _run(choice, gate_up, weight, res, "silu")
-    assert torch.equal(fused, _run(choice, tk.silu_mul(gate_up), weight, res))
-    g, u = gate_up.float().chunk(2, dim=-1)
-    ref, scale = _dot_ref(torch.nn.functional.silu(g) * u, weight, res)
-    ulp = 2.0 ** -(8 if gate_up.dtype == torch.bfloat16 else 11)
-    assert ((fused.float() - ref).abs() <= ulp * (scale + ref.abs()) + 1e-4).all()
-    for _ in range(3):
-        assert torch.equal(_run(choice, gate_up, weight, res, "silu"), fused)
-        assert int(weight.split_counters().abs().sum()) == 0
-
-
-@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
 @pytest.mark.parametrize("choice", BLOCK[1:], ids=str)
-def test_a_rows_output_does_not_depend_on_the_other_rows(choice, prologue: str) -> None:
-    width = 2 * K if prologue == "silu" else K
-    weight, x, gain, res = _inputs(DTYPE, 8, seed=3, width=width)
-    first = _run(choice, x, weight, res, prologue, gain)
+def test_a_rows_output_does_not_depend_on_the_other_rows(choice) -> None:
+    weight, x, gain, res = _inputs(DTYPE, 8, seed=3)
+    first = _run(choice, x, weight, res, "rmsnorm", gain)
     other = x.clone()
     other[1:] = other[1:] * 7 + 1  # other rows' norms and values change
-    second = _run(choice, other, weight, res, prologue, gain)
+    second = _run(choice, other, weight, res, "rmsnorm", gain)
     assert torch.equal(first[0], second[0])
     assert not torch.equal(first[1:], second[1:])
 
@@ -111,8 +93,8 @@ def test_prologue_refusals() -> None:
         quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], PROLOGUES["rmsnorm"], None, EPS)
     with pytest.raises(ValueError, match="unknown prologue code 7"):
         quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], 7)
-    with pytest.raises(ValueError, match=", 4096\\] contiguous"):  # SiLU reads [gate | up]
-        quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], PROLOGUES["silu"])
+    with pytest.raises(ValueError, match="unknown prologue code 2"):  # SiLU gating's former code: no kernel runs it
+        quant_kernels.quant_matmul(x, weight, None, BLOCK[0][1], 2)
     nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=DTYPE)
     with pytest.raises(ValueError, match="INT8 weights only"):
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
@@ -122,7 +104,7 @@ def test_prologue_refusals() -> None:
         assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]), prologue)
         assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0], prologue)
         assert not quant_choices.fusable(("int8", N, K), ("tile", (16, 2, 1, 1, 0)), prologue)
-        assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue)
+        assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue) == (prologue == "rmsnorm")
     # the NF4 tile GEMV: RMSNorm in its x staging, no SiLU gating
     assert quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "rmsnorm")
     assert not quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "silu")
@@ -137,30 +119,25 @@ def _triton_ops() -> ops_module.DecodeOps:
     return ops
 
 
-@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
-def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str, monkeypatch) -> None:
-    width = 2 * K if prologue == "silu" else K
-    weight, x, gain, res = _inputs(DTYPE, 3, seed=7, width=width)
+def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(monkeypatch) -> None:
+    prologue = "rmsnorm"
+    weight, x, gain, res = _inputs(DTYPE, 3, seed=7)
     ops = _triton_ops()
     monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: _norm(x, w))
     key = quant_key(weight)
     ops.quant_small[key] = BLOCK[0]
     unfused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
-    pre = tk.silu_mul(x) if prologue == "silu" else _norm(x, gain)
+    pre = _norm(x, gain)
     assert torch.equal(unfused, _run(BLOCK[0], pre, weight, res))
     ops.quant_fused[(*key, prologue)] = BLOCK[1]
 
     def refuse(*args):
-        raise AssertionError("the separate norm/SiLU kernel ran")
+        raise AssertionError("the separate norm kernel ran")
 
     monkeypatch.setattr(ops, "rms_norm", refuse)
-    monkeypatch.setattr(ops, "silu_mul", refuse)
     fused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
     assert torch.equal(fused, _run(BLOCK[1], x, weight, res, prologue, gain))
-    if prologue == "silu":
-        assert torch.equal(fused, _run(BLOCK[1], tk.silu_mul(x), weight, res))
-    else:
-        assert not torch.equal(fused, unfused)  # the fused kernel served, not the pair
+    assert not torch.equal(fused, unfused)  # the fused kernel served, not the pair
     with pytest.raises(AssertionError, match="separate"):  # more rows than the decode range: the pair
         big = torch.cat([x] * 4)
         ops.linear(big, weight, None, residual=torch.cat([res] * 4), prologue=prologue, norm_weight=gain, eps=EPS)
@@ -187,3 +164,4 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     expected = BLOCK[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
     assert report["unfused_us"] == pytest.approx(1000.0)
+    assert quant_choices.tune_prologue(ops, key, [weight], "silu", BLOCK[0], timings, 3) == {}  # no kernel fuses it

@@ -15,13 +15,12 @@ outputs, and a row's output does not depend on the other rows of the call. The c
 (`NF4Weight.split_counters()` / `Int8Weight.split_counters()`): calls on one weight must not run concurrently on
 two streams.
 
-Prologues (`PROLOGUES`; the INT8 tl.dot block kernel; decode rows): "rmsnorm" scales x by the
+The RMSNorm prologue (`PROLOGUES`; the INT8 tl.dot block kernel; decode rows) scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
 column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
 tiles] and the last program sums them in split order (`split_rstd`); a program that covers all of K uses its own
-sum. "silu": x_k = silu(gate_k) * up_k from the gate_up output (gate at k, up at k + K) in fp32, rounded to x's
-dtype as `triton_kernels.silu_mul` rounds it (`silu_gate`), so the fused result is bit-equal to silu_mul + kernel.
+sum. (SiLU gating before a quantized projection runs as its own kernel: fused, it never won; decision 0242.)
 Importing fails without Triton."""
 
 from __future__ import annotations
@@ -30,12 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROLOGUES = {"none": 0, "rmsnorm": 1, "silu": 2}  # the kernels' PRO codes
-
-
-def prologue_width(k: int, prologue: int) -> int:
-    """Columns of the x a kernel with `prologue` reads for a weight of K columns ([gate | up] for SiLU)."""
-    return 2 * k if prologue == PROLOGUES["silu"] else k
+PROLOGUES = {"none": 0, "rmsnorm": 1}  # the kernels' PRO codes
 
 
 def check_prologue(k: int, prologue: int, norm_weight: torch.Tensor | None) -> None:
@@ -66,14 +60,6 @@ def row_mask(offs, limit, row, M):
     # offs < limit in a row that exists (row < M), else none: one compare (Triton's interpreter widens a tensor mask
     # and-ed with a scalar condition to int32, which its loads refuse)
     return offs < tl.where(row < M, limit, 0)
-
-
-@triton.jit
-def silu_gate(ptrs, mask, K, dt):
-    # x = silu(gate) * up of gate_up[.., k] and gate_up[.., K + k] (fp32, rounded to dt as silu_mul stores it)
-    g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-    return (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
 
 
 @triton.jit

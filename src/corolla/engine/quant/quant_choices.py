@@ -65,38 +65,38 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
 
 
 def fusable(key: tuple[str, int, int], choice: Choice, prologue: str) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs the norm/SiLU `prologue` (INT8: the block kernel
-    either, the matrix-unit row GEMV RMSNorm; NF4: the tile GEMV RMSNorm)."""
-    int8 = key[0] == "int8"
+    """Whether the small-row kernel `choice` for shape `key` runs the `prologue` (INT8: the block kernel and the
+    matrix-unit row GEMV RMSNorm; NF4: the tile GEMV RMSNorm; SiLU gating: none, it runs as its own kernel)."""
+    int8, code = key[0] == "int8", PROLOGUES.get(prologue)
+    if code is None:
+        return False
     if choice[0] == "i8mma":
-        return int8 and PROLOGUES[prologue] in quant_int8_gemv.PROLOGUE_CODES
+        return int8 and code in quant_int8_gemv.PROLOGUE_CODES
     if choice[0] == "tile":
-        return not int8 and PROLOGUES[prologue] in quant_tile_gemv.PROLOGUE_CODES
+        return not int8 and code in quant_tile_gemv.PROLOGUE_CODES
     return int8 and choice[0] == "block"
 
 
 def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
-    """Times the `prologue` kernel (RMSNorm / SiLU gating, DecodeOps `ops`) + `best` against the three fastest
-    small-row kernels of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster
-    serves decode rows with that prologue (ops.quant_fused). The pair is timed as DecodeOps runs it: before the NF4
-    tile GEMV (bf16) the norm / SiLU kernel writes x prescaled for it. {} where no candidate fuses."""
+    """Times the `prologue` kernel (RMSNorm, DecodeOps `ops`) + `best` against the three fastest small-row kernels
+    of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster serves decode
+    rows with that prologue (ops.quant_fused). The pair is timed as DecodeOps runs it: before the NF4 tile GEMV
+    (bf16) the norm kernel writes x prescaled for it. {} where no candidate fuses (SiLU gating: none does)."""
     candidates = sorted((c for c in timings if fusable(key, c, prologue)), key=timings.__getitem__)[:3]
     if not candidates:
         return {}
     k, code = key[2], PROLOGUES[prologue]
-    x = torch.randn(1, 2 * k if prologue == "silu" else k, device=items[0].device, dtype=items[0].dtype)
+    x = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
     nw = torch.ones(k, device=x.device, dtype=x.dtype)  # the gain's values do not change the time
     if best[0] == "tile" and x.dtype == torch.bfloat16:
-        scale = quant_tile_gemv.X_SCALE
-        pre = (lambda: ops.silu_mul(x, scale)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6, scale))
 
         def pair(w):
-            return quant_tile_gemv.nf4_tile_gemv(pre(), w, None, best[1], prescaled=True)
+            normed = ops.rms_norm(x, nw, 1e-6, quant_tile_gemv.X_SCALE)
+            return quant_tile_gemv.nf4_tile_gemv(normed, w, None, best[1], prescaled=True)
     else:
-        pre = (lambda: ops.silu_mul(x)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6))
 
         def pair(w):
-            return quant_kernel(*best)(pre(), w, None)
+            return quant_kernel(*best)(ops.rms_norm(x, nw, 1e-6), w, None)
 
     unfused = graph_median_ms(lambda: [pair(w) for w in items], reps)
     fused = time_configs(candidates, lambda c, w: quant_kernel(c[0], c[1], code)(x, w, None, nw, 1e-6), items, reps)
@@ -162,7 +162,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     "block" configs on MID_MAX_ROWS rows, as the row GEMV reads the weight once per row); on a `QUANT_KERNEL_MAX_ROWS`-row input
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
-    names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
+    names its projections take, none for a shape missing there; None: "rmsnorm"), the norm
     kernel + the one-row best against the fused kernels (`tune_prologue`); "gated" (w_gate_up's shape): after
     "rmsnorm", that path + silu_mul against the row GEMVs gating their own output (`tune_gated`). One (kernel, config) per row range and
     prologue keeps rows batch-invariant within it. A shape whose choices `ops.kernel_choices` holds (same card and
@@ -170,7 +170,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     "mid_all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}}, microseconds per layer call."""
     report = {}
     for key, items in weights.items():
-        wanted = ("rmsnorm", "silu") if prologues is None else tuple(prologues.get(key, ()))
+        wanted = ("rmsnorm",) if prologues is None else tuple(prologues.get(key, ()))
         # NF4 in 16-bit dtypes: the matrix-unit kernel replaces the tl.dot kernels, which were slower on every
         # Llama-3-8B projection (docs/decisions/0012-nf4-matrix-units.md)
         nf4 = key[0] == "nf4" and items[0].dtype != torch.float32

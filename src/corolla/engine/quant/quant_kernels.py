@@ -19,10 +19,8 @@ from corolla.engine.kernels.quant_splits import (
     PROLOGUES,
     arrive_last,
     check_prologue,
-    prologue_width,
     reset_counter,
     rstd_of,
-    silu_gate,
     split_rstd,
     sum_split_tile,
 )
@@ -198,7 +196,7 @@ def _int8_gemm_kernel(
 ):
     # ws[split, M, N] (fp32) = f(x)[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16); f: the
     # prologue PRO (quant_splits.PROLOGUES): RMSNorm's gain nw[k] with the sums of squares ss[split, M, N tiles] of
-    # the K range (its 1/rms scales the finished sum), or SiLU gating of x [M, 2K]
+    # the K range (its 1/rms scales the finished sum)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, 16)
@@ -223,8 +221,6 @@ def _int8_gemm_kernel(
             xf = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)  # [16, BLOCK_K]
             sq += tl.sum(xf * xf, axis=1)
             x = (xf * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(dt)
-        elif PRO == 2:
-            x = silu_gate(x_ptrs, xm, K, dt).to(dt)
         else:
             x = tl.load(x_ptrs, mask=xm)
         acc = tl.dot(x, w.to(dt), acc)
@@ -256,14 +252,12 @@ def quant_matmul(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """f(x) [M, K] (M <= QUANT_KERNEL_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual
-    [M, N]) -> [M, N] in the weight's dtype; f = `prologue` (quant_splits.PROLOGUES, INT8 only): the identity,
-    RMSNorm with `norm_weight` [K] and `eps`, or SiLU gating of x [M, 2K]."""
+    [M, N]) -> [M, N] in the weight's dtype; f = `prologue` (quant_splits.PROLOGUES, INT8 only): the identity or
+    RMSNorm with `norm_weight` [K] and `eps`."""
     m, kx = x.shape
     n, k = weight.shape
-    if kx != prologue_width(k, prologue) or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
-        raise ValueError(
-            f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {prologue_width(k, prologue)}] contiguous rows, got {tuple(x.shape)}"
-        )
+    if kx != k or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {k}] contiguous rows, got {tuple(x.shape)}")
     check_prologue(k, prologue, norm_weight)
     if prologue and isinstance(weight, NF4Weight):
         raise ValueError("quant_matmul runs a prologue on INT8 weights only")

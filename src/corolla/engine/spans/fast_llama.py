@@ -182,7 +182,7 @@ class FastLlamaSpan(SpanModel):
                 (layer.w_gate_up, layer.b_gate_up, "rmsnorm", layer.ln2, False),
                 (layer.w_down, layer.b_down, "silu", None, True),
             ):
-                if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
+                if isinstance(w, NF4Weight | Int8Weight) and prologue == "rmsnorm":  # (no quantized kernel gates x)
                     prologues.setdefault(quant_key(w), set()).add(prologue)
                     if w is layer.w_gate_up:  # may gate its own output (ops.gate_up)
                         prologues[quant_key(w)].add("gated")
