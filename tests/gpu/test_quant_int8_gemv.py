@@ -260,7 +260,7 @@ def test_row_mma_refuses_bad_calls() -> None:
         int8_row_mma(x, weight, None, config, 1)  # RMSNorm without its gain
     with pytest.raises(ValueError, match="gain must be"):
         int8_row_mma(x, weight, None, config, 1, torch.ones(256, device=DEV), 1e-5)
-    with pytest.raises(ValueError, match="runs no prologue 2"):  # SiLU gating: none here (decision 0063)
+    with pytest.raises(ValueError, match="unknown prologue code 2"):  # SiLU gating: no kernel has it (0242)
         int8_row_mma(x, weight, None, config, 2)
     with pytest.raises(ValueError, match="gated"):
         int8_row_mma(x, weight, None, (1, 8, 4, 0, 0), gated=True)  # an odd row-tile count

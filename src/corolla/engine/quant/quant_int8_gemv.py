@@ -319,9 +319,7 @@ def int8_row_mma(
             f"int8_row_mma takes [M, {k}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
             f"got {tuple(x.shape)} {x.dtype}"
         )
-    check_prologue(k, prologue, norm_weight)
-    if prologue not in PROLOGUE_CODES:
-        raise ValueError(f"int8_row_mma runs no prologue {prologue} (it runs {PROLOGUE_CODES}: none, RMSNorm)")
+    check_prologue(k, prologue, norm_weight)  # (every prologue code there is: none, RMSNorm)
     codes = weight.codes
     if k % CHUNK_VALUES or not codes.is_contiguous() or codes.data_ptr() % 16:
         raise ValueError(f"int8_row_mma needs contiguous 16-byte aligned codes with K % {CHUNK_VALUES} == 0")
