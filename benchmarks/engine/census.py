@@ -204,10 +204,7 @@ def census_rows(span: str, layers: int, report: dict, prefill_timings: dict) -> 
     for key, r in report.items():
         if not isinstance(r, dict) or r.get("cached"):
             continue
-        if key == "up_gelu":  # BLOOM's up projection: bias + tanh GELU in cuBLASLt's epilogue, or two kernels
-            times = {"separate": r["separate_us"]} | ({"epilogue": r["epilogue_us"]} if "epilogue_us" in r else {})
-            rows.append(_row(span, layers, "gelu", "up+gelu", "1", times, r["best"], lambda c: f"gelu-{c}"))
-        elif key == "experts" or isinstance(key, tuple) and key[0] == "moe":
+        if key == "experts" or isinstance(key, tuple) and key[0] == "moe":
             rows += moe_rows(span, layers, key, r)
         elif isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int):  # cpu_linear: (slot, bucket)
             slot, bucket = key

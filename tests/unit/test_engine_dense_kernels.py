@@ -49,6 +49,7 @@ def test_dense_ops_uses_the_reference_on_cpu() -> None:
     torch.testing.assert_close(ops.layer_norm(res, w, nb, 1e-5), F.layer_norm(res, (64,), w, nb, 1e-5))
     # torch's CPU `_addmm_activation` computes the erf GELU: the probe must tell it from the tanh form BLOOM uses
     assert ops.rows_without_tanh_gelu(torch.zeros(96, 64, dtype=torch.bfloat16), [1, 3]) == [1, 3]
+    assert not ops.choose_gelu_epilogue(torch.zeros(96, 64, dtype=torch.bfloat16), [1, 3]) and not ops.gelu_epilogue
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")

@@ -1,7 +1,7 @@
 """The Falcon/BLOOM decode step's glue between projections, each with a torch reference (CPU, fallback) and a fused
 CUDA version: the residual add(s) with the next LayerNorm in one Triton kernel (`dense_kernels`), and the up
-projection with its bias and tanh GELU in cuBLASLt's epilogue (`torch._addmm_activation`) where timing on the device
-says it beats the projection followed by a GELU kernel. All are CUDA-graph safe: static shapes, no host sync."""
+projection with its bias and tanh GELU in cuBLASLt's epilogue (`torch._addmm_activation`) where the device's
+epilogue computes the tanh GELU. All are CUDA-graph safe: static shapes, no host sync."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.ops.decode_ops import triton_usable
 from corolla.utils.logging import get_logger
 
@@ -51,11 +50,12 @@ def decode_slots_ref(
 
 
 class DenseOps:
-    """Picks the fused CUDA versions or the references once per span; `gelu_epilogue` is set by `tune_gelu`."""
+    """Picks the fused CUDA versions or the references once per span; `gelu_epilogue` is set by
+    `choose_gelu_epilogue`."""
 
     def __init__(self, device: torch.device, head_dim: int, *, use_triton: bool):
         self.use_triton = use_triton and DENSE_TRITON_IMPORTED and triton_usable(device, head_dim)
-        self.gelu_epilogue = False  # up projection + bias + tanh GELU as one cuBLASLt call (tune_gelu decides)
+        self.gelu_epilogue = False  # up projection + bias + tanh GELU as one cuBLASLt call
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         # x [N, H] -> LayerNorm(x) [N, H]
@@ -99,34 +99,20 @@ class DenseOps:
         return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
 
     @torch.inference_mode()
-    def tune_gelu(
-        self, items: Sequence[tuple[torch.Tensor, torch.Tensor]], probe_rows: Sequence[int], *, reps: int = 7
-    ) -> dict:
-        """Times the up projections [(weight [I, K], bias [I]) per layer] on one row as projection + bias then a
-        tanh-GELU kernel against `up_gelu`, each as one CUDA graph over all layers; keeps the faster if `up_gelu`
-        computes the tanh GELU at every row count of `probe_rows`. Returns {"best": "epilogue" or "separate",
-        "best_us", "separate_us", "epilogue_us" (absent if it cannot run)}, microseconds per layer call."""
-        if not items or items[0][0].device.type != "cuda":
-            raise ValueError("tune_gelu times CUDA weights")
-        w0 = items[0][0]
-        x = torch.randn(1, w0.shape[1], device=w0.device, dtype=w0.dtype)
-        separate = graph_median_ms(lambda: [F.gelu(F.linear(x, w, b), approximate="tanh") for w, b in items], reps)
-        per_call = 1000 / len(items)
-        report = {"best": "separate", "best_us": separate * per_call, "separate_us": separate * per_call}
+    def choose_gelu_epilogue(self, weight: torch.Tensor, probe_rows: Sequence[int]) -> bool:
+        """Sets `gelu_epilogue` (the up projections of `weight`'s shape through `up_gelu`) where cuBLASLt's epilogue
+        runs and computes the tanh GELU at every row count of `probe_rows`; else the projection then a GELU kernel
+        stay. Not timed: the epilogue was the faster wherever it ran (docs/decisions/0242)."""
         try:
-            other_rows = self.rows_without_tanh_gelu(w0, probe_rows)
-            fused = graph_median_ms(lambda: [self.up_gelu(x, w, b) for w, b in items], reps)
-        except RuntimeError as e:  # an epilogue this cuBLAS cannot run or capture: keep the separate kernels
+            other_rows = self.rows_without_tanh_gelu(weight, probe_rows)
+        except RuntimeError as e:  # an epilogue this cuBLAS cannot run: keep the separate kernels
             logger.warning(f"dense_ops.gelu_epilogue_unavailable(error={str(e)[:200]})")
-            return report
+            return False
         if other_rows:  # another GELU than the model's (a fallback computing erf-GELU): keep the separate kernels
             logger.warning(f"dense_ops.gelu_epilogue_not_tanh(rows={other_rows})")
-            return report
-        self.gelu_epilogue = fused < separate
-        report["epilogue_us"] = fused * per_call
-        if self.gelu_epilogue:
-            report.update(best="epilogue", best_us=fused * per_call)
-        return report
+            return False
+        self.gelu_epilogue = True
+        return True
 
     def rows_without_tanh_gelu(self, weight: torch.Tensor, probe_rows: Sequence[int]) -> list[int]:
         """The row counts of `probe_rows` at which `up_gelu` does not compute the tanh GELU (torch's CPU version and

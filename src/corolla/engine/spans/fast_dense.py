@@ -195,9 +195,8 @@ class FastDenseSpan(SpanModel):
         for key, r in quant_report.items():
             logger.info(f"fast_dense.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
         if self.dense.use_triton and self.spec.gelu_approximate == "tanh" and len(ups) == len(self.layers):
-            gelu = self.dense.tune_gelu(ups, GELU_PROBE_ROWS)
-            logger.info(f"fast_dense.tune_gelu(best={gelu['best']}, us={gelu['best_us']:.1f})")
-            report["up_gelu"] = gelu
+            epilogue = self.dense.choose_gelu_epilogue(ups[0][0], GELU_PROBE_ROWS)
+            logger.info(f"fast_dense.gelu_epilogue({epilogue})")
         return {**report, **quant_report}
 
     # ------------------------------------------------------------------------------------------ construction
