@@ -25,7 +25,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.routing.announced_pace import announced_step_s, announced_token_s
-from corolla.client.session import replacement_race, span_session, stalls
+from corolla.client.session import inference_session, replacement_race, span_session, stalls
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.replacement_race import (
     TRIAL_TOKENS,
@@ -47,6 +47,7 @@ from helpers.fake_chain import (
     AnswersAfter,
     FakeManager,
     FakeServer,
+    FakeStream,
     Judgements,
     Referee,
     RefereeAnswersAfter,
@@ -140,6 +141,46 @@ def test_a_slow_loris_loses_its_session_to_another_server(small_budgets, slow_fr
     replay_metadata, replay_tokens = servers["B"].requests[0]
     assert replay_metadata["start_from_position"] == 0 and replay_tokens == slow_from + 1  # history + the new token
     assert _served_tokens(servers["B"]) == 8 and servers["B"].final_lengths == [8]  # each position once
+    assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
+
+
+class UnreadStream(FakeStream):
+    """A's stream once its server `stops_reading`: a request is taken only `LORIS_DELAY_S` after it was written (a
+    server that answers pings and leaves a long request unread in its socket: the client's write blocks)."""
+
+    async def send(self, request) -> None:
+        if getattr(self.server, "stops_reading", False):
+            await asyncio.sleep(LORIS_DELAY_S)
+        await super().send(request)
+
+
+def test_a_server_that_stops_reading_its_requests_loses_its_session_from_the_client_loop(
+    small_budgets, monkeypatch: pytest.MonkeyPatch
+):
+    """hrev18 (decision 0245): A (the best figures, routed first) answers pings but, from token 3, leaves each request
+    unread for `LORIS_DELAY_S` (a long step's request does not fit the socket's buffers: the client's write waits on
+    the server's reads); B holds the same blocks. The step's wait covers the write as it covers the reply: A is a
+    loris, moved off at its deadline plus the late budget, the session replayed on B. On main the write was awaited
+    before the step's wait began, with no timeout at all (the client loop's path; the caller's thread had
+    `request_timeout_s`, 180 s by default): the step was held as long as A kept the request unread, no stall seen."""
+    monkeypatch.setattr(
+        FakeManager,
+        "open_inference_stream",
+        lambda self, peer_id, rpc="rpc_inference": UnreadStream(self.servers[peer_id], rpc).open(),
+    )
+    torch.manual_seed(0)
+    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    manager = _manager(servers)
+    tokens, outputs = torch.randn(1, 6, HIDDEN), []
+    with InferenceSession(manager, max_length=6) as session:
+        for t in range(6):
+            servers["A"].stops_reading = t == 3  # type: ignore[attr-defined]
+            started = time.monotonic()
+            outputs.append(session.step(tokens[:, t : t + 1]))
+            assert time.monotonic() - started < LORIS_DELAY_S / 2, t
+        route, events = [span.peer_id for span, _ in session.route], list(session.stall_events)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert route == ["B"] and [(e.peer_id, e.action) for e in events][-1] == ("A", "moved"), events
     assert "A" in manager.avoided_peers() and not manager.bans.is_banned("A")
 
 
@@ -662,6 +703,65 @@ def test_two_fresh_identities_racing_first_neither_ban_nor_rebuild(
         assert {"S1", "S2"} <= manager.avoided_peers() and not manager.disputes.watched()
         assert _greedy(outputs) == _greedy(reference(tokens, 4))
         torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+
+
+class SilentReferee(Referee):
+    """An attacker's identity of the span that, once `holding`, holds its steps (it never wins a race) and, asked as
+    a race pair's outside referee, holds its `rpc_forward` `HOLD_S` (within the request timeout) before it answers
+    honestly."""
+
+    HOLD_S = 3.0
+    holding = False
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            if self.holding:
+                await asyncio.sleep(LORIS_DELAY_S)
+            yield response
+
+    async def rpc_forward(self, request, timeout=None):
+        if self.holding:
+            await asyncio.sleep(self.HOLD_S)
+        return await super().rpc_forward(request, timeout)
+
+
+def test_a_referee_held_past_the_sessions_close_does_not_save_a_lost_pairs_standing(
+    small_long_step_floor, monkeypatch: pytest.MonkeyPatch
+):
+    """hrev18 (decision 0245) attacking 0238: the race of `test_two_fresh_identities_racing_first_neither_ban_nor_rebuild`
+    (H honest on 0:2, slow from token 12; S1 with a witness's standing and S2, one attacker's identities answering
+    the same made-up trial at once; H2 honest, a referee, answering its trial within the pair's round: it wins), and
+    the attacker's third identity W of 0:2, asked as the lost pair's referee beside H2, holds its `rpc_forward` past
+    the session's close (the close waits `FINISH_TIMEOUT_S` for the judgements, 0.3 s here, 30 s by default, against a
+    request timeout of 180 s by default). On main the close cancelled the unfinished judgement: the pair was never
+    judged, S1 kept the standing it lent (`agreed_in_a_row` 8) and neither was avoided, the gap 0238 closed reopened
+    by one silent identity. Now the judgement goes on after the session: W answers, H2 and the winner refute the
+    pair, both avoided and S1's standing lost."""
+    monkeypatch.setattr(inference_session, "FINISH_TIMEOUT_S", 0.3)
+    torch.manual_seed(12)
+    servers: dict[str, FakeServer] = {"H": Referee(0, 2, inference_rps=1000.0)}
+    servers["S1"], servers["S2"] = SybilRacer(0, 2), SybilRacer(0, 2)
+    servers["H2"], servers["W"] = RefereeAnswersAfter(0, 2), SilentReferee(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, "S1")
+    watch = RaceWatch()
+
+    def turn() -> None:
+        servers["H"].delay_s = LORIS_DELAY_S
+        servers["H2"].after = watch.seated  # type: ignore[attr-defined]
+        _hold(servers, SybilRacer)()
+        _hold(servers, SilentReferee)()
+
+    _, _, route, _ = _sixteen_steps(manager, turn, 12, watch)
+    assert route[0] == "H2" and [set(e.peers) for e in watch if e.action == "seated"] == [{"S1", "S2"}], watch
+    assert not [e for e in watch if e.action == "judged"]  # (W still held at the close)
+    waited = time.monotonic()
+    while not [e for e in watch if e.action == "judged"] and time.monotonic() - waited < SilentReferee.HOLD_S + 5:
+        time.sleep(0.05)
+    assert [e.verdict for e in watch if e.action == "judged"] == ["refuted"], watch
+    assert manager.bans.agreed_in_a_row("S1") == 0 and {"S1", "S2"} <= manager.avoided_peers()
+    assert not any(manager.bans.is_liar(name) for name in servers) and not manager.bans.is_banned("H")
 
 
 class HeldReferee(Referee):

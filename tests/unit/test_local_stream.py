@@ -15,6 +15,8 @@ import pytest
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from corolla.client.session.stalls import StepClock
+from corolla.client.session.step_wait import StepWait
 from corolla.client.transport.local_transport import LocalInferenceStream, SocketTurns, fewer_streams_first
 from corolla.protocol import local_stream as ls
 
@@ -148,6 +150,80 @@ def test_exchange_reads_a_response_sent_in_pieces(poll_s: float) -> None:
         assert stream.polled_responses == (1 if poll_s else 0)
     finally:
         thread.join(5)
+        stream.close()
+        server.close()
+
+
+class _TimeoutOnly:
+    """A `ReplyWaiter` of the step's own policy (`StepWait`, no pings, no deadline): its `timeout` ends the wait."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.wait = StepWait(StepClock(), time.monotonic(), None, timeout_s=timeout_s, ping_period_s=0.0, pings=False)
+
+    def wake_at(self, now_s: float) -> float:
+        return self.wait.wake_at(now_s)
+
+    def woke(self, asked_s: float, now_s: float) -> float:
+        return self.wait.woke(asked_s, now_s)
+
+    def idle(self) -> None:
+        if self.wait.due() == "timeout":
+            raise TimeoutError("the step's timeout")
+
+
+@pytest.mark.parametrize("waiter", [False, True])
+@pytest.mark.parametrize("poll_s", [0.0, 1.0])
+def test_a_trickle_of_bytes_does_not_hold_exchange_past_its_timeout(waiter: bool, poll_s: float) -> None:
+    """A server that sends its reply a byte every 10 ms (2.3 s for the frame, the step's timeout 0.3 s) keeps the
+    socket readable at every wake: the wait still ends at its timeout. On main `exchange` asked for the timeout (its
+    own deadline, or the waiter's `idle`) only at a read that found nothing, so the trickle held the step until the
+    frame was whole, however long that was, and it was taken as the answer."""
+    stream, server = _stream_pair()
+    data = b"".join(
+        ls.frame(
+            ls.MESSAGE, runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"x" * 220)]).SerializeToString()
+        )
+    )
+    stop = threading.Event()
+
+    def trickle() -> None:
+        server.recv(1 << 16)  # the request
+        for i in range(len(data)):
+            if stop.wait(0.01):
+                return
+            server.sendall(data[i : i + 1])
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            stream.exchange(
+                runtime_pb2.ExpertRequest(uid="a.0"),
+                timeout_s=0.3,
+                poll_s=poll_s,
+                waiter=_TimeoutOnly(0.3) if waiter else None,
+            )
+        assert time.monotonic() - started < 1.5
+    finally:
+        stop.set()
+        thread.join(5)
+        stream.close()
+        server.close()
+
+
+def test_a_request_left_unread_is_held_to_the_steps_wait() -> None:
+    """hrev18 (decision 0245): a server that leaves a long request (16 MiB, past the socket's buffers) unread holds
+    the write; the step's wait (its policy's timeout, 0.3 s; `timeout_s` the request timeout, 5 s here, 180 s by
+    default) ends it as it ends a wait for the reply. On main the write waited out `timeout_s` (wall time) without
+    asking the waiter: no stall, ping or late budget."""
+    stream, server = _stream_pair()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="the step's timeout"):
+            stream.exchange(b"x" * (16 << 20), timeout_s=5, waiter=_TimeoutOnly(0.3))
+        assert time.monotonic() - started < 2
+    finally:
         stream.close()
         server.close()
 

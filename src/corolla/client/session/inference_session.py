@@ -53,6 +53,8 @@ logger = get_logger(__name__)
 
 # two racers that agreed with each other against a left server's outputs: their peer ids, their outputs [B, n, H]
 OutvotingPair = tuple[list[str], torch.Tensor, Rechecked]  # the pair, its outputs, what an outsider said
+# judgements of lost race pairs still running when their session closed (`InferenceSession.close`): held until done
+_JUDGING_AFTER_CLOSE: set[asyncio.Future[None]] = set()
 
 
 class InferenceSession:
@@ -695,6 +697,7 @@ class InferenceSession:
             judging = asyncio.ensure_future(self._judge_lost_pairs(blocks, winner.span.peer_id, list(seated.values())))
             self._judging.add(judging)
             judging.add_done_callback(self._judging.discard)
+            judging.add_done_callback(_JUDGING_AFTER_CLOSE.discard)
         else:  # (another pair won: its own referees judged the same outputs)
             for _, referees in seated.values():
                 referees.cancel()
@@ -871,10 +874,14 @@ class InferenceSession:
 
         async def _close_all() -> None:
             await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
-            try:  # the shadows catch up, lost race pairs are judged; a server that does not answer in time is not
-                # waited for
-                await asyncio.wait_for(asyncio.gather(self.shadows.finish(), *self._judging), FINISH_TIMEOUT_S)
+            # the shadows catch up and lost race pairs are judged; a server that does not answer in time is not
+            # waited for, but a pair's judgement goes on after the session (shielded): cancelled, it would let a
+            # lying pair keep the standing it lent by one referee identity held past this wait (hrev18, 0245)
+            judging = [asyncio.shield(judgement) for judgement in self._judging]
+            try:
+                await asyncio.wait_for(asyncio.gather(self.shadows.finish(), *judging), FINISH_TIMEOUT_S)
             except asyncio.TimeoutError:
+                _JUDGING_AFTER_CLOSE.update(self._judging)  # (the loop keeps only weak references to tasks)
                 logger.info(
                     "inference_session.verification_unfinished(shadows=%d, pairs_judging=%d)",
                     len(self.shadows.shadows), len(self._judging),

@@ -496,8 +496,7 @@ class SpanSession:
         num_tokens = self.step_tokens = inputs.shape[1]
         self.step_rows = inputs.shape[0]
         wait = self.step_wait(self.clock.deadline_s(num_tokens, inputs.nbytes))
-        await self.send(request)
-        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape))
+        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape), request=request)
         result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
         self.time_step(num_tokens, wait)
         return result
@@ -514,9 +513,8 @@ class SpanSession:
         )
         self.started = True
         self.step_tokens = 0
-        await self.send(request)  # (a loris may not hold the probe either: a zero-token step's deadline)
-        wait = self.step_wait(self.clock.deadline_s(0))
-        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(empty.shape))
+        wait = self.step_wait(self.clock.deadline_s(0))  # (a loris may not hold the probe either)
+        response = await self.next_response(wait, limit_bytes=reply_limit_bytes(empty.shape), request=request)
         self.accept_reply(response, empty, 0, like.dtype)
         try:
             metadata = decode_metadata(response.metadata) if response.metadata else {}
@@ -709,11 +707,14 @@ class SpanSession:
             wait.lost_s += took_s - timeout_s
         return False
 
-    async def next_response(self, wait: StepWait, *, limit_bytes: int) -> runtime_pb2.ExpertResponse:
+    async def next_response(
+        self, wait: StepWait, *, limit_bytes: int, request: runtime_pb2.ExpertRequest | None = None
+    ) -> runtime_pb2.ExpertResponse:
         """The next response, of at most `limit_bytes` (what the request implies: `output_checks.reply_limit_bytes`;
         else ConnectionError), waited for under `wait`'s policy (`client.session.step_wait`; `on_due`: HopStalled,
         ServerTooSlow, TimeoutError); ConnectionError when the server ended the stream. The step answered at `wait`'s
-        last wake."""
+        last wake. `request`: sent first, under the same wait (a server that leaves a long request unread, pings
+        answered, holds the write as a loris holds its reply: decision 0245)."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
@@ -721,6 +722,8 @@ class SpanSession:
         stream, read_s = self._stream, [math.nan]  # (when the reply was read: `StepWait.replied`)
 
         async def receive() -> runtime_pb2.ExpertResponse | None:
+            if request is not None:
+                await self.send(request)
             response = await stream.receive(limit_bytes)
             read_s[0] = time.monotonic()
             return response

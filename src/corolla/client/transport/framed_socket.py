@@ -108,9 +108,9 @@ class FramedSocketStream(ABC):
         polling for up to `poll_s`, else sleeping in `poll(2)` before each read (a read that finds nothing costs a
         raised BlockingIOError) until `waiter.wake_at()` at the latest, then telling `waiter.woke` and, without the
         response, `waiter.idle()` (which may end the wait: it raises). ConnectionError when the stream ends or breaks
-        or the response's frame announces more than `max_response_bytes`, TimeoutError past `timeout_s` while
-        sending, and while waiting without a `waiter` (a waiter's own timeout ends its wait: it is the step's clock,
-        which does not charge the server for the caller's own pauses)."""
+        or the response's frame announces more than `max_response_bytes`, TimeoutError past `timeout_s` without a
+        `waiter` (a waiter's policy ends its wait, sending and receiving: it is the step's clock, which does not
+        charge the server for the caller's own pauses)."""
         max_response_bytes = min(max_response_bytes, MAX_RESPONSE_FRAME_BYTES)
         start = time.monotonic()
         deadline = start + timeout_s
@@ -121,8 +121,18 @@ class FramedSocketStream(ABC):
             except BlockingIOError:
                 writable = select.poll()
                 writable.register(self.sock, select.POLLOUT)
-                while not writable.poll(_slice_ms(deadline)):  # in slices: Ctrl-C ends the wait (utils.interrupts)
-                    if time.monotonic() >= deadline:
+                while True:  # a server that leaves a long request unread holds the step as one holding its reply
+                    now = time.monotonic()  # does: the waiter's policy ends both waits (decision 0245)
+                    asked = max(now, min(deadline if waiter is None else waiter.wake_at(now), now + WAIT_SLICE_S))
+                    ready = writable.poll((asked - now) * 1000)  # in slices: Ctrl-C ends the wait (utils.interrupts)
+                    now = time.monotonic()
+                    if waiter is not None:
+                        waiter.woke(asked, now)
+                    if ready:
+                        break
+                    if waiter is not None:
+                        waiter.idle()
+                    elif now >= deadline:
                         raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
         poll_until = time.monotonic() + poll_s  # not polling (poll_s 0): sleep before each read, the reply is not there
         poller = self._readable
@@ -180,8 +190,3 @@ class FramedSocketStream(ABC):
         if not self.closed:
             self.closed = True
             self.sock.close()
-
-
-def _slice_ms(until: float) -> float:
-    """Milliseconds for one `poll(2)` towards monotonic time `until`: at most `WAIT_SLICE_S` (see utils.interrupts)."""
-    return max(0.0, min(until - time.monotonic(), WAIT_SLICE_S)) * 1000
