@@ -18,8 +18,8 @@ from tests.unit.test_client_remote_sequential import FakeForwardServer, run_bloc
 
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.verification.chains import Outsiders, chain_backward, chain_forward, chains_over
-from corolla.client.verification.stretches import StretchReferees
-from corolla.client.verification.witnesses import OUTSIDERS_MAX, trusted
+from corolla.client.verification.stretches import StretchReferees, record_floors
+from corolla.client.verification.witnesses import OUTSIDERS_MAX, RECORD_SEATS, trusted
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.records import RemoteSpanInfo
 from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference, vouch
@@ -319,7 +319,7 @@ def test_fresh_identities_on_short_sub_spans_never_push_a_chain_with_standing_ou
 def _seated(manager: FakeManager, seed: int) -> list[tuple[str, ...]]:
     span = _span("H", 0, 4)
     outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H"})
-    return [chain.peer_ids for chain in outsiders.chains[:OUTSIDERS_MAX]]  # (those a recheck asks)
+    return [chain.peer_ids for chain in outsiders.chains[: OUTSIDERS_MAX + RECORD_SEATS]]  # (those a recheck asks)
 
 
 @pytest.mark.parametrize("honest", ["a_chain", "a_whole_holder"])
@@ -389,3 +389,81 @@ def test_cheap_identities_on_single_blocks_cannot_crowd_the_honest_chains_out_of
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert "H" in manager.avoided_peers() and servers["X1"].forward_calls and servers["X2"].forward_calls
     assert not trusted(manager, "SA") and not trusted(manager, "SB") and {"SA", "SB"} <= manager.avoided_peers()
+
+
+def _record(manager: FakeManager, steps: int, *peers: str) -> None:
+    """`steps` verified steps of each of `peers` that agreed with another server, short of a witness's standing: the
+    record a client keeps of servers it routed through and checked (`BanList.agreed_in_a_row`)."""
+    for _ in range(steps):
+        for peer in peers:
+            manager.bans.record_verified(peer, agreed=True)
+
+
+def _mirror(count: int) -> dict[str, Server]:
+    """`count` cheap identities announcing the honest servers' own blocks (half 0:2, half 2:4; slow: never routed),
+    each failing every recheck forward."""
+    return {f"F{i}": Unanswering(*((0, 2) if i % 2 == 0 else (2, 4)), inference_rps=1.0) for i in range(count)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cheap_identities_on_the_honest_servers_own_blocks_cannot_frame_a_server(seed):
+    """Decision 0246 (0239's Left). SA and SB (one attacker, both with standing) frame H (0:4) with the same made-up
+    outputs; X1 (0:2) and X2 (2:4), honest, have no standing but a record of 2 verified agreeing steps with this
+    client; the attacker announces 32 fresh identities on X1's and X2's own blocks (16 each), failing every recheck
+    forward. Per server (0239) X1 > X2 held 8 / (17 * 17) of the seats: seated in 2.5% of draws, "unchecked" on two
+    standings banned H for good in the rest (main: each of these seeds). Now the chains of servers with the longest record
+    not seated per server get `RECORD_SEATS` more: X1 > X2 refutes the framers in every draw, nobody banned, SA and
+    SB lose their standing."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 4, inference_rps=1e6),
+        "SA": OneShot(0, 4, lies=1),
+        "SB": OneShot(0, 4, lies=1),
+        "X1": Server(0, 2),
+        "X2": Server(2, 4),
+    }
+    servers |= _mirror(32)
+    manager = framed_client(servers, "SA", "SB")  # (X1 > X2 of a record: always asked, beside 8 per server)
+    _record(manager, 2, "X1", "X2")
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirstDrawn(seed))
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert servers["X1"].forward_calls and servers["X2"].forward_calls
+    assert not trusted(manager, "SA") and not trusted(manager, "SB") and {"SA", "SB"} <= manager.avoided_peers()
+
+
+@pytest.mark.parametrize("cheap_record", [0, 1, 3])
+def test_record_seats_go_to_the_servers_this_client_saw_do_more_verified_work(cheap_record):
+    """Decision 0246's record seats (`record_floors`: standing 8, then 4, 2, 1). X1 (0:2) and X2 (2:4) have a record
+    of 5 verified steps (floor 4); 32 identities on their own blocks have `cheap_record` steps each (none; one, bought
+    by one verified step each; 3, short of the honest servers' floor): X1 > X2 is asked in every draw (main: in 2.5%
+    of draws, the per-server share). At the honest servers' floor (4 steps each: four of the client's steps each
+    computed right, as X1's were) they share the record seats per server too: X1 > X2 then in about 12 / 289 of the
+    draws, not every one."""
+    servers = {"X1": Server(0, 2), "X2": Server(2, 4), **_mirror(32)}
+    manager = FakeManager(servers, 4)
+    _record(manager, 5, "X1", "X2")
+    _record(manager, cheap_record, *(peer for peer in servers if peer.startswith("F")))
+    assert all(("X1", "X2") in _seated(manager, seed) for seed in range(50))
+    _record(manager, 4 - cheap_record, *(peer for peer in servers if peer.startswith("F")))
+    assert sum(("X1", "X2") in _seated(manager, seed) for seed in range(50)) < 25
+
+
+def test_records_of_the_attackers_identities_take_no_seat_from_an_honest_chain_without_one():
+    """The record seats are added to the per-server seats (0239), not ordered before them: X1 > X2 (no record) against
+    32 identities on their own blocks, each with a record of 4 verified steps, keeps its per-server share of the
+    first `OUTSIDERS_MAX` seats, draw for draw as without their records (seats ordered by record would leave it none:
+    eight recorded identities, one verified step each, would take every seat from honest servers the client never
+    routed through)."""
+    servers = {"X1": Server(0, 2), "X2": Server(2, 4), **_mirror(32)}
+    plain, recorded = FakeManager(servers, 4), FakeManager(servers, 4)
+    _record(recorded, 4, *(peer for peer in servers if peer.startswith("F")))
+    for seed in range(50):
+        assert _seated(recorded, seed)[:OUTSIDERS_MAX] == _seated(plain, seed), seed
+        assert len(_seated(recorded, seed)) == OUTSIDERS_MAX + RECORD_SEATS
+
+
+def test_record_floors_halve_a_witnesss_standing_down_to_one_step():
+    assert record_floors(8) == [8, 4, 2, 1]
+    assert record_floors(5) == [5, 2, 1]
+    assert record_floors(1) == [1]
+    assert record_floors(0) == []  # (any two ban: no record seats)

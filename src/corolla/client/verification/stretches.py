@@ -28,6 +28,7 @@ from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.chains import Chain, HopAnswers, Outsiders, chain_forward, chains_over
 from corolla.client.verification.witnesses import (
     OUTSIDERS_MAX,
+    RECORD_SEATS,
     UNCHECKED,
     Rechecked,
     needs_recheck,
@@ -51,6 +52,22 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # "caught" / "referee_lied": the server / the first referee outvoted 2:1 and banned for good; "disputed" /
 # "referee_disputed": outvoted by witnesses short of standing, avoided only (`witnesses.outvote`)
 Verdict = Literal["agreed", "caught", "undecided", "referee_lied", "disputed", "referee_disputed"]
+
+
+def record_floors(standing_steps: int) -> list[int]:
+    """The records of verified agreeing steps in a row (`BanList.agreed_in_a_row`) that `StretchReferees.outsiders`
+    gives its record seats by, longest first: a witness's standing (`standing_steps`), halved down to one step (8: 8,
+    4, 2, 1). An attacker's identity shares a floor with an honest server of record r only with r // 2 + 1 steps or
+    more of its own, each a step of this client's own route (or a referee's recompute of one) computed right and
+    checked against another server; with one floor for any record, one verified step each bought that."""
+    floors = [standing_steps] if standing_steps else []
+    while floors and floors[-1] > 1:
+        floors.append(floors[-1] // 2)
+    return floors
+
+
+def _route(chain: Chain) -> tuple[tuple[str, int], ...]:
+    return tuple((hop.peer_id, hop.start) for hop in chain.hops)
 
 
 class StretchReferees:
@@ -88,7 +105,13 @@ class StretchReferees:
         short sub-spans multiply chains, not seats, decision 0239): the chains whose every server has a witness's
         standing (an attacker's fresh identity is never seated before them, 0208 and 0237), then any; in each the
         servers that are co-witnesses of a party in an open dispute only after all the rest (their agreement earns
-        no standing: one attacker's identities vouching for each other)."""
+        no standing: one attacker's identities vouching for each other). Then `RECORD_SEATS` more, to the chains not
+        seated yet whose weakest server has the longest record of verified work with this client (`record_floors`,
+        per server within a floor; decision 0246): identities announcing the honest servers' own blocks are
+        indistinguishable from them but for the work this client saw them do (32 of them left an honest chain of two
+        hops 2.5% of the seats per server), and seats added, not reordered, leave the honest chain with no record
+        the per-server share it had (the attacker's identities, given a record each, would take seats ordered by
+        record from it)."""
         banned = self.manager.bans.banned_peers()
         candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | {s.peer_id: s for s in self.manager.spans}
         holders = [
@@ -108,12 +131,27 @@ class StretchReferees:
         for tier in tiers:
             outsiders = chains_over(span, tier, self.rng, OUTSIDERS_MAX)
             for chain in outsiders.chains:
-                seated.setdefault(tuple((hop.peer_id, hop.start) for hop in chain.hops), chain)
+                seated.setdefault(_route(chain), chain)
             if len(seated) >= OUTSIDERS_MAX:
                 break
-        answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
         unheard = outsiders.unheard  # (the last tier's, `holders`, or one that had chains: 0, as `holders`')
-        return Outsiders([Chain(chain.hops, answers) for chain in seated.values()][:OUTSIDERS_MAX], unheard, answers)
+        chains = list(seated.values())[:OUTSIDERS_MAX]
+        # the record seats: chains not seated yet, by their weakest server's record of verified work
+        record = {s.peer_id: self.manager.bans.agreed_in_a_row(s.peer_id) for s in holders}
+        recorded: dict[tuple[tuple[str, int], ...], Chain] = {}
+        for group in (plain, holders):
+            for floor in record_floors(self.manager.config.witness_standing_steps):
+                tier = [s for s in group if record[s.peer_id] >= floor]
+                for chain in chains_over(span, tier, self.rng, RECORD_SEATS + len(chains)).chains:
+                    if _route(chain) not in seated:
+                        recorded.setdefault(_route(chain), chain)
+                if len(recorded) >= RECORD_SEATS:
+                    break
+            if len(recorded) >= RECORD_SEATS:
+                break
+        chains += list(recorded.values())[:RECORD_SEATS]
+        answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
+        return Outsiders([Chain(chain.hops, answers) for chain in chains], unheard, answers)
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
