@@ -1554,24 +1554,37 @@ class PausedOnAnEmptyWake:
         return events
 
 
+class AnswersAfterThePause(FakeServer):
+    """Holds each answer while `waker`'s pause has yet to fall (the client's thread woke without the reply first,
+    whatever the load on the machine)."""
+
+    waker: PausedOnAnEmptyWake | None = None
+
+    async def _serve(self, requests):
+        async for response in super()._serve(requests):
+            while self.waker is not None and self.waker.pause_s:
+                await asyncio.sleep(0.01)
+            yield response
+
+
 def test_a_pause_of_the_client_past_the_request_timeout_is_not_a_timeout_from_the_callers_thread(pauses, monkeypatch):
     """A step in the caller's thread whose thread pauses past `request_timeout_s` (25 s against 20) while A computes
-    (A answers 0.3 s after the request): the pause is the client's, credited by the step's wait, and A's reply is
-    taken. On main `exchange` kept a wall-clock deadline of its own beside the wait's, raised TimeoutError at the
-    first wake past it, and the session left A for B (replaying its history there)."""
+    (A answers once the pause fell, a fraction of a second after the request): the pause is the client's, credited by
+    the step's wait, and A's reply is taken. On main `exchange` kept a wall-clock deadline of its own beside the
+    wait's, raised TimeoutError at the first wake past it, and the session left A for B (replaying its history there)."""
     torch.manual_seed(8)
-    servers = {"A": FakeServer(0, 4, inference_rps=1000.0), "B": FakeServer(0, 4)}
+    a = AnswersAfterThePause(0, 4, inference_rps=1000.0)
+    servers = {"A": a, "B": FakeServer(0, 4)}
     manager = _manager(servers)
-    served = socket_served(monkeypatch, manager, servers["A"])
-    served.stream._readable = poller = PausedOnAnEmptyWake(pauses, served.stream.sock)
+    served = socket_served(monkeypatch, manager, a)
+    served.stream._readable = a.waker = poller = PausedOnAnEmptyWake(pauses, served.stream.sock)
     tokens, outputs = torch.randn(1, 4, HIDDEN), []
     try:
         with InferenceSession(manager, max_length=4) as session:
             for t in range(4):
                 if t == 2:
-                    servers["A"].delay_s, poller.pause_s = 0.3, REQUEST_TIMEOUT_S + 5.0
+                    poller.pause_s = REQUEST_TIMEOUT_S + 5.0
                 outputs.append(session.step(tokens[:, t : t + 1]))
-                servers["A"].delay_s = 0.0
             route, steps_here = [span.peer_id for span, _ in session.route], session.num_steps_here
     finally:
         served.stop()
