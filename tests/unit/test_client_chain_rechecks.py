@@ -467,3 +467,19 @@ def test_record_floors_halve_a_witnesss_standing_down_to_one_step():
     assert record_floors(5) == [5, 2, 1]
     assert record_floors(1) == [1]
     assert record_floors(0) == []  # (any two ban: no record seats)
+
+
+def test_a_recorded_chain_drawn_past_the_seats_still_gets_a_record_seat():
+    """Decision 0247 (hrev19's finding on 0246). The attacker has 7 identities with a witness's standing holding H's
+    blocks whole (C0..C6: the first tier, 7 chains) and 7 fresh ones on them too; X1 (0:2) > X2 (2:4), honest, a
+    record of 2 steps. The second tier (any server) draws 8 more chains per server, X1 > X2 among them in about half
+    the draws, but only the first 8 of both tiers are asked; the record seats skipped every chain either tier had
+    drawn, asked or cut, so X1 > X2, cut there, got no record seat either: main asked it in 58% of 2,000 draws (the
+    framers' identity with standing confirming alone would ban H in the rest). Now a record seat goes to any recorded
+    chain not asked: X1 > X2 in every draw."""
+    servers = {"X1": Server(0, 2), "X2": Server(2, 4)}
+    servers |= {f"C{i}": Server(0, 4) for i in range(7)} | {f"M{i}": Server(0, 4) for i in range(7)}
+    manager = FakeManager(servers, 4)
+    vouch(manager, *(f"C{i}" for i in range(7)))
+    _record(manager, 2, "X1", "X2")
+    assert all(("X1", "X2") in _seated(manager, seed) for seed in range(200))

@@ -136,14 +136,17 @@ class StretchReferees:
                 break
         unheard = outsiders.unheard  # (the last tier's, `holders`, or one that had chains: 0, as `holders`')
         chains = list(seated.values())[:OUTSIDERS_MAX]
-        # the record seats: chains not seated yet, by their weakest server's record of verified work
+        # the record seats: chains not seated yet, by their weakest server's record of verified work. Seated means
+        # among the `OUTSIDERS_MAX` asked, not drawn by a tier: a tier past the first may draw more than the seats left
+        # (a recorded honest chain drawn there and cut was kept out of the record seats too: decision 0247)
+        asked = {_route(chain) for chain in chains}
         record = {s.peer_id: self.manager.bans.agreed_in_a_row(s.peer_id) for s in holders}
         recorded: dict[tuple[tuple[str, int], ...], Chain] = {}
         for group in (plain, holders):
             for floor in record_floors(self.manager.config.witness_standing_steps):
                 tier = [s for s in group if record[s.peer_id] >= floor]
                 for chain in chains_over(span, tier, self.rng, RECORD_SEATS + len(chains)).chains:
-                    if _route(chain) not in seated:
+                    if _route(chain) not in asked:
                         recorded.setdefault(_route(chain), chain)
                 if len(recorded) >= RECORD_SEATS:
                     break
