@@ -483,3 +483,35 @@ def test_a_recorded_chain_drawn_past_the_seats_still_gets_a_record_seat():
     vouch(manager, *(f"C{i}" for i in range(7)))
     _record(manager, 2, "X1", "X2")
     assert all(("X1", "X2") in _seated(manager, seed) for seed in range(200))
+
+
+class OnceFramer(OneShot):
+    """One of the attacker's identities outside the dispute (standing earned, slow: never routed): as an outsider it
+    answers the framers' made-up outputs once, then serves honestly."""
+
+    def __init__(self, start: int, end: int):
+        super().__init__(start, end, lies=1)
+        self.inference_rps = 1.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_identities_with_standing_outside_cannot_push_a_recorded_chain_past_its_record_seat(seed):
+    """Decision 0247, end to end. SA and SB (both with standing) frame H (0:4); the attacker's C0..C6 (0:4, standing
+    too) confirm the framers as outsiders, M0..M6 (0:4, fresh) fail every recheck forward; X1 (0:2) > X2 (2:4), honest,
+    a record of 2. Main banned H for good on these seeds (9 of 20 overall): X1 > X2 drawn by the second tier past the
+    8th seat got no record seat either. Now it does: refuted, nobody banned."""
+    torch.manual_seed(6)
+    servers = {
+        "H": Server(0, 4, inference_rps=1e6),
+        "SA": OneShot(0, 4, lies=1),
+        "SB": OneShot(0, 4, lies=1),
+        "X1": Server(0, 2),
+        "X2": Server(2, 4),
+    }
+    servers |= {f"C{i}": OnceFramer(0, 4) for i in range(7)}
+    servers |= {f"M{i}": Unanswering(0, 4, inference_rps=1.0) for i in range(7)}
+    manager = framed_client(servers, "SA", "SB", *(f"C{i}" for i in range(7)))
+    _record(manager, 2, "X1", "X2")
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirstDrawn(seed))
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert servers["X1"].forward_calls and servers["X2"].forward_calls
