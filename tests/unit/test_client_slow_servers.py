@@ -457,8 +457,9 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(
     the first answer won: each loris in turn won a race and held the rest (3 moves; 7 lorises: 63 s, 7 moves, in
     process). Lorises answering the same noise agree with each other: such a pair wins only where no racer agreeing
     with the span's earlier outputs answers within a round after it formed (decision 0183), and H does; the pair
-    that lost its round to H is judged all the same (decision 0238: no referee answers, H's trial disagrees with it):
-    refuted, both avoided."""
+    that lost its round to H is judged all the same (decision 0238): no referee answers (none holds the span outside
+    the lorises), so H's trial is the only word against it: unheard (decision 0248), nobody avoided, the pair watched
+    (refuted and avoided before 0248, on the winner's word alone)."""
     torch.manual_seed(8)
     end = 4 if last else 2
     servers: dict[str, FakeServer] = {f"L{i}": TrialLoris(0, end, inference_rps=1000.0) for i in range(3)}
@@ -474,7 +475,8 @@ def test_lorises_answering_the_trial_at_once_do_not_win_the_race(
     moved = [e for e in events if e.action == "moved"]
     assert len(moved) == 1 and moved[0].peer_id.startswith("L"), events
     racing = {name for name in servers if name.startswith("L")} - {moved[0].peer_id}
-    assert manager.avoided_peers() == {moved[0].peer_id} | (racing if coordinated else set())
+    assert manager.avoided_peers() == {moved[0].peer_id}
+    assert manager.disputes.watched() == (racing if coordinated else set())
     assert not manager.bans.banned_peers()
     # the lorises' trials came on time but proved nothing: the next sessions are not planned over them (0163's rule)
     assert manager.answered_on_time() == ({"H"} if last else {"H", "C"})
@@ -663,7 +665,9 @@ def test_two_fresh_identities_racing_first_neither_ban_nor_rebuild(
     referees asked as it was seated; H2's trial, agreeing with H's outputs, is one more server outside it that
     disagreed): refuted, both avoided and S1's standing lost, as where H2 answers after. Before, a pair that lost the
     round was never refereed: S1 kept the standing it lent (`agreed_in_a_row` 8), and the pair was not avoided, an
-    outcome a pause of the client's loop decided (H2's answer held past the pair's round)."""
+    outcome a pause of the client's loop decided (H2's answer held past the pair's round). With no outside referee
+    (H2 asked, silent), the winner's trial alone is against the pair: unheard (decision 0248; refuted before, on that
+    word alone), neither avoided, the pair watched, S1's lent standing spent all the same."""
     torch.manual_seed(12)
     end = 4 if last else 2
     servers: dict[str, FakeServer] = {"H": Referee(0, end, inference_rps=1000.0)}
@@ -699,8 +703,13 @@ def test_two_fresh_identities_racing_first_neither_ban_nor_rebuild(
         assert "H" in manager.avoided_peers() and manager.disputes.watched() == {"S1", "S2"}
     else:
         assert route[0] == "H2", route
-        assert [e.verdict for e in watch if e.action == "judged"] == ["refuted"], watch
-        assert {"S1", "S2"} <= manager.avoided_peers() and not manager.disputes.watched()
+        if referee:
+            assert [e.verdict for e in watch if e.action == "judged"] == ["refuted"], watch
+            assert {"S1", "S2"} <= manager.avoided_peers() and not manager.disputes.watched()
+        else:  # nobody outside heard (decision 0248): nobody avoided, the pair watched, a lent standing spent
+            assert [e.verdict for e in watch if e.action == "judged"] == ["unheard"], watch
+            assert not {"S1", "S2", "H2"} & manager.avoided_peers(), manager.avoided_peers()  # (H: slow)
+            assert manager.disputes.watched() == {"S1", "S2"}
         assert _greedy(outputs) == _greedy(reference(tokens, 4))
         torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
 
@@ -940,6 +949,73 @@ def test_honest_racers_that_lose_a_round_keep_their_standing(small_long_step_flo
     assert all(witness_rules.trusted(manager, name) for name in ("H1", "H2"))
     assert not honest & manager.avoided_peers() and not honest & manager.disputes.watched()
     assert not any(manager.bans.is_banned(name) or manager.bans.is_liar(name) for name in honest | {"C"})
+
+
+class BusyOutsider(RefereeAnswersAfter):
+    """An honest server of the span kept busy when it is asked as a race pair's outside referee (its stream total
+    filled by the attacker's free identities, decision 0232): its `rpc_forward` is refused; its trial, once `after`
+    is set, honest."""
+
+    async def rpc_forward(self, request, timeout=None):
+        self.forward_calls += 1
+        raise ConnectionError("the server is full, retry later")
+
+
+class SilentLieEchoingRacer(LieEchoingRacer):
+    """`LieEchoingRacer` that, asked as a pair's outside referee, does not answer (a refusal): the pair's referees
+    all silent, the verdict rests on its winning trial alone."""
+
+    async def rpc_forward(self, request, timeout=None):
+        self.forward_calls += 1
+        raise ConnectionError("the server is full, retry later")
+
+
+@pytest.mark.parametrize("vouched", [("H1", "H2"), ("H1",)], ids=["two_standings", "one_standing_lent"])
+def test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not_refuted(
+    small_long_step_floor, vouched: tuple[str, ...]
+):
+    """hsilent (decision 0248), 0238's recorded gap. L (the best figures) lied at the span's first 8 positions and
+    holds every step from token 12; H1 and H2, honest (50 ms a step), agree with each other and outvote L's earlier
+    outputs: a pair, seated; W, L's second identity, answers its trial as L lied within the pair's round and wins the
+    tie (decision 0183); the pair's outside referees, W and H3 (honest, kept busy by the attacker: 0232's trick),
+    refuse the recheck. On main the pair was refuted on W's word alone: H1 and H2 lost their standing and were avoided
+    300 s (race after race, L and W could drain every honest server of the span). Now no referee heard is "unheard":
+    nobody avoided or banned; a pair's own two standings kept; where H1 lent its standing to a fresh H2, it is spent
+    (as a ban on one standing spends it: a liar pair may not keep it by losing) and the pair watched."""
+    torch.manual_seed(10)
+    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
+    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), BusyOutsider(0, 2)
+    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
+    servers["W"] = SilentLieEchoingRacer(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, *vouched)
+    watch = RaceWatch()
+
+    def turn() -> None:
+        _hold(servers, FirstPositionsLoris)()
+        servers["W"].after = watch.seated  # type: ignore[attr-defined]
+        servers["H3"].after = watch.won  # type: ignore[attr-defined]
+
+    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
+    assert [e.peer_id for e in events if e.action == "moved"] == ["L"], events
+    assert route[0] == "W", route
+    waited = time.monotonic()  # (the lost pair is judged in the background)
+    while not [e for e in watch if e.action == "judged"] and time.monotonic() - waited < 5:
+        time.sleep(0.05)
+    assert [(set(e.peers), e.verdict) for e in watch if e.action != "won"] == [
+        ({"H1", "H2"}, None),
+        ({"H1", "H2"}, "unheard"),
+    ], watch
+    assert servers["W"].forward_calls and servers["H3"].forward_calls  # both referees asked, neither answered
+    honest = {"H1", "H2", "H3"}
+    assert not honest & manager.avoided_peers(), manager.avoided_peers()
+    assert not any(manager.bans.is_banned(name) or manager.bans.is_liar(name) for name in honest | {"C"})
+    if len(vouched) == 2:
+        assert all(witness_rules.trusted(manager, name) for name in ("H1", "H2"))
+        assert not honest & manager.disputes.watched()
+    else:  # the lent standing spent, the pair watched
+        assert manager.bans.agreed_in_a_row("H1") == 0 and manager.disputes.watched() == {"H1", "H2"}
 
 
 def test_after_a_loris_new_sessions_start_on_servers_seen_on_time(small_long_step_floor):

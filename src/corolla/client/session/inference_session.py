@@ -43,7 +43,7 @@ from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_a
 from corolla.client.verification.pair_referee import referee_pair
 from corolla.client.verification.range_dispute import Produced, producer_failure
 from corolla.client.verification.step_verifier import StepVerifier
-from corolla.client.verification.witnesses import UNCHECKED, Rechecked, outvote, refuted
+from corolla.client.verification.witnesses import UNCHECKED, WATCH_S, Rechecked, outvote, refuted, trusted
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import DECODE_MAX_TOKENS, RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -694,7 +694,9 @@ class InferenceSession:
             )  # fmt: skip
             return None
         if seated and pair is None:  # the winner's trial agreed with the left server's outputs: the pairs lost to it
-            judging = asyncio.ensure_future(self._judge_lost_pairs(blocks, winner.span.peer_id, list(seated.values())))
+            judging = asyncio.ensure_future(
+                self._judge_lost_pairs(blocks, failed.span.peer_id, winner.span.peer_id, list(seated.values()))
+            )
             self._judging.add(judging)
             judging.add_done_callback(self._judging.discard)
             judging.add_done_callback(_JUDGING_AFTER_CLOSE.discard)
@@ -724,15 +726,24 @@ class InferenceSession:
         return (outputs, outputs_from) if whole else True
 
     async def _judge_lost_pairs(
-        self, blocks: tuple[int, int], winner: str, lost_pairs: list[tuple[list[str], asyncio.Future[Rechecked]]]
+        self,
+        blocks: tuple[int, int],
+        accused: str,
+        winner: str,
+        lost_pairs: list[tuple[list[str], asyncio.Future[Rechecked]]],
     ) -> None:
-        """Judges the pairs seated in a race that `winner` won, its trial agreeing with the left server's earlier
-        outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial, one
-        more server outside the pair that recomputed its trial and disagreed: "split" where a referee confirmed the
-        pair (nobody avoided: decision 0220), else "refuted": both lose their standing and are avoided
-        (`witnesses.refuted`), once each however many pairs it was in (unjudged, a pair that lost its round would keep
-        the standing one of it lent the other). In the background: a referee held to its timeout does not hold the
-        session (the session's close waits for it, as for its shadows)."""
+        """Judges the pairs seated in a race that `winner` won, its trial agreeing with `accused`'s (the left server's)
+        earlier outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial,
+        one more server outside the pair that recomputed its trial and disagreed: "split" where a referee confirmed
+        the pair (nobody avoided: decision 0220); "refuted" where referees answered and none confirmed it: both lose
+        their standing and are avoided (`witnesses.refuted`), once each however many pairs it was in (unjudged, a
+        pair that lost its round would keep the standing one of it lent the other); "unheard" where no referee
+        answered (all silent, or none outside) (decision 0248): the winner's word alone, which the left server's
+        liar may have sent by a second identity while it kept the honest referees busy (decision 0232's trick), so
+        nobody is avoided and a standing of the pair's own is kept, but one lent to a fresh partner is spent (as a ban
+        on one standing spends it, decision 0226) and a pair short of two standings is watched. In the background: a
+        referee held to its timeout does not hold the session (the session's close waits for it, as for its
+        shadows)."""
         refuted_peers: set[str] = set()
         for pair, referees in lost_pairs:
             try:
@@ -740,7 +751,10 @@ class InferenceSession:
             except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
                 logger.warning("inference_session.lost_pair_unjudged(pair=%s, error=%r)", pair, e)
                 continue
-            verdict = "split" if rechecked.confirmed_by else "refuted"
+            if rechecked.verdict == "unchecked":
+                verdict = "unheard"
+            else:
+                verdict = "split" if rechecked.confirmed_by else "refuted"
             self.race_events.append(RaceEvent(blocks, "judged", tuple(pair), verdict))
             logger.info(
                 "inference_session.lost_pair_judged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
@@ -750,6 +764,15 @@ class InferenceSession:
                 for peer in set(pair) - refuted_peers:
                     refuted(self.manager, peer)  # standing lost (0208), avoided longer each time (0225)
                 refuted_peers.update(pair)
+            elif verdict == "unheard":
+                standing = [peer for peer in pair if trusted(self.manager, peer)]
+                if len(standing) < 2:
+                    # one identity's standing lent to a fresh partner: spent, or the liar's pair would lose race after
+                    # race for free, its standing kept for the next fresh partner; two of their own keep theirs (an
+                    # honest pair framed by the winner's word, 0226's rule: two standings spend nothing)
+                    for peer in standing:
+                        self.manager.bans.record_verified(peer, agreed=False)
+                    self.manager.disputes.open(accused, pair, WATCH_S)  # their steps verified, nobody avoided
 
     async def _verify_last_step(self, span_session: SpanSession) -> None:
         """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for

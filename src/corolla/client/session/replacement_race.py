@@ -25,7 +25,9 @@ rebuild the later spans; a pair with a witness's standing too, decision 0208). T
 asked as the pair is seated, and a pair that loses its round to a racer agreeing with the earlier outputs is judged
 all the same (decision 0238): that racer's trial is one more outside server that disagreed, so the pair is refuted
 (both avoided, their standing lost) unless a referee confirmed it (split: nobody avoided); else one identity's
-standing, lent to a fresh partner, would be kept by losing races.
+standing, lent to a fresh partner, would be kept by losing races. Where no referee answered, the winner's word is
+alone ("unheard", decision 0248: the liar's second identity may have won while the honest referees were kept busy):
+nobody avoided, a pair's own two standings kept, one lent to a fresh partner spent and such a pair watched.
 
 A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
 off before it answered the rest, the session's next race sends every racer the trial and then the rest of the step (a
@@ -66,7 +68,8 @@ RaceAction = Literal["seated", "judged", "won"]
 class RaceEvent:
     """What a race for span `blocks` did, in order (an `InferenceSession`'s `race_events`, beside its stall events):
     `seated`, two racers (`peers`) whose trials agree with each other and not with the left server's earlier outputs
-    formed a pair; `judged`, what servers outside the pair said of its trial (`verdict`: `witnesses.Recheck`); `won`,
+    formed a pair; `judged`, what servers outside the pair said of its trial (`verdict`: `witnesses.Recheck`, or, for
+    a pair that lost its round, "split", "refuted" or "unheard": `InferenceSession._judge_lost_pairs`); `won`,
     the racer (`peers`, one) that took the session."""
 
     blocks: tuple[int, int]
