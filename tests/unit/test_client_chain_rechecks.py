@@ -17,7 +17,16 @@ from tests.unit.test_client_distrust import FramersFirst, Server
 from tests.unit.test_client_remote_sequential import FakeForwardServer, run_blocks
 
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS
-from corolla.client.verification.chains import Outsiders, chain_backward, chain_forward, chains_over
+from corolla.client.verification.chains import (
+    HOPS_PER_SEAT,
+    Chain,
+    Outsiders,
+    chain_backward,
+    chain_forward,
+    chains_over,
+    hop_paths,
+    within_hops,
+)
 from corolla.client.verification.stretches import StretchReferees, record_floors
 from corolla.client.verification.witnesses import OUTSIDERS_MAX, RECORD_SEATS, trusted
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
@@ -515,3 +524,34 @@ def test_identities_with_standing_outside_cannot_push_a_recorded_chain_past_its_
     run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirstDrawn(seed))
     assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
     assert servers["X1"].forward_calls and servers["X2"].forward_calls
+
+
+def test_a_rechecks_hop_forwards_are_bounded_against_single_block_identities():
+    """Decision 0250 (0247's Left). Three cheap identities on each of 80 blocks, X1 (0:40) > X2 (40:80) honest: each
+    chain through the identities is one hop forward per block (the stretch's activations both ways each), and main
+    asked 12 of them: up to 558 forwards in these 50 draws (486 on average; 960 at most), every recheck this client
+    makes. Now a recheck's hop forwards are `HOPS_PER_SEAT` per seat at most (48), taken fewest hops first: X1 > X2
+    (2 hops) is asked wherever it is seated, in about half the draws as before (per server, decision 0239)."""
+    servers = {f"F{block}.{i}": Server(block, block + 1) for block in range(80) for i in range(3)}
+    servers |= {"X1": Server(0, 40), "X2": Server(40, 80)}
+    manager = FakeManager(servers, 80)
+    span = _span("H", 0, 80)
+    honest = 0
+    for seed in range(50):
+        outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H"})
+        asked = outsiders.chains[: OUTSIDERS_MAX + RECORD_SEATS]
+        assert len(set().union(*map(hop_paths, asked))) <= HOPS_PER_SEAT * (OUTSIDERS_MAX + RECORD_SEATS), seed
+        honest += ("X1", "X2") in [chain.peer_ids for chain in asked]
+    assert 12 <= honest <= 38
+
+
+def test_every_chain_of_few_hops_fits_the_hop_budget_whatever_the_others():
+    """`within_hops`: eleven chains of 80 single-block hops (the attacker's) seated before a chain of two: the two-hop
+    chain is asked, with as many of the long ones as the rest of the budget holds (none: 80 > 46), the cut ones in
+    their order otherwise."""
+    long_chains = [Chain(tuple(_span(f"F{block}.{i}", block, block + 1) for block in range(80))) for i in range(11)]
+    short = Chain((_span("X1", 0, 40), _span("X2", 40, 80)))
+    budget = HOPS_PER_SEAT * 12
+    assert within_hops([*long_chains, short], budget) == [short]
+    fitting = [Chain(tuple(_span(f"G{i}.{hop}", hop, hop + 1) for hop in range(HOPS_PER_SEAT))) for i in range(11)]
+    assert within_hops([*long_chains[:1], *fitting, short], budget) == [*fitting, short]

@@ -36,6 +36,11 @@ from corolla.protocol.records import RemoteSpanInfo
 
 NO_HOP = -1  # where the hop before a chain's first started: before every block
 
+# hop forwards a recheck may ask per chain it seats (`within_hops`): every seated chain of at most this many hops is
+# asked whatever the others are; single-block identities made a chain one forward per block (960 forwards per recheck
+# on 80 blocks, decision 0250)
+HOPS_PER_SEAT = 4
+
 T = TypeVar("T")
 Path = tuple[tuple[str, int, int], ...]  # a chain's hops up to one, (peer id, start, end) each
 
@@ -154,6 +159,28 @@ def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: ra
         return placed
 
     return Outsiders(place(span.start, NO_HOP, seats, ()))
+
+
+def hop_paths(chain: Chain) -> set[Path]:
+    """The hops up to each of `chain`'s hops: one forward each, shared by the chains of a recheck that start alike
+    (`HopAnswers`)."""
+    return {tuple((h.peer_id, h.start, h.end) for h in chain.hops[: index + 1]) for index in range(len(chain.hops))}
+
+
+def within_hops(chains: Sequence[Chain], budget: int) -> list[Chain]:
+    """Those of `chains` (in their order) whose hop forwards (`hop_paths`, a shared one counted once) fit `budget`,
+    taken fewest hops first: with `budget` = `HOPS_PER_SEAT` per chain, every chain of at most `HOPS_PER_SEAT` hops
+    fits whatever the others are (those before it cost no more each), so an honest chain of that few hops keeps its
+    seat; an attacker's identities on single blocks make chains of one hop per block, and these get only what is left
+    (decision 0250: 12 chains over 80 single-block identities were 960 forwards of the stretch per recheck)."""
+    spent: set[Path] = set()
+    kept: set[int] = set()
+    for index in sorted(range(len(chains)), key=lambda index: len(chains[index].hops)):
+        paths = hop_paths(chains[index])
+        if len(spent | paths) <= budget:
+            spent |= paths
+            kept.add(index)
+    return [chain for index, chain in enumerate(chains) if index in kept]
 
 
 def spread(seats: int, room: Sequence[int]) -> list[int]:

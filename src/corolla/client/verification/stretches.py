@@ -25,7 +25,15 @@ from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.chains import Chain, HopAnswers, Outsiders, chain_forward, chains_over
+from corolla.client.verification.chains import (
+    HOPS_PER_SEAT,
+    Chain,
+    HopAnswers,
+    Outsiders,
+    chain_forward,
+    chains_over,
+    within_hops,
+)
 from corolla.client.verification.witnesses import (
     OUTSIDERS_MAX,
     RECORD_SEATS,
@@ -153,8 +161,12 @@ class StretchReferees:
             if len(recorded) >= RECORD_SEATS:
                 break
         chains += list(recorded.values())[:RECORD_SEATS]
+        # a bounded number of hop forwards, fewest-hop chains first (decision 0250); a chain cut is a word not heard
+        # (an honest one cut must not leave a ban resting on one standing: decision 0232's rule)
+        bounded = within_hops(chains, HOPS_PER_SEAT * (OUTSIDERS_MAX + RECORD_SEATS))
+        unheard += len(chains) - len(bounded)
         answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
-        return Outsiders([Chain(chain.hops, answers) for chain in chains], unheard, answers)
+        return Outsiders([Chain(chain.hops, answers) for chain in bounded], unheard, answers)
 
     async def recheck(
         self, span: RemoteSpanInfo, finding: Finding, witnesses: tuple[RemoteSpanInfo, RemoteSpanInfo],
