@@ -172,11 +172,10 @@ class FastDenseSpan(SpanModel):
     def tune(self) -> dict:
         """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon; a decode step's
         projections add no residual: `DenseOps.add_norm` does), picks the quantized kernels of NF4/Int8 projections,
-        and times the up projection with its bias and tanh GELU in cuBLASLt's epilogue (BLOOM) against the two
-        kernels (CUDA + Triton only)."""
+        and takes cuBLASLt's bias + tanh GELU epilogue for the up projection where it runs (BLOOM; CUDA + Triton
+        only; `DenseOps.choose_gelu_epilogue`)."""
         slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
         quantized: dict[tuple[str, int, int], list] = {}
-        ups: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.layers:
             rows = layer.joined_rows()  # the decode step's one GEMM for w_qkv and w_up
             pairs: list[tuple[Weight, torch.Tensor | None]] = [(layer.w_o, layer.b_o), (layer.w_down, layer.b_down)]
@@ -186,16 +185,15 @@ class FastDenseSpan(SpanModel):
                     quantized.setdefault(quant_key(w), []).append(w)
                 elif bias is None:
                     slots.setdefault((w.shape[0], w.shape[1], "none", False), []).append((w, None))
-            if isinstance(layer.w_up, torch.Tensor) and layer.b_up is not None:
-                ups.append((layer.w_up, layer.b_up))
         report = self.ops.tune_linear(slots, 0.0)
         for key, r in report.items():
             logger.info(f"fast_dense.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f})")
         quant_report = self.ops.tune_quantized(quantized, prologues={})  # LayerNorm/GELU spans: no RMSNorm/SiLU
         for key, r in quant_report.items():
             logger.info(f"fast_dense.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        ups = [layer.w_up for layer in self.layers if isinstance(layer.w_up, torch.Tensor) and layer.b_up is not None]
         if self.dense.use_triton and self.spec.gelu_approximate == "tanh" and len(ups) == len(self.layers):
-            epilogue = self.dense.choose_gelu_epilogue(ups[0][0], GELU_PROBE_ROWS)
+            epilogue = self.dense.choose_gelu_epilogue(ups[0], GELU_PROBE_ROWS)
             logger.info(f"fast_dense.gelu_epilogue({epilogue})")
         return {**report, **quant_report}
 
