@@ -102,14 +102,14 @@ def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
 
 
 async def recheck(outsiders: Outsiders, confirms: Callable[[Chain], Awaitable[bool | None]]) -> Rechecked:
-    """Asks the first `OUTSIDERS_MAX` + `RECORD_SEATS` of `outsiders` (servers outside the dispute holding its blocks
-    whole, and chains of them holding the blocks together, decision 0234: `StretchReferees.outsiders`, those with
-    standing first, then those of the longest record, decision 0246) at once whether they confirm the witnesses'
-    outputs (`confirms(chain)`: the disputed request recomputed and compared; None where it failed: a failed server
-    is no liar, not counted): "confirmed" where every one that answered does, "refuted" where none does, "split"
-    where they differ (the attacker's own identities may be among them, on either side), "unchecked" where none
-    answered; with the peers that confirmed."""
-    asked = outsiders.chains[: OUTSIDERS_MAX + RECORD_SEATS]
+    """Asks every chain of `outsiders` (servers outside the dispute holding its blocks whole, and chains of them
+    holding the blocks together, decision 0234: `StretchReferees.outsiders`, which seats at most `OUTSIDERS_MAX` +
+    `RECORD_SEATS`, those with standing first, then those of the longest record, decision 0246) at once whether they
+    confirm the witnesses' outputs (`confirms(chain)`: the disputed request recomputed and compared; None where it
+    failed: a failed server is no liar, not counted): "confirmed" where every one that answered does, "refuted" where
+    none does, "split" where they differ (the attacker's own identities may be among them, on either side),
+    "unchecked" where none answered; with the peers that confirmed."""
+    asked = outsiders.chains
     try:
         answers = await asyncio.gather(*map(confirms, asked))
     finally:  # (a hop the chains share, still running for a chain past its deadline: decision 0237)
