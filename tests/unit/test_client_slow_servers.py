@@ -25,7 +25,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.routing.announced_pace import announced_step_s, announced_token_s
-from corolla.client.session import inference_session, replacement_race, span_session, stalls
+from corolla.client.session import inference_session, replacement_race, span_session, stalls, unheard_pairs
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.replacement_race import (
     TRIAL_TOKENS,
@@ -617,6 +617,7 @@ class RaceWatch(list[RaceEvent]):
     def __init__(self) -> None:
         super().__init__()
         self.seated, self.judged, self.won = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.rejudged = asyncio.Event()
 
     def append(self, event: RaceEvent) -> None:
         super().append(event)
@@ -1016,6 +1017,177 @@ def test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not
         assert not honest & manager.disputes.watched()
     else:  # the lent standing spent, the pair watched
         assert manager.bans.agreed_in_a_row("H1") == 0 and manager.disputes.watched() == {"H1", "H2"}
+
+
+QUICK_RETRY_WAITS_S = (0.05, 0.1, 0.2)  # an unheard pair's referees asked again after these (decision 0253)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(unheard_pairs, "RETRY_WAITS_S", QUICK_RETRY_WAITS_S)
+    monkeypatch.setattr(unheard_pairs, "RETRY_BOUND_S", 5.0)
+
+
+class BusyForARound(RefereeAnswersAfter):
+    """An honest server of the span kept busy by the attacker while a race pair is judged (decision 0232's trick,
+    which free identities afford for a round, not for minutes): its `rpc_forward` is refused until `free` is set (the
+    test sets it to the race's `judged` event), then answered honestly; with `hangs_after`, never answered then (a
+    referee held past the client's life); its trial, once `after` is set, honest."""
+
+    free: asyncio.Event | None = None
+    hangs_after = False
+
+    async def rpc_forward(self, request, timeout=None):
+        if self.free is None or not self.free.is_set():
+            self.forward_calls += 1
+            raise ConnectionError("the server is full, retry later")
+        if self.hangs_after:
+            self.forward_calls += 1
+            await asyncio.Event().wait()
+        return await super().rpc_forward(request, timeout)
+
+
+def _wait_for(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether `event` (set on the client's loop) was set within `timeout_s` (polled from the test's thread)."""
+    waited = time.monotonic()
+    while not event.is_set() and time.monotonic() - waited < timeout_s:
+        time.sleep(0.02)
+    return event.is_set()
+
+
+def _honest_pair_loses_to_the_liars_identity(
+    vouched: tuple[str, ...], h3: FakeServer
+) -> tuple[FakeManager, dict[str, FakeServer], RaceWatch]:
+    """0248's race (`test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not_refuted`): L (the
+    best figures) lied at the span's first 8 positions and holds every step from token 12; H1 and H2 honest (50 ms a
+    step, `vouched` with a witness's standing) are seated as a pair; W, L's second identity, answers its trial as L
+    lied within the pair's round (it wins the tie) and never answers as a referee; H3 (`h3`), the pair's honest outside
+    referee, answers its trial once W won; C on 2:4. Returns the manager, the servers and the race's events, the
+    session closed."""
+    torch.manual_seed(10)
+    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
+    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), h3
+    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
+    servers["W"] = SilentLieEchoingRacer(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, *vouched)
+    watch = RaceWatch()
+
+    def turn() -> None:
+        _hold(servers, FirstPositionsLoris)()
+        servers["W"].after = watch.seated  # type: ignore[attr-defined]
+        servers["H3"].after = watch.won  # type: ignore[attr-defined]
+        if isinstance(h3, BusyForARound):
+            h3.free = watch.judged
+
+    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
+    assert [e.peer_id for e in events if e.action == "moved"] == ["L"] and route[0] == "W", (events, route)
+    return manager, servers, watch
+
+
+@pytest.mark.parametrize("vouched", [("H1",), ("H1", "H2")], ids=["one_standing_lent", "two_standings"])
+def test_an_honest_pair_unheard_for_a_round_gets_its_standing_back_from_a_referee_heard_later(
+    small_long_step_floor, quick_retries, vouched: tuple[str, ...]
+):
+    """Decision 0249 (a), the drain (decision 0253). 0248's race: the honest pair H1, H2 loses its round to W, L's
+    second identity, while the pair's outside referees are silent (W refusing, H3 kept busy by the attacker); judged
+    "unheard", H1's standing lent to a fresh H2 is spent and the pair watched. The attacker keeps H3 busy for the
+    round only: asked again after the race, H3 answers and confirms the pair: "split" (as 0238 judges a lost pair a
+    referee confirms), H1's standing given back (`agreed_in_a_row` 8 again) and the watch ended; nobody avoided or
+    banned. On main the pair's referees were asked once: H1's record stayed 0 and the pair watched 300 s, race after
+    race (L, W and a busy outsider drained an honest server's standing per race)."""
+    h3 = BusyForARound(0, 2)
+    manager, servers, watch = _honest_pair_loses_to_the_liars_identity(vouched, h3)
+    assert _wait_for(watch.rejudged, 10.0), watch
+    assert [(set(e.peers), e.verdict) for e in watch if e.action != "won"] == [
+        ({"H1", "H2"}, None),
+        ({"H1", "H2"}, "unheard"),
+        ({"H1", "H2"}, "split"),
+    ], watch
+    assert manager.bans.agreed_in_a_row("H1") == manager.config.witness_standing_steps
+    assert all(witness_rules.trusted(manager, name) for name in vouched)
+    honest = {"H1", "H2", "H3"}
+    assert not honest & manager.avoided_peers() and not honest & manager.disputes.watched()
+    assert not any(manager.bans.is_banned(name) or manager.bans.is_liar(name) for name in honest | {"C"})
+    assert h3.forward_calls == 2  # refused at the seating, answered at the first ask again
+    assert unheard_pairs.retries_of(manager).running == 0
+
+
+def test_a_liar_pair_of_two_standings_unheard_for_a_round_is_refuted_by_a_referee_heard_later(
+    small_long_step_floor, quick_retries
+):
+    """Decision 0249 (b), the free retry (decision 0253). H (honest, the best figures) serves 0:2 and turns slow at
+    token 12; S1 and S2, one attacker's identities that both earned a witness's standing, answer the same made-up
+    trial at once: a pair, seated; H2, honest, answers its trial within the pair's round, agreeing with H's earlier
+    outputs: it wins. The pair's only outside referee, H2, is kept busy by the attacker for the round (its
+    `rpc_forward` refused): "unheard", and two standings of their own keep both (0248). Asked again after the race,
+    H2 answers and disagrees with the pair: refuted, as 0238 judges a lost pair whose referees answered: S1 and S2
+    lose their standing and are avoided. On main they kept both, unwatched: silence for one round was a free retry of
+    the frame."""
+    torch.manual_seed(12)
+    servers: dict[str, FakeServer] = {"H": Referee(0, 2, inference_rps=1000.0)}
+    servers["S1"], servers["S2"] = SybilRacer(0, 2), SybilRacer(0, 2)
+    servers["H2"] = h2 = BusyForARound(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, "S1", "S2")
+    watch = RaceWatch()
+
+    def turn() -> None:
+        servers["H"].delay_s = LORIS_DELAY_S
+        h2.after, h2.free = watch.seated, watch.judged
+        _hold(servers, SybilRacer)()
+
+    tokens, outputs, route, events = _sixteen_steps(manager, turn, 12, watch)
+    assert [e.peer_id for e in events if e.action == "moved"] == ["H"] and route[0] == "H2", (events, route)
+    torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert _wait_for(watch.rejudged, 10.0), watch
+    assert [(set(e.peers), e.verdict) for e in watch if e.action != "won"] == [
+        ({"S1", "S2"}, None),
+        ({"S1", "S2"}, "unheard"),
+        ({"S1", "S2"}, "refuted"),
+    ], watch
+    assert manager.bans.agreed_in_a_row("S1") == manager.bans.agreed_in_a_row("S2") == 0
+    assert {"S1", "S2"} <= manager.avoided_peers() and "H2" not in manager.avoided_peers()
+    assert not any(manager.bans.is_liar(name) for name in servers) and not manager.bans.is_banned("H2")
+
+
+def test_an_unheard_pairs_referees_silent_for_good_are_asked_a_bounded_number_of_times(
+    small_long_step_floor, quick_retries
+):
+    """Decision 0253's bound. 0248's race with both outside referees silent for good (W refusing, H3 busy for good):
+    the pair's recheck is asked again `len(RETRY_WAITS_S)` times, no more, within the waits (drawn at most 1.5 times
+    their figures) and the asks; still unheard, 0248's verdict stands (H1's lent standing spent, the pair watched)
+    and no job is left."""
+    h3 = BusyOutsider(0, 2)
+    started = time.monotonic()
+    manager, servers, watch = _honest_pair_loses_to_the_liars_identity(("H1",), h3)
+    assert _wait_for(watch.rejudged, 10.0), watch
+    assert [e.verdict for e in watch if e.action in ("judged", "rejudged")] == ["unheard", "unheard"], watch
+    assert h3.forward_calls == servers["W"].forward_calls == 1 + len(QUICK_RETRY_WAITS_S)
+    assert time.monotonic() - started < 10.0
+    assert manager.bans.agreed_in_a_row("H1") == 0 and manager.disputes.watched() == {"H1", "H2"}
+    assert not {"H1", "H2", "H3"} & manager.avoided_peers()
+    assert unheard_pairs.retries_of(manager).running == 0
+
+
+def test_an_unheard_pairs_retries_end_when_the_client_shuts_down(small_long_step_floor, quick_retries):
+    """Decision 0253: the asks outlive the session (its close is not held by them: 0245's rule for judgements) and
+    end with the client. 0248's race with H3 busy for the round, then holding the pair's recheck for good (a referee
+    held past the client's life): the job asking again is running after the session's close; the manager's shutdown
+    cancels it: no job left, no re-judgement (0248's verdict stands)."""
+    h3 = BusyForARound(0, 2)
+    h3.hangs_after = True
+    manager, _, watch = _honest_pair_loses_to_the_liars_identity(("H1",), h3)
+    retries = unheard_pairs.retries_of(manager)
+    waited = time.monotonic()
+    while h3.forward_calls < 2 and time.monotonic() - waited < 10.0:  # the first ask again, held by H3
+        time.sleep(0.02)
+    assert h3.forward_calls == 2 and retries.running == 1, (h3.forward_calls, retries.running)
+    manager.shutdown()
+    assert retries.running == 0 and not watch.rejudged.is_set(), watch
+    assert manager.bans.agreed_in_a_row("H1") == 0 and manager.disputes.watched() == {"H1", "H2"}
 
 
 def test_after_a_loris_new_sessions_start_on_servers_seen_on_time(small_long_step_floor):

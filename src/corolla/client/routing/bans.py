@@ -29,6 +29,7 @@ class BanList:
         self._records: dict[str, _BanRecord] = {}
         self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
         self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server (none: not kept)
+        self._spent: dict[str, int] = {}  # records spent on a verdict that a later word may reverse (`spend`)
         self._lock = threading.Lock()
 
     def record_verified(self, peer_id: str, *, agreed: bool) -> None:
@@ -39,6 +40,23 @@ class BanList:
                 remember(self._agreed, peer_id, self._agreed.get(peer_id, 0) + 1, worth=worth_itself)
             else:
                 self._agreed.pop(peer_id, None)
+                self._spent.pop(peer_id, None)  # a disagreement forfeits a record spent before too
+
+    def spend(self, peer_id: str) -> None:
+        """`peer_id`'s record starts over, as after a disagreement, but is held aside: `give_back` returns it (a
+        verdict on no one's word but an attacker's may be reversed by a referee heard later: decision 0253), and any
+        disagreement of `peer_id` since forfeits it."""
+        with self._lock:
+            spent = self._agreed.pop(peer_id, 0) + self._spent.get(peer_id, 0)
+            if spent:
+                remember(self._spent, peer_id, spent, worth=worth_itself)
+
+    def give_back(self, peer_id: str) -> None:
+        """Adds what `spend` held aside of `peer_id`'s record (none where a disagreement forfeited it) to its record."""
+        with self._lock:
+            spent = self._spent.pop(peer_id, 0)
+            if spent:
+                remember(self._agreed, peer_id, self._agreed.get(peer_id, 0) + spent, worth=worth_itself)
 
     def agreed_in_a_row(self, peer_id: str) -> int:
         with self._lock:

@@ -35,6 +35,11 @@ class Disputes:
             self._open.append(dispute)
         return dispute
 
+    def close(self, dispute: Dispute) -> None:
+        """Ends `dispute` before its time (its witnesses judged since: decision 0253)."""
+        with self._lock:
+            self._open = [kept for kept in self._open if kept is not dispute]
+
     def _live(self) -> list[Dispute]:
         now = self._clock()
         self._open = [dispute for dispute in self._open if dispute.until_s > now]

@@ -10,7 +10,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -119,6 +119,8 @@ class RemoteSequenceManager:
         self._update_requested = threading.Event()
         self._attempted = threading.Event()  # set after the first update attempt, failed or not
         self._closed = threading.Event()
+        # run by `shutdown`: work of this client's sessions that outlives them ends there (decision 0253)
+        self.on_shutdown: list[Callable[[], None]] = []
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
@@ -621,6 +623,8 @@ class RemoteSequenceManager:
 
     def shutdown(self) -> None:
         self._closed.set()
+        for hook in list(self.on_shutdown):
+            hook()
         self._update_requested.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.dht_timeout_s + self.config.ping_timeout_s + 15)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import torch
@@ -39,6 +39,7 @@ from corolla.client.session.replacement_race import (
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
+from corolla.client.session.unheard_pairs import UnheardPair, retries_of
 from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
 from corolla.client.verification.pair_referee import referee_pair
 from corolla.client.verification.range_dispute import Produced, producer_failure
@@ -53,6 +54,8 @@ logger = get_logger(__name__)
 
 # two racers that agreed with each other against a left server's outputs: their peer ids, their outputs [B, n, H]
 OutvotingPair = tuple[list[str], torch.Tensor, Rechecked]  # the pair, its outputs, what an outsider said
+# a pair seated in a race: its peer ids, its referees' recheck (asked as it was seated) and that recheck to ask again
+SeatedPair = tuple[list[str], asyncio.Future[Rechecked], Callable[[], Awaitable[Rechecked]]]
 # judgements of lost race pairs still running when their session closed (`InferenceSession.close`): held until done
 _JUDGING_AFTER_CLOSE: set[asyncio.Future[None]] = set()
 
@@ -568,7 +571,7 @@ class InferenceSession:
         failures: list[str] = []  # racers that failed so far (any way)
         a_racer_failed = asyncio.Event()
         # pairs seated and not judged yet (by the racer that seated each): the pair, its referees' recheck
-        seated: dict[SpanSession, tuple[list[str], asyncio.Future[Rechecked]]] = {}
+        seated: dict[SpanSession, SeatedPair] = {}
 
         async def trial(racer: SpanSession) -> tuple[torch.Tensor, int, OutvotingPair | None]:
             try:
@@ -629,10 +632,12 @@ class InferenceSession:
                     referees = None
                     if self.manager.config.witness_standing_steps > 0:  # (0: main's rule, every racer trusted)
                         exclude = {failed.span.peer_id, *pair}
-                        referees = asyncio.ensure_future(
-                            referee_pair(self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng)
+                        # (kept to be asked again where the pair loses its round unheard: decision 0253)
+                        ask = functools.partial(
+                            referee_pair, self.manager, racer.span, first, prompts, mine, exclude, self.manager.rng
                         )
-                        seated[racer] = (pair, referees)
+                        referees = asyncio.ensure_future(ask())
+                        seated[racer] = (pair, referees, ask)
                     try:  # a round, while any other racer may still answer
                         until = asyncio.get_running_loop().time() + pair_wait_s
                         while len(failures) < len(racers) - 1:
@@ -684,7 +689,7 @@ class InferenceSession:
                 first_width=first_width,
             )  # fmt: skip
         except BaseException as e:
-            for _, referees in seated.values():  # no racer won: nothing to judge a pair against
+            for _, referees, _ in seated.values():  # no racer won: nothing to judge a pair against
                 referees.cancel()
             if not isinstance(e, RaceLost) or not disagreed:
                 raise
@@ -701,7 +706,7 @@ class InferenceSession:
             judging.add_done_callback(self._judging.discard)
             judging.add_done_callback(_JUDGING_AFTER_CLOSE.discard)
         else:  # (another pair won: its own referees judged the same outputs)
-            for _, referees in seated.values():
+            for _, referees, _ in seated.values():
                 referees.cancel()
         if not whole and history.shape[1] > first.shape[1]:  # the trial wrote its positions; the next step sends
             winner.history = history  # the rest (from the history's end)
@@ -730,7 +735,7 @@ class InferenceSession:
         blocks: tuple[int, int],
         accused: str,
         winner: str,
-        lost_pairs: list[tuple[list[str], asyncio.Future[Rechecked]]],
+        lost_pairs: list[SeatedPair],
     ) -> None:
         """Judges the pairs seated in a race that `winner` won, its trial agreeing with `accused`'s (the left server's)
         earlier outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial,
@@ -741,11 +746,13 @@ class InferenceSession:
         answered (all silent, or none outside) (decision 0248): the winner's word alone, which the left server's
         liar may have sent by a second identity while it kept the honest referees busy (decision 0232's trick), so
         nobody is avoided and a standing of the pair's own is kept, but one lent to a fresh partner is spent (as a ban
-        on one standing spends it, decision 0226) and a pair short of two standings is watched. In the background: a
-        referee held to its timeout does not hold the session (the session's close waits for it, as for its
-        shadows)."""
+        on one standing spends it, decision 0226; held aside: `BanList.spend`) and a pair short of two standings is
+        watched; then its referees are asked again after the race (decision 0253, `unheard_pairs`): a referee heard
+        later judges it as one heard now would have (the spent standing given back, or the pair refuted). In the
+        background: a referee held to its timeout does not hold the session (the session's close waits for it, as for
+        its shadows; not for the later asks)."""
         refuted_peers: set[str] = set()
-        for pair, referees in lost_pairs:
+        for pair, referees, ask in lost_pairs:
             try:
                 rechecked = await referees
             except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
@@ -766,13 +773,18 @@ class InferenceSession:
                 refuted_peers.update(pair)
             elif verdict == "unheard":
                 standing = [peer for peer in pair if trusted(self.manager, peer)]
+                spent, watch = [], None
                 if len(standing) < 2:
                     # one identity's standing lent to a fresh partner: spent, or the liar's pair would lose race after
                     # race for free, its standing kept for the next fresh partner; two of their own keep theirs (an
-                    # honest pair framed by the winner's word, 0226's rule: two standings spend nothing)
+                    # honest pair framed by the winner's word, 0226's rule: two standings spend nothing). Held aside:
+                    # a referee heard later that confirms the pair gives it back (decision 0253)
                     for peer in standing:
-                        self.manager.bans.record_verified(peer, agreed=False)
-                    self.manager.disputes.open(accused, pair, WATCH_S)  # their steps verified, nobody avoided
+                        self.manager.bans.spend(peer)
+                    spent = standing
+                    watch = self.manager.disputes.open(accused, pair, WATCH_S)  # their steps verified, nobody avoided
+                unheard = UnheardPair(blocks, tuple(pair), accused, winner, tuple(spent), watch, ask, self.race_events)
+                retries_of(self.manager).start(self.manager, unheard)
 
     async def _verify_last_step(self, span_session: SpanSession) -> None:
         """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for

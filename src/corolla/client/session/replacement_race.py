@@ -27,7 +27,9 @@ all the same (decision 0238): that racer's trial is one more outside server that
 (both avoided, their standing lost) unless a referee confirmed it (split: nobody avoided); else one identity's
 standing, lent to a fresh partner, would be kept by losing races. Where no referee answered, the winner's word is
 alone ("unheard", decision 0248: the liar's second identity may have won while the honest referees were kept busy):
-nobody avoided, a pair's own two standings kept, one lent to a fresh partner spent and such a pair watched.
+nobody avoided, a pair's own two standings kept, one lent to a fresh partner spent and such a pair watched; its
+referees are asked again after the race (decision 0253, `unheard_pairs`): a referee heard later judges it as one heard
+at once would have (the spent standing given back where one confirms it, both refuted where none does).
 
 A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
 off before it answered the rest, the session's next race sends every racer the trial and then the rest of the step (a
@@ -61,7 +63,7 @@ TRIAL_TOKENS = DECODE_MAX_TOKENS  # positions a racer's first step replays (the 
 
 R = TypeVar("R")
 
-RaceAction = Literal["seated", "judged", "won"]
+RaceAction = Literal["seated", "judged", "won", "rejudged"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class RaceEvent:
     `seated`, two racers (`peers`) whose trials agree with each other and not with the left server's earlier outputs
     formed a pair; `judged`, what servers outside the pair said of its trial (`verdict`: `witnesses.Recheck`, or, for
     a pair that lost its round, "split", "refuted" or "unheard": `InferenceSession._judge_lost_pairs`); `won`,
-    the racer (`peers`, one) that took the session."""
+    the racer (`peers`, one) that took the session; `rejudged`, an unheard pair judged again by its referees asked
+    after the race ("split", "refuted", or "unheard" still: `unheard_pairs.rejudge`, decision 0253)."""
 
     blocks: tuple[int, int]
     action: RaceAction

@@ -1,0 +1,176 @@
+"""A race's pair that lost its round with no referee heard ("unheard": decision 0248,
+`InferenceSession._judge_lost_pairs`) is asked again after the race (decision 0253). An honest pair losing to the
+liar's second identity while the attacker keeps the honest outsiders busy, and a liar pair losing with its referees
+silent, present the same evidence when the race is judged; what tells them apart is a referee heard later: an
+attacker keeps an honest outsider busy for one round cheaply (one message per free identity filling its stream
+total, decision 0232), not for minutes at moments it cannot foresee. So the pair's recheck is asked again (the trial's
+inputs and the pair's outputs already held: nothing new is asked of the pair) after growing waits, each drawn at
+random, and the first answer judges the pair as a referee heard at once would have (decision 0238): "split" where a
+referee confirms it (what "unheard" spent, a standing lent to a fresh partner, is given back and its watch ended),
+"refuted" where referees answer and none confirms (both lose their standing and are avoided: a liar pair of two
+standings no longer escapes by silence). Still unheard after the last ask: 0248's verdict stands.
+
+Bounded: `len(RETRY_WAITS_S)` asks per pair and race at most, the whole within `RETRY_BOUND_S`; one job per pair at
+once and `RETRIES_MAX` per client (an attacker making pair after pair unheard gets the rest judged by 0248 alone).
+The jobs outlive their session, as its judgements do (decision 0245), and end when the client shuts down
+(`RemoteSequenceManager.on_shutdown`)."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from corolla.client import background_loop
+from corolla.client.routing.disputes import Dispute
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.replacement_race import RaceEvent
+from corolla.client.verification.witnesses import UNCHECKED, WATCH_S, Rechecked, refuted
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# the waits before each ask again (the attacker's busy messages must cover every one: 3 minutes and more in all)
+RETRY_WAITS_S = (5.0, 15.0, 45.0, 120.0)
+RETRY_JITTER = 0.5  # each wait drawn in [1 - j, 1 + j] of its figure: the asks' moments are not the attacker's to know
+RETRY_BOUND_S = WATCH_S  # a job's whole run (its asks' forwards included): within the pair's watch
+RETRIES_MAX = 16  # jobs running at once per client
+CANCEL_TIMEOUT_S = 5.0  # the longest the client's shutdown waits for its jobs to end
+
+
+@dataclass(frozen=True)
+class UnheardPair:
+    """A pair judged "unheard" in a race for `blocks` that `winner` won, its trial agreeing with `accused`'s (the left
+    server's) earlier outputs: the standings its verdict spent (`BanList.spend`), its watch (None: not watched), the
+    pair's recheck to ask again (`pair_referee.referee_pair` with the race's inputs) and the session's race events,
+    where the re-judgement is recorded."""
+
+    blocks: tuple[int, int]
+    pair: tuple[str, ...]
+    accused: str
+    winner: str
+    spent: tuple[str, ...]
+    watch: Dispute | None
+    ask: Callable[[], Awaitable[Rechecked]]
+    events: list[RaceEvent]
+
+
+class UnheardRetries:
+    """One client's jobs asking unheard pairs' referees again (`retries_of`); started on the client's loop."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[frozenset[str], asyncio.Future[None]] = {}
+        self._shut = False
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def start(self, manager: RemoteSequenceManager, unheard: UnheardPair) -> bool:
+        """Starts asking `unheard`'s referees again; False (0248's verdict stands alone) where the client shut down,
+        a job for the same pair runs, or `RETRIES_MAX` do."""
+        key = frozenset(unheard.pair)
+        if self._shut or key in self._jobs or len(self._jobs) >= RETRIES_MAX:
+            logger.info(
+                "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, shut=%s)",
+                _names(unheard.pair), len(self._jobs), key in self._jobs, self._shut,
+            )  # fmt: skip
+            return False
+        job = asyncio.ensure_future(self._retry(manager, unheard))
+        self._jobs[key] = job
+
+        def done(_: asyncio.Future[None]) -> None:
+            if self._jobs.get(key) is job:
+                del self._jobs[key]
+
+        job.add_done_callback(done)
+        return True
+
+    async def _retry(self, manager: RemoteSequenceManager, unheard: UnheardPair) -> None:
+        try:
+            rechecked = await asyncio.wait_for(_ask_again(manager, unheard), RETRY_BOUND_S)
+        except asyncio.TimeoutError:
+            rechecked = UNCHECKED
+        rejudge(manager, unheard, rechecked)
+
+    def cancel(self) -> None:
+        """Ends every job, and starts none after (the client shuts down): waited for from a thread other than the
+        client loop's."""
+
+        async def cancelled() -> None:
+            self._shut = True
+            jobs = list(self._jobs.values())
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+        loop = background_loop.get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._shut = True
+            for job in list(self._jobs.values()):
+                job.cancel()
+        else:
+            background_loop.run(cancelled(), timeout_s=CANCEL_TIMEOUT_S)
+
+
+_RETRIES: weakref.WeakKeyDictionary[RemoteSequenceManager, UnheardRetries] = weakref.WeakKeyDictionary()
+
+
+def retries_of(manager: RemoteSequenceManager) -> UnheardRetries:
+    """The retry jobs of `manager`'s client (made at first use, ended by its shutdown)."""
+    retries = _RETRIES.get(manager)
+    if retries is None:
+        retries = _RETRIES[manager] = UnheardRetries()
+        manager.on_shutdown.append(retries.cancel)
+    return retries
+
+
+async def _ask_again(manager: RemoteSequenceManager, unheard: UnheardPair) -> Rechecked:
+    """`unheard`'s recheck asked after each of `RETRY_WAITS_S` (jittered) until a referee answers; "unchecked"
+    where none did."""
+    for wait_s in RETRY_WAITS_S:
+        await asyncio.sleep(wait_s * manager.rng.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER))
+        try:
+            rechecked = await unheard.ask()
+        except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
+            logger.warning("unheard_pairs.ask_failed(pair=%s, error=%r)", _names(unheard.pair), e)
+            continue
+        if rechecked.verdict != "unchecked":
+            return rechecked
+    return UNCHECKED
+
+
+def rejudge(manager: RemoteSequenceManager, unheard: UnheardPair, rechecked: Rechecked) -> str:
+    """Judges `unheard` by `rechecked` (its referees asked again) as 0238 judges a lost pair whose referees answered,
+    the winner's trial one more outside server that disagreed: "split" where a referee confirmed the pair (the
+    standings "unheard" spent given back, its watch ended: nobody's word against the pair but the winner's, which
+    may be the liar's); "refuted" where referees answered and none confirmed (both lose their standing and are
+    avoided, `witnesses.refuted`); "unheard" where none answered (0248's verdict stands). Recorded as a `rejudged`
+    race event; returns the verdict."""
+    if rechecked.verdict == "unchecked":
+        verdict = "unheard"
+    else:
+        verdict = "split" if rechecked.confirmed_by else "refuted"
+    if verdict != "unheard" and unheard.watch is not None:
+        manager.disputes.close(unheard.watch)
+    if verdict == "split":
+        for peer in unheard.spent:
+            manager.bans.give_back(peer)
+    elif verdict == "refuted":
+        for peer in unheard.pair:
+            refuted(manager, peer)  # standing lost (0208), avoided longer each time (0225)
+    unheard.events.append(RaceEvent(unheard.blocks, "rejudged", unheard.pair, verdict))
+    logger.info(
+        "unheard_pairs.rejudged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
+        *unheard.blocks, _names(unheard.pair), unheard.winner[-6:], rechecked.verdict, verdict,
+    )  # fmt: skip
+    return verdict
+
+
+def _names(peers: tuple[str, ...]) -> str:
+    return ", ".join("..." + peer[-6:] for peer in peers)
