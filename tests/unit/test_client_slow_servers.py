@@ -711,6 +711,8 @@ def test_two_fresh_identities_racing_first_neither_ban_nor_rebuild(
             assert [e.verdict for e in watch if e.action == "judged"] == ["unheard"], watch
             assert not {"S1", "S2", "H2"} & manager.avoided_peers(), manager.avoided_peers()  # (H: slow)
             assert manager.disputes.watched() == {"S1", "S2"}
+            # its referees asked again later only where it held a standing (decision 0253): S1's, spent
+            assert unheard_pairs.retries_of(manager).running == int(lent)
         assert _greedy(outputs) == _greedy(reference(tokens, 4))
         torch.testing.assert_close(outputs, reference(tokens, 4), atol=1e-5, rtol=0)
 

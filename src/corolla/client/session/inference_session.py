@@ -747,8 +747,9 @@ class InferenceSession:
         liar may have sent by a second identity while it kept the honest referees busy (decision 0232's trick), so
         nobody is avoided and a standing of the pair's own is kept, but one lent to a fresh partner is spent (as a ban
         on one standing spends it, decision 0226; held aside: `BanList.spend`) and a pair short of two standings is
-        watched; then its referees are asked again after the race (decision 0253, `unheard_pairs`): a referee heard
-        later judges it as one heard now would have (the spent standing given back, or the pair refuted). In the
+        watched; then the referees of a pair holding a standing are asked again after the race (decision 0253,
+        `unheard_pairs`): a referee heard later judges it as one heard now would have (the spent standing given back,
+        or the pair refuted). In the
         background: a referee held to its timeout does not hold the session (the session's close waits for it, as for
         its shadows; not for the later asks)."""
         refuted_peers: set[str] = set()
@@ -783,8 +784,11 @@ class InferenceSession:
                         self.manager.bans.spend(peer)
                     spent = standing
                     watch = self.manager.disputes.open(accused, pair, WATCH_S)  # their steps verified, nobody avoided
-                unheard = UnheardPair(blocks, tuple(pair), accused, winner, tuple(spent), watch, ask, self.race_events)
-                retries_of(self.manager).start(self.manager, unheard)
+                if standing:  # (a fresh pair's verdict costs it a watch only: no slot of the client's retries)
+                    unheard = UnheardPair(
+                        blocks, tuple(pair), accused, winner, tuple(spent), watch, ask, self.race_events
+                    )
+                    retries_of(self.manager).start(self.manager, unheard)
 
     async def _verify_last_step(self, span_session: SpanSession) -> None:
         """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for

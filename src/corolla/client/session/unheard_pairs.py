@@ -10,8 +10,10 @@ referee confirms it (what "unheard" spent, a standing lent to a fresh partner, i
 "refuted" where referees answer and none confirms (both lose their standing and are avoided: a liar pair of two
 standings no longer escapes by silence). Still unheard after the last ask: 0248's verdict stands.
 
-Bounded: `len(RETRY_WAITS_S)` asks per pair and race at most, the whole within `RETRY_BOUND_S`; one job per pair at
-once and `RETRIES_MAX` per client (an attacker making pair after pair unheard gets the rest judged by 0248 alone).
+Only a pair holding a standing is asked again (a fresh pair's "unheard" costs it a watch only, and a fresh pair costs
+the attacker nothing). Bounded: `len(RETRY_WAITS_S)` asks per pair and race at most, the whole within
+`RETRY_BOUND_S`; one job per pair at once and `RETRIES_MAX` per client (an attacker making pair after pair unheard
+gets the rest judged by 0248 alone).
 The jobs outlive their session, as its judgements do (decision 0245), and end when the client shuts down
 (`RemoteSequenceManager.on_shutdown`)."""
 
