@@ -98,14 +98,17 @@ class UnheardRetries:
 
     def cancel(self) -> None:
         """Ends every job, and starts none after (the client shuts down): waited for from a thread other than the
-        client loop's."""
+        client loop's, `CANCEL_TIMEOUT_S` at most."""
+        self._shut = True
 
-        async def cancelled() -> None:
-            self._shut = True
+        def cancel_all() -> list[asyncio.Future[None]]:
             jobs = list(self._jobs.values())
             for job in jobs:
                 job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+            return jobs
+
+        async def ended() -> None:
+            await asyncio.gather(*cancel_all(), return_exceptions=True)
 
         loop = background_loop.get_loop()
         try:
@@ -113,11 +116,13 @@ class UnheardRetries:
         except RuntimeError:
             running = None
         if running is loop:
-            self._shut = True
-            for job in list(self._jobs.values()):
-                job.cancel()
-        else:
-            background_loop.run(cancelled(), timeout_s=CANCEL_TIMEOUT_S)
+            cancel_all()
+            return
+        loop.call_soon_threadsafe(cancel_all)  # (cancelled whenever the loop runs, whether or not the wait below ends)
+        try:
+            background_loop.run(ended(), timeout_s=CANCEL_TIMEOUT_S)
+        except TimeoutError:  # the client loop held elsewhere: the shutdown goes on
+            logger.warning("unheard_pairs.cancel_unfinished(jobs=%d)", len(self._jobs))
 
 
 _RETRIES: weakref.WeakKeyDictionary[RemoteSequenceManager, UnheardRetries] = weakref.WeakKeyDictionary()
