@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import random
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -167,20 +167,42 @@ def hop_paths(chain: Chain) -> set[Path]:
     return {tuple((h.peer_id, h.start, h.end) for h in chain.hops[: index + 1]) for index in range(len(chain.hops))}
 
 
+class HopBudget:
+    """The distinct hop forwards (`hop_paths`, a shared one counted once) a recheck may ask, `limit` in all, spent
+    by `take` in passes (decisions 0250, 0254)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.spent: set[Path] = set()
+
+    def take(
+        self,
+        chains: Sequence[Chain],
+        *,
+        up_to: int | None = None,
+        first: Callable[[Chain], tuple[int, ...]] = lambda chain: (),
+    ) -> list[Chain]:
+        """Those of `chains` (in their order) whose hop forwards fit, the spent ones with them, within `up_to` (at
+        most `limit`; default `limit`), taken by `first` (lowest first), fewest hops first among equals: spent
+        fewest hops first, every chain of at most n hops fits a budget of n per chain whatever the others are
+        (those before it cost no more each); an attacker's identities on single blocks make chains of one hop per
+        block, and these get only what is left (decision 0250: 12 chains over 80 single-block identities were 960
+        forwards of the stretch per recheck)."""
+        ceiling = self.limit if up_to is None else min(up_to, self.limit)
+        kept: set[int] = set()
+        for index in sorted(range(len(chains)), key=lambda index: (first(chains[index]), len(chains[index].hops))):
+            paths = hop_paths(chains[index])
+            if len(self.spent | paths) <= ceiling:
+                self.spent |= paths
+                kept.add(index)
+        return [chain for index, chain in enumerate(chains) if index in kept]
+
+
 def within_hops(chains: Sequence[Chain], budget: int) -> list[Chain]:
-    """Those of `chains` (in their order) whose hop forwards (`hop_paths`, a shared one counted once) fit `budget`,
-    taken fewest hops first: with `budget` = `HOPS_PER_SEAT` per chain, every chain of at most `HOPS_PER_SEAT` hops
-    fits whatever the others are (those before it cost no more each), so an honest chain of that few hops keeps its
-    seat; an attacker's identities on single blocks make chains of one hop per block, and these get only what is left
-    (decision 0250: 12 chains over 80 single-block identities were 960 forwards of the stretch per recheck)."""
-    spent: set[Path] = set()
-    kept: set[int] = set()
-    for index in sorted(range(len(chains)), key=lambda index: len(chains[index].hops)):
-        paths = hop_paths(chains[index])
-        if len(spent | paths) <= budget:
-            spent |= paths
-            kept.add(index)
-    return [chain for index, chain in enumerate(chains) if index in kept]
+    """Those of `chains` (in their order) whose hop forwards fit `budget`, fewest hops first (`HopBudget.take`):
+    with `budget` = `HOPS_PER_SEAT` per chain, every chain of at most `HOPS_PER_SEAT` hops fits whatever the others
+    are."""
+    return HopBudget(budget).take(chains)
 
 
 def spread(seats: int, room: Sequence[int]) -> list[int]:

@@ -29,10 +29,10 @@ from corolla.client.verification.chains import (
     HOPS_PER_SEAT,
     Chain,
     HopAnswers,
+    HopBudget,
     Outsiders,
     chain_forward,
     chains_over,
-    within_hops,
 )
 from corolla.client.verification.witnesses import (
     OUTSIDERS_MAX,
@@ -144,6 +144,7 @@ class StretchReferees:
                 break
         unheard = outsiders.unheard  # (the last tier's, `holders`, or one that had chains: 0, as `holders`')
         chains = list(seated.values())[:OUTSIDERS_MAX]
+        seats = len(chains)
         # the record seats: chains not seated yet, by their weakest server's record of verified work. Seated means
         # among the `OUTSIDERS_MAX` asked, not drawn by a tier: a tier past the first may draw more than the seats left
         # (a recorded honest chain drawn there and cut was kept out of the record seats too: decision 0247)
@@ -161,9 +162,25 @@ class StretchReferees:
             if len(recorded) >= RECORD_SEATS:
                 break
         chains += list(recorded.values())[:RECORD_SEATS]
-        # a bounded number of hop forwards, fewest-hop chains first (decision 0250); a chain cut is a word not heard
-        # (an honest one cut must not leave a ban resting on one standing: decision 0232's rule)
-        bounded = within_hops(chains, HOPS_PER_SEAT * (OUTSIDERS_MAX + RECORD_SEATS))
+        # a bounded number of hop forwards (decisions 0250, 0254): the per-server seats `HOPS_PER_SEAT` each, fewest
+        # hops first; what is left, the record seats' share at least, to the record seats' chains and those cut, by
+        # the record of their weakest server first. A chain cut is a word not heard (an honest one cut must not leave
+        # a ban resting on one standing: decision 0232's rule)
+        budget = HopBudget(HOPS_PER_SEAT * (OUTSIDERS_MAX + RECORD_SEATS))
+        per_server = budget.take(chains[:seats], up_to=HOPS_PER_SEAT * OUTSIDERS_MAX)
+        kept = {_route(chain) for chain in per_server}
+        floors = record_floors(self.manager.config.witness_standing_steps)
+
+        def by_record(chain: Chain) -> tuple[int, ...]:
+            """Plain chains before those with a co-witness, each by its weakest server's record floor, longest first
+            (the order of the record seats)."""
+            weakest = min(record[peer] for peer in chain.peer_ids)
+            floor = next((floor for floor in floors if weakest >= floor), 0)
+            return (any(peer in co_witnesses for peer in chain.peer_ids), -floor)
+
+        by_record_kept = budget.take([chain for chain in chains if _route(chain) not in kept], first=by_record)
+        kept |= {_route(chain) for chain in by_record_kept}
+        bounded = [chain for chain in chains if _route(chain) in kept]
         unheard += len(chains) - len(bounded)
         answers = HopAnswers()  # (the recheck's chains that start alike ask those hops once: decision 0237)
         return Outsiders([Chain(chain.hops, answers) for chain in bounded], unheard, answers)
