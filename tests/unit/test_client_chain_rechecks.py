@@ -20,6 +20,7 @@ from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.verification.chains import (
     HOPS_PER_SEAT,
     Chain,
+    HopBudget,
     Outsiders,
     chain_backward,
     chain_forward,
@@ -555,3 +556,108 @@ def test_every_chain_of_few_hops_fits_the_hop_budget_whatever_the_others():
     assert within_hops([*long_chains, short], budget) == [short]
     fitting = [Chain(tuple(_span(f"G{i}.{hop}", hop, hop + 1) for hop in range(HOPS_PER_SEAT))) for i in range(11)]
     assert within_hops([*long_chains[:1], *fitting, short], budget) == [*fitting, short]
+
+
+def _long_chain(hops: int, identities: int, layout: str) -> dict[str, Server]:
+    """An honest chain X1 > ... > X`hops` (2 blocks each, over [0, 2 * hops)) and `identities` of an attacker, failing
+    every recheck forward, that make chains shorter than it: `front` on X1's and X2's blocks together (0:4), each a
+    chain of one hop fewer through X3 on; `branch` half on 0:4, half on 4:8 (X1 and X2's, X3 and X4's blocks), whose
+    chains branch at block 4: one and two hops fewer."""
+    servers: dict[str, Server] = {f"X{i + 1}": Server(2 * i, 2 * i + 2) for i in range(hops)}
+    spans = {"front": [(0, 4)], "branch": [(0, 4), (4, 8)]}[layout]
+    servers |= {f"F{i}": Unanswering(*spans[i % len(spans)], inference_rps=1.0) for i in range(identities)}
+    return servers
+
+
+LONG_CHAINS = [  # (the honest chain's hops, the attacker's identities, their layout, verified steps each)
+    pytest.param(5, 12, "front", 1, id="5_hops-12_front-1_step_each"),
+    pytest.param(5, 32, "front", 1, id="5_hops-32_front-1_step_each"),
+    pytest.param(8, 4, "branch", 1, id="8_hops-4_branch-1_step_each"),
+    pytest.param(8, 12, "front", 0, id="8_hops-12_front-fresh"),
+    pytest.param(8, 32, "front", 0, id="8_hops-32_front-fresh"),
+]
+
+
+@pytest.mark.parametrize("honest", ["standing", "record"])
+@pytest.mark.parametrize(("hops", "identities", "layout", "cheap_record"), LONG_CHAINS)
+def test_an_honest_chain_of_more_than_four_hops_is_asked_beside_shorter_attacker_chains(
+    hops, identities, layout, cheap_record, honest
+):
+    """Decision 0254 (0250's Left). Honest servers hold 2 blocks each, so their one chain over H's blocks is 5 or 8
+    hops (X1 > ... > X8), with a witness's standing or a record of 2 verified steps; the attacker's identities (fresh,
+    or one verified step each: into the record seats) make chains of fewer hops beside it. 0250 spent the recheck's 48
+    hop forwards fewest hops first over every seat: 7 chains of 7 hops (42) cut an 8-hop chain, 11 of 4 (44) a 5-hop
+    one, so main asked X1 > ... > Xh in none of these 100 draws, and a framing resting on two standings banned H
+    unrefuted. Now the per-server seats get 4 hops each, fewest hops first, and what is left (16 at least) goes by
+    the record of each chain's weakest server first: the honest chain is asked in every draw, and a recheck never asks
+    more than 48 hop forwards."""
+    servers = _long_chain(hops, identities, layout)
+    manager = FakeManager(servers, 2 * hops)
+    honest_chain = tuple(f"X{i + 1}" for i in range(hops))
+    if honest == "standing":
+        vouch(manager, *honest_chain)
+    else:
+        _record(manager, 2, *honest_chain)
+    _record(manager, cheap_record, *(peer for peer in servers if peer.startswith("F")))
+    span = _span("H", 0, 2 * hops)
+    for seed in range(100):
+        outsiders = StretchReferees(manager, rng=random.Random(seed)).outsiders(span, {"H"})
+        assert honest_chain in [chain.peer_ids for chain in outsiders.chains], seed
+        assert len(set().union(*map(hop_paths, outsiders.chains))) <= HOPS_PER_SEAT * (OUTSIDERS_MAX + RECORD_SEATS)
+
+
+@pytest.mark.parametrize(
+    ("hops", "identities", "layout", "cheap_record", "honest", "seed"),
+    [
+        pytest.param(5, 32, "front", 1, "standing", 7, id="5_hops-32_front-1_step_each-standing"),
+        pytest.param(5, 32, "front", 1, "record", 0, id="5_hops-32_front-1_step_each-record"),
+        pytest.param(8, 4, "branch", 1, "standing", 0, id="8_hops-4_branch-1_step_each-standing"),
+        pytest.param(8, 12, "front", 0, "standing", 0, id="8_hops-12_front-fresh-standing"),
+        pytest.param(8, 32, "front", 0, "record", 0, id="8_hops-32_front-fresh-record"),
+    ],
+)
+def test_shorter_attacker_chains_cannot_cut_an_honest_long_chain_out_of_a_framing(
+    hops, identities, layout, cheap_record, honest, seed
+):
+    """Decision 0254, end to end. SA and SB (one attacker, both with standing) frame H (the whole span) with the same
+    made-up outputs; X1 > ... > Xh (2 blocks each) honest, with standing or a record of 2 steps, and a second server of
+    each of their spans (X1b...: no record, so a session can be verified past the framing); the attacker's identities
+    as in the test above, failing every recheck forward. Main cut every honest chain (each longer than the
+    attacker's) and the silent rest left "unchecked" on two standings: H banned for good (these seeds; 5 and 6 of 20
+    runs with 5 hops and 32 identities, 19 of 20 with 4 identities on 8 hops, 17 and 20 of 20 with 12 and 32). Now
+    X1 > ... > Xh refutes the framers: nobody banned, SA and SB lose their standing."""
+    torch.manual_seed(6)
+    span = 2 * hops
+    servers = {
+        "H": Server(0, span, inference_rps=1e6),
+        "SA": OneShot(0, span, lies=1),
+        "SB": OneShot(0, span, lies=1),
+        **_long_chain(hops, identities, layout),
+    }
+    servers |= {f"X{i + 1}b": Server(2 * i, 2 * i + 2) for i in range(hops)}
+    manager = framed_client(servers, "SA", "SB", num_blocks=span)
+    honest_chain = [f"X{i + 1}" for i in range(hops)]
+    if honest == "standing":
+        vouch(manager, *honest_chain)
+    else:
+        _record(manager, 2, *honest_chain)
+    _record(manager, cheap_record, *(peer for peer in servers if peer.startswith("F")))
+    run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirstDrawn(seed))
+    assert not manager.bans.is_liar("H") and not manager.bans.is_banned("H"), manager.bans.banned_peers()
+    assert all(servers[peer].forward_calls for peer in honest_chain)
+    assert not trusted(manager, "SA") and not trusted(manager, "SB") and {"SA", "SB"} <= manager.avoided_peers()
+
+
+def test_a_hop_budget_spent_in_passes_takes_the_first_ranked_chains_of_what_is_left():
+    """`HopBudget.take`: a first pass (the per-server seats, 4 hops each: 32) fewest hops first takes eight 4-hop
+    chains and cuts the 8-hop one; the second, with the 16 left of 48, takes the cut chains by `first` (lowest first),
+    fewest hops first among equals: the 8-hop one ranked first and two of three 4-hop ones ranked after it, where
+    fewest hops first alone (`within_hops`) takes the three 4-hop ones and cuts the 8-hop one."""
+    short = [Chain(tuple(_span(f"F{i}.{hop}", hop, hop + 1) for hop in range(4))) for i in range(8)]
+    long = Chain(tuple(_span(f"X{hop}", hop, hop + 1) for hop in range(8)))
+    recorded = [Chain(tuple(_span(f"R{i}.{hop}", hop, hop + 1) for hop in range(4))) for i in range(3)]
+    budget = HopBudget(HOPS_PER_SEAT * 12)
+    assert budget.take([long, *short], up_to=HOPS_PER_SEAT * 8) == short
+    assert budget.take([*recorded, long], first=lambda chain: (chain is not long,)) == [*recorded[:2], long]
+    assert len(budget.spent) == 48
+    assert within_hops([*short, long, *recorded], HOPS_PER_SEAT * 12) == [*short, *recorded]
