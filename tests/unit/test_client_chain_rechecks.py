@@ -26,7 +26,6 @@ from corolla.client.verification.chains import (
     chain_forward,
     chains_over,
     hop_paths,
-    within_hops,
 )
 from corolla.client.verification.stretches import StretchReferees, record_floors
 from corolla.client.verification.witnesses import OUTSIDERS_MAX, RECORD_SEATS, trusted
@@ -547,15 +546,15 @@ def test_a_rechecks_hop_forwards_are_bounded_against_single_block_identities():
 
 
 def test_every_chain_of_few_hops_fits_the_hop_budget_whatever_the_others():
-    """`within_hops`: eleven chains of 80 single-block hops (the attacker's) seated before a chain of two: the two-hop
-    chain is asked, with as many of the long ones as the rest of the budget holds (none: 80 > 46), the cut ones in
+    """`HopBudget.take` (one pass): eleven chains of 80 single-block hops (the attacker's) seated before a chain of two:
+    the two-hop chain is asked, with as many of the long ones as the rest of the budget holds (none: 80 > 46), the cut ones in
     their order otherwise."""
     long_chains = [Chain(tuple(_span(f"F{block}.{i}", block, block + 1) for block in range(80))) for i in range(11)]
     short = Chain((_span("X1", 0, 40), _span("X2", 40, 80)))
     budget = HOPS_PER_SEAT * 12
-    assert within_hops([*long_chains, short], budget) == [short]
+    assert HopBudget(budget).take([*long_chains, short]) == [short]
     fitting = [Chain(tuple(_span(f"G{i}.{hop}", hop, hop + 1) for hop in range(HOPS_PER_SEAT))) for i in range(11)]
-    assert within_hops([*long_chains[:1], *fitting, short], budget) == [*fitting, short]
+    assert HopBudget(budget).take([*long_chains[:1], *fitting, short]) == [*fitting, short]
 
 
 def _long_chain(hops: int, identities: int, layout: str) -> dict[str, Server]:
@@ -652,7 +651,7 @@ def test_a_hop_budget_spent_in_passes_takes_the_first_ranked_chains_of_what_is_l
     """`HopBudget.take`: a first pass (the per-server seats, 4 hops each: 32) fewest hops first takes eight 4-hop
     chains and cuts the 8-hop one; the second, with the 16 left of 48, takes the cut chains by `first` (lowest first),
     fewest hops first among equals: the 8-hop one ranked first and two of three 4-hop ones ranked after it, where
-    fewest hops first alone (`within_hops`) takes the three 4-hop ones and cuts the 8-hop one."""
+    fewest hops first alone (one pass) takes the three 4-hop ones and cuts the 8-hop one."""
     short = [Chain(tuple(_span(f"F{i}.{hop}", hop, hop + 1) for hop in range(4))) for i in range(8)]
     long = Chain(tuple(_span(f"X{hop}", hop, hop + 1) for hop in range(8)))
     recorded = [Chain(tuple(_span(f"R{i}.{hop}", hop, hop + 1) for hop in range(4))) for i in range(3)]
@@ -660,4 +659,4 @@ def test_a_hop_budget_spent_in_passes_takes_the_first_ranked_chains_of_what_is_l
     assert budget.take([long, *short], up_to=HOPS_PER_SEAT * 8) == short
     assert budget.take([*recorded, long], first=lambda chain: (chain is not long,)) == [*recorded[:2], long]
     assert len(budget.spent) == 48
-    assert within_hops([*short, long, *recorded], HOPS_PER_SEAT * 12) == [*short, *recorded]
+    assert HopBudget(HOPS_PER_SEAT * 12).take([*short, long, *recorded]) == [*short, *recorded]

@@ -17,7 +17,13 @@ given per server, not per chain (`chains_over`, decision 0239): identities annou
 chains, and a uniform draw over chains left the one honest chain a seat in 4.0% of draws against 12 of them; now
 each such identity counts as one server at one block, as one announcing an honest server's own blocks would. Those
 whose every hop has a witness's standing are seated first (`StretchReferees.outsiders`). A chain's answer is compared
-in the coarsest dtype any hop sent (`coarsest`)."""
+in the coarsest dtype any hop sent (`coarsest`).
+
+A chain of k hops is k stateless forwards of the stretch: a recheck asks its chains only as far as their distinct hop
+forwards fit a `HopBudget` (`HOPS_PER_SEAT` per seat), spent in passes (`StretchReferees.outsiders`, decisions 0250 and
+0254): fewest hops first, so identities on single blocks (a chain of one hop per block) get only what is left, and
+then by the record of each chain's weakest server, so that an honest chain longer than `HOPS_PER_SEAT` hops (servers
+holding short spans) with standing or a record is not cut by an attacker's shorter chains."""
 
 from __future__ import annotations
 
@@ -36,9 +42,9 @@ from corolla.protocol.records import RemoteSpanInfo
 
 NO_HOP = -1  # where the hop before a chain's first started: before every block
 
-# hop forwards a recheck may ask per chain it seats (`within_hops`): every seated chain of at most this many hops is
-# asked whatever the others are; single-block identities made a chain one forward per block (960 forwards per recheck
-# on 80 blocks, decision 0250)
+# hop forwards a recheck may ask per chain it seats (`HopBudget`): every chain of at most this many hops in the
+# per-server seats is asked whatever the others are; single-block identities made a chain one forward per block (960
+# forwards per recheck on 80 blocks, decision 0250)
 HOPS_PER_SEAT = 4
 
 T = TypeVar("T")
@@ -196,13 +202,6 @@ class HopBudget:
                 self.spent |= paths
                 kept.add(index)
         return [chain for index, chain in enumerate(chains) if index in kept]
-
-
-def within_hops(chains: Sequence[Chain], budget: int) -> list[Chain]:
-    """Those of `chains` (in their order) whose hop forwards fit `budget`, fewest hops first (`HopBudget.take`):
-    with `budget` = `HOPS_PER_SEAT` per chain, every chain of at most `HOPS_PER_SEAT` hops fits whatever the others
-    are."""
-    return HopBudget(budget).take(chains)
 
 
 def spread(seats: int, room: Sequence[int]) -> list[int]:

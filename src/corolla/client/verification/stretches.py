@@ -119,7 +119,15 @@ class StretchReferees:
         indistinguishable from them but for the work this client saw them do (32 of them left an honest chain of two
         hops 2.5% of the seats per server), and seats added, not reordered, leave the honest chain with no record
         the per-server share it had (the attacker's identities, given a record each, would take seats ordered by
-        record from it)."""
+        record from it).
+
+        The chains are asked only as far as their distinct hop forwards fit `HOPS_PER_SEAT` per seat (48; decisions
+        0250, 0254): the per-server seats' share (32) fewest hops first among them, so every chain of at most 4 hops
+        there is asked whatever the others are (identities on single blocks make chains of one hop per block); what
+        is left (16 at least) to the record seats' chains and those cut, the weakest server's record floor first (the
+        record seats' order), fewest hops first within a floor: an honest chain longer than 4 hops (servers holding
+        short spans) with standing or a record is not cut by an attacker's shorter chains of fresh identities, or of
+        identities with a shorter record (fewest hops first over every seat, 7 chains of 7 hops cut one of 8)."""
         banned = self.manager.bans.banned_peers()
         candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | {s.peer_id: s for s in self.manager.spans}
         holders = [
