@@ -18,7 +18,7 @@ from corolla.client.verification.witnesses import UNCHECKED, Rechecked
 from helpers.fake_chain import FakeManager, FakeServer, vouch
 
 
-def _pair(index: int, ask, events: list[RaceEvent], spent: tuple[str, ...] = (), watch=None) -> UnheardPair:
+def _pair(index: int, ask, events: list[RaceEvent], spent: tuple[tuple[str, int], ...] = (), watch=None) -> UnheardPair:
     return UnheardPair((0, 2), (f"A{index}", f"B{index}"), "L", "W", spent, watch, ask, events)
 
 
@@ -77,10 +77,10 @@ def test_rejudge(rechecked: Rechecked, verdict: str):
     0248's verdict (spent, watched)."""
     manager = FakeManager({name: FakeServer(0, 4) for name in ("A0", "B0", "L", "R")}, 4)
     vouch(manager, "A0")
-    manager.bans.spend("A0")
+    spend_id = manager.bans.spend("A0")
     watch = manager.disputes.open("L", ("A0", "B0"), 300.0)
     events: list[RaceEvent] = []
-    assert rejudge(manager, _pair(0, None, events, spent=("A0",), watch=watch), rechecked) == verdict
+    assert rejudge(manager, _pair(0, None, events, spent=(("A0", spend_id),), watch=watch), rechecked) == verdict
     assert events == [RaceEvent((0, 2), "rejudged", ("A0", "B0"), verdict)]
     steps = manager.config.witness_standing_steps
     assert manager.bans.agreed_in_a_row("A0") == (steps if verdict == "split" else 0)
@@ -93,13 +93,12 @@ def test_a_spent_standing_is_given_back_unless_a_disagreement_forfeited_it():
     for _ in range(8):
         bans.record_verified("A", agreed=True)
         bans.record_verified("B", agreed=True)
-    bans.spend("A")
-    bans.spend("B")
+    spent_a, spent_b = bans.spend("A"), bans.spend("B")
     assert bans.agreed_in_a_row("A") == bans.agreed_in_a_row("B") == 0
     bans.record_verified("A", agreed=True)  # verified while watched, agreeing: counted on top of what comes back
     bans.record_verified("B", agreed=False)  # a disagreement since: what was spent is lost
-    bans.give_back("A")
-    bans.give_back("B")
+    bans.give_back("A", spent_a)
+    bans.give_back("B", spent_b)
     assert bans.agreed_in_a_row("A") == 9 and bans.agreed_in_a_row("B") == 0
-    bans.give_back("A")  # given back once
+    bans.give_back("A", spent_a)  # given back once
     assert bans.agreed_in_a_row("A") == 9

@@ -6,6 +6,7 @@ first, 0231); liars are never forgotten (each cost its identity a step caught ag
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,9 @@ class BanList:
         self._records: dict[str, _BanRecord] = {}
         self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
         self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server (none: not kept)
-        self._spent: dict[str, int] = {}  # records spent on a verdict that a later word may reverse (`spend`)
+        # records spent on a verdict that a later word may reverse (`spend`): peer -> spend id -> record held aside
+        self._spent: dict[str, dict[int, int]] = {}
+        self._spend_ids = itertools.count(1)
         self._lock = threading.Lock()
 
     def record_verified(self, peer_id: str, *, agreed: bool) -> None:
@@ -42,21 +45,39 @@ class BanList:
                 self._agreed.pop(peer_id, None)
                 self._spent.pop(peer_id, None)  # a disagreement forfeits a record spent before too
 
-    def spend(self, peer_id: str) -> None:
+    def spend(self, peer_id: str) -> int:
         """`peer_id`'s record starts over, as after a disagreement, but is held aside: `give_back` returns it (a
         verdict on no one's word but an attacker's may be reversed by a referee heard later: decision 0253), and any
-        disagreement of `peer_id` since forfeits it."""
+        disagreement of `peer_id` since forfeits it. Returns the spend's id (0: no record to spend): each verdict
+        gets back what it spent, not what another verdict on the same peer spent since (decision 0256)."""
         with self._lock:
-            spent = self._agreed.pop(peer_id, 0) + self._spent.get(peer_id, 0)
-            if spent:
-                remember(self._spent, peer_id, spent, worth=worth_itself)
+            record = self._agreed.pop(peer_id, 0)
+            if not record:
+                return 0
+            spend_id = next(self._spend_ids)
+            held = {**self._spent.get(peer_id, {}), spend_id: record}
+            remember(self._spent, peer_id, held, worth=_held_worth)
+            return spend_id
 
-    def give_back(self, peer_id: str) -> None:
-        """Adds what `spend` held aside of `peer_id`'s record (none where a disagreement forfeited it) to its record."""
+    def give_back(self, peer_id: str, spend_id: int) -> None:
+        """Adds what `spend` held aside of `peer_id`'s record under `spend_id` (none where a disagreement forfeited
+        it, or given back before) to its record."""
         with self._lock:
-            spent = self._spent.pop(peer_id, 0)
-            if spent:
-                remember(self._agreed, peer_id, self._agreed.get(peer_id, 0) + spent, worth=worth_itself)
+            held = self._spent.get(peer_id)
+            record = held.pop(spend_id, 0) if held is not None else 0
+            if held is not None and not held:
+                del self._spent[peer_id]
+            if record:
+                remember(self._agreed, peer_id, self._agreed.get(peer_id, 0) + record, worth=worth_itself)
+
+    def forfeit(self, peer_id: str, spend_id: int) -> None:
+        """What `spend` held aside of `peer_id`'s record under `spend_id` is lost for good (its verdict stands)."""
+        with self._lock:
+            held = self._spent.get(peer_id)
+            if held is not None:
+                held.pop(spend_id, None)
+                if not held:
+                    del self._spent[peer_id]
 
     def agreed_in_a_row(self, peer_id: str) -> int:
         with self._lock:
@@ -98,6 +119,11 @@ class BanList:
         with self._lock:
             now = self._clock()
             return {peer for peer, record in self._records.items() if record.banned_until_s > now} | self._liars
+
+
+def _held_worth(_peer_id: str, held: dict[int, int]) -> float:
+    """A held-aside table entry is worth the records it holds (the longest kept, as `_agreed`'s)."""
+    return sum(held.values())
 
 
 def _ban_worth(record: _BanRecord, now: float) -> float:

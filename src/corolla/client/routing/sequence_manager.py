@@ -621,6 +621,11 @@ class RemoteSequenceManager:
         remember(self._input_compressions, peer_id, compression)
         return compression
 
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` began (work that outlives sessions starts no more: decision 0256)."""
+        return self._closed.is_set()
+
     def shutdown(self) -> None:
         self._closed.set()
         for hook in list(self.on_shutdown):

@@ -752,7 +752,8 @@ class InferenceSession:
         or the pair refuted). In the
         background: a referee held to its timeout does not hold the session (the session's close waits for it, as for
         its shadows; not for the later asks)."""
-        refuted_peers: set[str] = set()
+        refuted_peers: set[str] = set()  # (shared with the pairs asked again: a peer refuted once per race)
+        retries = retries_of(self.manager)  # (before any wait: taken while the client runs, ended by its shutdown)
         for pair, referees, ask in lost_pairs:
             try:
                 rechecked = await referees
@@ -774,21 +775,22 @@ class InferenceSession:
                 refuted_peers.update(pair)
             elif verdict == "unheard":
                 standing = [peer for peer in pair if trusted(self.manager, peer)]
-                spent, watch = [], None
+                spent: list[tuple[str, int]] = []
+                watch = None
                 if len(standing) < 2:
                     # one identity's standing lent to a fresh partner: spent, or the liar's pair would lose race after
                     # race for free, its standing kept for the next fresh partner; two of their own keep theirs (an
                     # honest pair framed by the winner's word, 0226's rule: two standings spend nothing). Held aside:
                     # a referee heard later that confirms the pair gives it back (decision 0253)
-                    for peer in standing:
-                        self.manager.bans.spend(peer)
-                    spent = standing
+                    spent = [(peer, self.manager.bans.spend(peer)) for peer in standing]
                     watch = self.manager.disputes.open(accused, pair, WATCH_S)  # their steps verified, nobody avoided
                 if standing:  # (a fresh pair's verdict costs it a watch only: no slot of the client's retries)
                     unheard = UnheardPair(
-                        blocks, tuple(pair), accused, winner, tuple(spent), watch, ask, self.race_events
+                        blocks, tuple(pair), accused, winner, tuple(spent), watch, ask, self.race_events, refuted_peers
                     )
-                    retries_of(self.manager).start(self.manager, unheard)
+                    if not retries.start(self.manager, unheard):
+                        for peer, spend_id in spent:  # (0248's verdict alone: spent for good)
+                            self.manager.bans.forfeit(peer, spend_id)
 
     async def _verify_last_step(self, span_session: SpanSession) -> None:
         """Has other servers of the span re-run its last step (a sampled step: `StepVerifier`, BadServerOutput for

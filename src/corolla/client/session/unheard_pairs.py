@@ -12,8 +12,9 @@ standings no longer escapes by silence). Still unheard after the last ask: 0248'
 
 Only a pair holding a standing is asked again (a fresh pair's "unheard" costs it a watch only, and a fresh pair costs
 the attacker nothing). Bounded: `len(RETRY_WAITS_S)` asks per pair and race at most, the whole within
-`RETRY_BOUND_S`; one job per pair at once and `RETRIES_MAX` per client (an attacker making pair after pair unheard
-gets the rest judged by 0248 alone).
+`RETRY_BOUND_S`; one job per pair at once, each held by a peer of standing of its pair that holds no other (k
+identities of standing make k(k-1)/2 pairs, and pairs cost nothing past the standings: decision 0256), and
+`RETRIES_MAX` per client (an attacker making pair after pair unheard gets the rest judged by 0248 alone).
 The jobs outlive their session, as its judgements do (decision 0245), and end when the client shuts down
 (`RemoteSequenceManager.on_shutdown`)."""
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from corolla.client import background_loop
 from corolla.client.routing.disputes import Dispute
@@ -44,26 +45,37 @@ CANCEL_TIMEOUT_S = 5.0  # the longest the client's shutdown waits for its jobs t
 @dataclass(frozen=True)
 class UnheardPair:
     """A pair judged "unheard" in a race for `blocks` that `winner` won, its trial agreeing with `accused`'s (the left
-    server's) earlier outputs: the standings its verdict spent (`BanList.spend`), its watch (None: not watched), the
-    pair's recheck to ask again (`pair_referee.referee_pair` with the race's inputs) and the session's race events,
-    where the re-judgement is recorded."""
+    server's) earlier outputs: the standings its verdict spent (each peer with its `BanList.spend` id), its watch
+    (None: not watched), the pair's recheck to ask again (`pair_referee.referee_pair` with the race's inputs), the
+    session's race events, where the re-judgement is recorded, and the peers the race refuted so far (shared by its
+    pairs: a peer is refuted once per race however many of its pairs lost, as 0238 judges them at once)."""
 
     blocks: tuple[int, int]
     pair: tuple[str, ...]
     accused: str
     winner: str
-    spent: tuple[str, ...]
+    spent: tuple[tuple[str, int], ...]
     watch: Dispute | None
     ask: Callable[[], Awaitable[Rechecked]]
     events: list[RaceEvent]
+    refuted: set[str] = field(default_factory=set, compare=False)
+
+    @property
+    def holders(self) -> tuple[str, ...]:
+        """The pair's peers whose standing it holds a retry slot by: the one it spent (lent to a fresh partner), else
+        both (two standings of their own, kept)."""
+        return tuple(peer for peer, _ in self.spent) or self.pair
 
 
 class UnheardRetries:
     """One client's jobs asking unheard pairs' referees again (`retries_of`); started on the client's loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, shut: bool = False) -> None:
         self._jobs: dict[frozenset[str], asyncio.Future[None]] = {}
-        self._shut = False
+        # each job's holder: a peer of standing of its pair that holds no other job (decision 0256: pairs cost the
+        # attacker nothing past the standings, and k identities of standing make k(k-1)/2 pairs)
+        self._held_by: dict[str, frozenset[str]] = {}
+        self._shut = shut
 
     @property
     def running(self) -> int:
@@ -71,20 +83,26 @@ class UnheardRetries:
 
     def start(self, manager: RemoteSequenceManager, unheard: UnheardPair) -> bool:
         """Starts asking `unheard`'s referees again; False (0248's verdict stands alone) where the client shut down,
-        a job for the same pair runs, or `RETRIES_MAX` do."""
+        a job for the same pair runs, every peer its slot could be held by (`UnheardPair.holders`) holds another
+        job, or `RETRIES_MAX` jobs run. One slot per standing: the attacker's k identities of standing hold k slots
+        at most, not one per pair of them (decision 0256)."""
         key = frozenset(unheard.pair)
-        if self._shut or key in self._jobs or len(self._jobs) >= RETRIES_MAX:
+        holder = next((peer for peer in unheard.holders if peer not in self._held_by), None)
+        if self._shut or key in self._jobs or holder is None or len(self._jobs) >= RETRIES_MAX:
             logger.info(
-                "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, shut=%s)",
-                _names(unheard.pair), len(self._jobs), key in self._jobs, self._shut,
+                "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, holders_busy=%s, shut=%s)",
+                _names(unheard.pair), len(self._jobs), key in self._jobs, holder is None, self._shut,
             )  # fmt: skip
             return False
         job = asyncio.ensure_future(self._retry(manager, unheard))
         self._jobs[key] = job
+        self._held_by[holder] = key
 
         def done(_: asyncio.Future[None]) -> None:
             if self._jobs.get(key) is job:
                 del self._jobs[key]
+            if self._held_by.get(holder) == key:
+                del self._held_by[holder]
 
         job.add_done_callback(done)
         return True
@@ -132,7 +150,8 @@ def retries_of(manager: RemoteSequenceManager) -> UnheardRetries:
     """The retry jobs of `manager`'s client (made at first use, ended by its shutdown)."""
     retries = _RETRIES.get(manager)
     if retries is None:
-        retries = _RETRIES[manager] = UnheardRetries()
+        # (a race's judgement may end after the client's shutdown, its first unheard pair judged then: no job)
+        retries = _RETRIES[manager] = UnheardRetries(shut=manager.closed)
         manager.on_shutdown.append(retries.cancel)
     return retries
 
@@ -157,20 +176,23 @@ def rejudge(manager: RemoteSequenceManager, unheard: UnheardPair, rechecked: Rec
     the winner's trial one more outside server that disagreed: "split" where a referee confirmed the pair (the
     standings "unheard" spent given back, its watch ended: nobody's word against the pair but the winner's, which
     may be the liar's); "refuted" where referees answered and none confirmed (both lose their standing and are
-    avoided, `witnesses.refuted`); "unheard" where none answered (0248's verdict stands). Recorded as a `rejudged`
-    race event; returns the verdict."""
+    avoided, `witnesses.refuted`, each once per race: `UnheardPair.refuted`); "unheard" where none answered (0248's
+    verdict stands: what it spent is lost for good). Recorded as a `rejudged` race event; returns the verdict."""
     if rechecked.verdict == "unchecked":
         verdict = "unheard"
     else:
         verdict = "split" if rechecked.confirmed_by else "refuted"
     if verdict != "unheard" and unheard.watch is not None:
         manager.disputes.close(unheard.watch)
-    if verdict == "split":
-        for peer in unheard.spent:
-            manager.bans.give_back(peer)
-    elif verdict == "refuted":
-        for peer in unheard.pair:
+    for peer, spend_id in unheard.spent:  # (this verdict's spend only: another race's on the same peer is its own)
+        if verdict == "split":
+            manager.bans.give_back(peer, spend_id)
+        else:
+            manager.bans.forfeit(peer, spend_id)
+    if verdict == "refuted":
+        for peer in set(unheard.pair) - unheard.refuted:
             refuted(manager, peer)  # standing lost (0208), avoided longer each time (0225)
+        unheard.refuted.update(unheard.pair)
     unheard.events.append(RaceEvent(unheard.blocks, "rejudged", unheard.pair, verdict))
     logger.info(
         "unheard_pairs.rejudged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
