@@ -95,6 +95,28 @@ def test_seven_identities_with_standing_do_not_hold_every_retry_slot():
     assert retries.running == 0
 
 
+def test_an_honest_peer_made_to_hold_the_attackers_job_keeps_a_slot_for_its_own():
+    """The attacker's La (standing) pairs with H1 (honest, standing) in a race, La computing honestly for the trial
+    (two standings, unheard: the honest outsiders kept busy for the round), and keeps the pair's referees silent:
+    the job is held by H1 (the pair's first peer); La holds another job of its own with Lb. H1, in a lent pair with a
+    fresh H2 next (its standing spent), then had no peer free to hold its job, refused (0248's drain) on 73a9d871's
+    first-free holder. Now the running jobs' holders move among their own pairs (La's job to Lb, H1's first job to
+    La): H1's own pair is asked again, and the attacker's 2 identities hold 2 slots."""
+    manager = _manager("H1", "H2", "La", "Lb")
+    vouch(manager, "H1", "La", "Lb")
+    _judge(manager, [(("La", "Lb"), _silent_for_good)])
+    _judge(manager, [(("H1", "La"), _silent_for_good)])
+    retries = retries_of(manager)
+    try:
+        assert retries.running == 2
+        _judge(manager, [(("H1", "H2"), _silent_for_good)])
+        assert retries.running == 3
+        _judge(manager, [(("Lb", "H1"), _silent_for_good)])  # (a third job on 2 identities: no slot)
+        assert retries.running == 3
+    finally:
+        manager.shutdown()
+
+
 def test_a_peer_in_several_pairs_of_one_race_is_refuted_once_when_asked_again():
     """0238 refutes a peer once per race however many of its pairs lost (`_judge_lost_pairs`'s `refuted_peers`).
     One racer agreeing with several others is in several pairs of one race (each later racer pairs with the first

@@ -73,8 +73,10 @@ class UnheardRetries:
     def __init__(self, shut: bool = False) -> None:
         self._jobs: dict[frozenset[str], asyncio.Future[None]] = {}
         # each job's holder: a peer of standing of its pair that holds no other job (decision 0256: pairs cost the
-        # attacker nothing past the standings, and k identities of standing make k(k-1)/2 pairs)
+        # attacker nothing past the standings, and k identities of standing make k(k-1)/2 pairs); the peers each
+        # job may be held by (`UnheardPair.holders`), so that a job is moved to another where a new one needs its
         self._held_by: dict[str, frozenset[str]] = {}
+        self._holders: dict[frozenset[str], tuple[str, ...]] = {}
         self._shut = shut
 
     @property
@@ -83,29 +85,48 @@ class UnheardRetries:
 
     def start(self, manager: RemoteSequenceManager, unheard: UnheardPair) -> bool:
         """Starts asking `unheard`'s referees again; False (0248's verdict stands alone) where the client shut down,
-        a job for the same pair runs, every peer its slot could be held by (`UnheardPair.holders`) holds another
-        job, or `RETRIES_MAX` jobs run. One slot per standing: the attacker's k identities of standing hold k slots
-        at most, not one per pair of them (decision 0256)."""
+        a job for the same pair runs, `RETRIES_MAX` jobs run, or no peer its slot could be held by
+        (`UnheardPair.holders`) is free, even with the running jobs' holders moved among their own pairs. One slot
+        per standing: the attacker's k identities of standing hold k slots at most, not one per pair of them, and
+        never one an honest peer's own job needs where its partner is free to hold it (decision 0256)."""
         key = frozenset(unheard.pair)
-        holder = next((peer for peer in unheard.holders if peer not in self._held_by), None)
-        if self._shut or key in self._jobs or holder is None or len(self._jobs) >= RETRIES_MAX:
+        refused = self._shut or key in self._jobs or len(self._jobs) >= RETRIES_MAX
+        if not refused:
+            self._holders[key] = unheard.holders
+            refused = not self._seat(key, set())
+            if refused:
+                del self._holders[key]
+        if refused:
             logger.info(
-                "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, holders_busy=%s, shut=%s)",
-                _names(unheard.pair), len(self._jobs), key in self._jobs, holder is None, self._shut,
+                "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, shut=%s)",
+                _names(unheard.pair), len(self._jobs), key in self._jobs, self._shut,
             )  # fmt: skip
             return False
         job = asyncio.ensure_future(self._retry(manager, unheard))
         self._jobs[key] = job
-        self._held_by[holder] = key
 
         def done(_: asyncio.Future[None]) -> None:
             if self._jobs.get(key) is job:
                 del self._jobs[key]
-            if self._held_by.get(holder) == key:
-                del self._held_by[holder]
+                del self._holders[key]
+                for peer in [peer for peer, held in self._held_by.items() if held == key]:
+                    del self._held_by[peer]
 
         job.add_done_callback(done)
         return True
+
+    def _seat(self, key: frozenset[str], seen: set[str]) -> bool:
+        """Gives job `key` a holder among its `_holders`: a free one, or one whose job can be moved to another peer
+        of its own (an augmenting path over at most `RETRIES_MAX` jobs); changes nothing where none can."""
+        for peer in self._holders[key]:
+            if peer in seen:
+                continue
+            seen.add(peer)
+            held = self._held_by.get(peer)
+            if held is None or self._seat(held, seen):
+                self._held_by[peer] = key
+                return True
+        return False
 
     async def _retry(self, manager: RemoteSequenceManager, unheard: UnheardPair) -> None:
         try:
