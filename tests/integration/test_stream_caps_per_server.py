@@ -109,7 +109,9 @@ def test_a_peer_whose_streams_follow_each_other_over_handler_processes_is_never_
     """One peer's 6 MiB messages one after the other (10 MiB per-peer cap: it never holds two), each stream placed
     by p2pd in either handler process: the loan the last one left idle in the other process is recalled before a
     refusal (decision 0167). With 0161 alone, a stream that came to the other process within ~1 s of the last one's
-    end was refused with max_stream_bytes_per_peer although the server held none of the peer's bytes."""
+    end was refused with max_stream_bytes_per_peer although the server held none of the peer's bytes. Its verdict
+    waits on events only: each stream starts once the server answered the last, and the recall waits for the
+    process's answer however late a loaded host lets it come (decision 0252)."""
     loans = server.service.core.stream_loans
     assert loans is not None
     assert wait_until(lambda: loans.total_bytes == 0 and not loans.per_peer, 10)  # (the other test's streams gone)

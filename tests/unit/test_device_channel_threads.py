@@ -134,6 +134,23 @@ async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(bac
     assert _channel_threads() == []
 
 
+async def test_a_stream_loan_recall_is_answered_by_a_dead_handler_process_s_end_and_not_sent_to_a_gone_one(
+    backend,
+) -> None:
+    """The core waits for a recall's answer however long (decision 0252): a handler process that dies before it
+    answers answers it by its end, and one already gone is not asked (nothing would ever answer)."""
+    async with served_channel(backend, SPAN) as (_, channel, serving, link):
+        asked = asyncio.Event()
+        link.notes["recall_stream"] = (tuple[int, str, int, int, int], lambda *_: asked.set())  # (never answers)
+        recall = asyncio.ensure_future(channel.recall_streams("a", 1, 0, 0))
+        await asyncio.wait_for(asked.wait(), 10)
+        assert not recall.done()  # (its answer is waited for)
+        link.writer.transport.abort()  # the handler process dies
+        await asyncio.wait_for(recall, 10)
+        await asyncio.wait_for(asyncio.shield(serving), 10)
+        await asyncio.wait_for(channel.recall_streams("a", 1, 0, 0), 10)
+
+
 async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything_is_queued(backend) -> None:
     runtime = Runtime(max_batch_size_tokens=1024)  # never started: nothing would run
     config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from unittest import mock
 
 import pytest
 
@@ -81,6 +82,48 @@ def test_a_loan_idle_in_one_process_is_recalled_before_another_process_is_refuse
         # each process was asked for the shortfall (300) and gave it from its idle loans, a's in one, b's in two
         assert one.lent == {"a": 100, "c": 400} and two.lent == {"a": 600, "b": 200}
         assert loans.total_bytes == 1300 and loans.num_recalls == 2
+
+    asyncio.run(go())
+
+
+class PausedCore(Core):
+    """A handler process whose loop is paused (a loaded host starves it): it is asked back its loans (`asked`) and
+    answers only once the test lets it run again (`resumed`)."""
+
+    def __init__(self, loans: StreamLoans):
+        super().__init__(loans)
+        self.asked, self.resumed = asyncio.Event(), asyncio.Event()
+
+    async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
+        self.asked.set()
+        await self.resumed.wait()
+        await super().recall_streams(peer, peer_bytes, any_bytes, reclaim_bytes)
+
+
+def test_a_loan_idle_in_a_paused_process_is_waited_for_however_long_the_pause():
+    """The process holding a peer's idle loan answers the recall late, after an hour of the loop's clock (skipped, not
+    slept): the other process's loan waits for that answer and is lent, never refused for the pause. Before 0252 a
+    3 s wait (`RECALL_WAIT_S`) refused it: a peer whose streams follow each other, on a loaded host."""
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        clock, skipped = loop.time, [0.0]
+        with mock.patch.object(loop, "time", lambda: clock() + skipped[0]):
+            loans = StreamLoans(LIMITS)
+            paused = PausedCore(loans)
+            one, two = LentStreamBudget(LIMITS, paused), LentStreamBudget(LIMITS, Core(loans))
+            done = one.lease("a")
+            await charged(done, 600)
+            done.close()  # a's stream in one ended: 600 of a lent there, idle
+            follows = asyncio.ensure_future(charged(two.lease("a"), 600))
+            await paused.asked.wait()
+            skipped[0] += 3600.0  # (every timer of the loop comes due)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not follows.done()  # still waiting for the paused process's answer
+            paused.resumed.set()
+            await asyncio.wait_for(follows, 5)
+            assert one.lent == {"a": 400} and two.lent == {"a": 600} and loans.per_peer == {"a": 1000}
 
     asyncio.run(go())
 

@@ -17,9 +17,6 @@ from corolla.server.core.peer_bytes import ByteCap, PeerBytes
 # streaming holds its loan up to twice this long unless another process needs it (a recall); a process whose peer
 # streams on keeps its loan (no round trip a message)
 LOAN_REBALANCE_S = 0.5
-# how long a loan past the caps waits for the other processes to give back their idle loans (a recall) before it is
-# refused: a process that answers late (a paused loop, 1-2 s on a loaded host) costs a wait, not a refusal (0227)
-RECALL_WAIT_S = 6 * LOAN_REBALANCE_S
 
 
 def stream_caps(limits: PeerLimits) -> tuple[ByteCap, ByteCap]:
@@ -41,7 +38,7 @@ class LoanHolder(Protocol):
         """Asks the process to give back up to `peer_bytes` of `peer`'s loan it does not use, then its other idle
         loans up to `any_bytes` in all (`peer`'s counted), then, short of `reclaim_bytes`, the loans of other peers'
         streams it cuts for their slow messages (`StreamBudget.reclaim`); returns once it answered (its repayments
-        counted before)."""
+        counted before), or once it ended (what it held given back: `StreamLoans.forget`)."""
         ...
 
 
@@ -88,9 +85,12 @@ class StreamLoans(PeerBytes):
         self.num_recalls += 1
         recalls = [asyncio.ensure_future(ask) for ask in asks]
         try:
-            await asyncio.wait(recalls, timeout=RECALL_WAIT_S)
+            # every answer, however late: a process answers as soon as its loop runs, or ends (and its loans come
+            # back); a clock here refused a peer whose streams follow each other when a loaded host paused the idle
+            # loan's process past it (decision 0252)
+            await asyncio.wait(recalls)
         finally:
-            for recall in recalls:  # (late, or the borrower gone meanwhile: nobody waits for them)
+            for recall in recalls:  # (the borrower gone meanwhile: nobody waits for them)
                 recall.cancel()
         return True
 

@@ -899,13 +899,15 @@ class DeviceChannel:
 
     async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
         """Asks the handler process back for idle stream loans (`stream_loans.LoanHolder`): a "recall_stream" note,
-        answered by its "recalled" after its repayments."""
+        answered by its "recalled" after its repayments, or by the channel's end (`_end_all`); returns at once where
+        the note cannot be sent (the channel is ending: its loans come back without an answer)."""
         recall = next(self._recall_ids)
         answered = asyncio.get_running_loop().create_future()
-        self._recalls[recall] = answered
+        self._recalls[recall] = answered  # (before the note: an end that comes after it answers this one too)
         try:
-            self.send(wire.NOTE, 0, wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes, reclaim_bytes)))
-            await answered
+            note = wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes, reclaim_bytes))
+            if self.io.send_frames([note.frame(wire.NOTE, 0)]):  # (False once shut down: no answer is coming)
+                await answered
         finally:
             self._recalls.pop(recall, None)
 
