@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
-from corolla.server.core.stream_loans import LoanPending, StreamLoans
+from corolla.server.core.stream_loans import RECALL_WAIT_MAX_S, LoanPending, StreamLoans
 from corolla.server.front.lent_stream_budget import LentStreamBudget
 from helpers.lent_streams import Core, charged
 
@@ -100,10 +100,12 @@ class PausedCore(Core):
         await super().recall_streams(peer, peer_bytes, any_bytes, reclaim_bytes)
 
 
-def test_a_loan_idle_in_a_paused_process_is_waited_for_however_long_the_pause():
-    """The process holding a peer's idle loan answers the recall late, after an hour of the loop's clock (skipped, not
-    slept): the other process's loan waits for that answer and is lent, never refused for the pause. Before 0252 a
-    3 s wait (`RECALL_WAIT_S`) refused it: a peer whose streams follow each other, on a loaded host."""
+@pytest.mark.parametrize("pause_s", [30.0, RECALL_WAIT_MAX_S + 1.0])
+def test_a_loan_idle_in_a_paused_process_is_waited_for_up_to_a_wedged_process_s_bound(pause_s: float):
+    """The process holding a peer's idle loan answers the recall late, after `pause_s` of the loop's clock (skipped,
+    not slept): within `RECALL_WAIT_MAX_S` the other process's loan waits for that answer and is lent, never refused
+    for the pause (before 0252 a 3 s wait refused it: a peer whose streams follow each other, on a loaded host); past
+    it the process is wedged and the loan is refused with the cap's reason, not kept waiting for good."""
 
     async def go() -> None:
         loop = asyncio.get_running_loop()
@@ -117,13 +119,19 @@ def test_a_loan_idle_in_a_paused_process_is_waited_for_however_long_the_pause():
             done.close()  # a's stream in one ended: 600 of a lent there, idle
             follows = asyncio.ensure_future(charged(two.lease("a"), 600))
             await paused.asked.wait()
-            skipped[0] += 3600.0  # (every timer of the loop comes due)
+            skipped[0] += pause_s  # (every timer of the loop due by then comes due)
             for _ in range(20):
                 await asyncio.sleep(0)
-            assert not follows.done()  # still waiting for the paused process's answer
-            paused.resumed.set()
-            await asyncio.wait_for(follows, 5)
-            assert one.lent == {"a": 400} and two.lent == {"a": 600} and loans.per_peer == {"a": 1000}
+            if pause_s < RECALL_WAIT_MAX_S:
+                assert not follows.done()  # still waiting for the paused process's answer
+                paused.resumed.set()
+                await asyncio.wait_for(follows, 5)
+                assert one.lent == {"a": 400} and two.lent == {"a": 600} and loans.per_peer == {"a": 1000}
+            else:
+                with pytest.raises(PeerLimitExceeded, match="max_stream_bytes_per_peer"):
+                    await asyncio.wait_for(follows, 5)
+                assert two.lent == {} and loans.per_peer == {"a": 600}
+                paused.resumed.set()
 
     asyncio.run(go())
 

@@ -17,6 +17,10 @@ from corolla.server.core.peer_bytes import ByteCap, PeerBytes
 # streaming holds its loan up to twice this long unless another process needs it (a recall); a process whose peer
 # streams on keeps its loan (no round trip a message)
 LOAN_REBALANCE_S = 0.5
+# the longest a loan past the caps waits for the processes asked to give back their idle loans: a paused loop answers
+# within seconds however loaded the host (decision 0252: no shorter clock), a process whose loop has not run for a
+# minute is wedged, and the peer is refused as if nobody held anything to give back, not kept waiting for good
+RECALL_WAIT_MAX_S = 60.0
 
 
 def stream_caps(limits: PeerLimits) -> tuple[ByteCap, ByteCap]:
@@ -85,10 +89,10 @@ class StreamLoans(PeerBytes):
         self.num_recalls += 1
         recalls = [asyncio.ensure_future(ask) for ask in asks]
         try:
-            # every answer, however late: a process answers as soon as its loop runs, or ends (and its loans come
-            # back); a clock here refused a peer whose streams follow each other when a loaded host paused the idle
-            # loan's process past it (decision 0252)
-            await asyncio.wait(recalls)
+            # every answer up to a wedged process's bound: a process answers as soon as its loop runs, or ends (and
+            # its loans come back); a 3 s clock here refused a peer whose streams follow each other when a loaded
+            # host paused the idle loan's process past it (decision 0252)
+            await asyncio.wait(recalls, timeout=RECALL_WAIT_MAX_S)
         finally:
             for recall in recalls:  # (the borrower gone meanwhile: nobody waits for them)
                 recall.cancel()
