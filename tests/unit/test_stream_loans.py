@@ -6,6 +6,7 @@ its peers did not use while keeping a streaming peer's loan."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from unittest import mock
 
@@ -227,3 +228,42 @@ def test_a_lone_peer_keeps_the_reserve_and_peers_within_their_share_may_fill_it(
     with pytest.raises(ServerLimitExceeded, match=r"max_stream_bytes_total=1500; retry later"):
         loans.take("c", 1)
     assert loans.total_bytes == 1500
+
+
+@pytest.mark.parametrize("presser", [False, True])
+def test_a_loan_is_taken_once_the_answers_so_far_freed_its_room_not_after_the_slowest_process(presser: bool):
+    """Decision 0257 (review of 0252). A recall at the total asks every process holding any loan; one answers at once
+    with room enough, another is paused (a loop a hostile peer keeps busy, or a loaded host). On main the borrower
+    waited for the paused process's answer (up to `RECALL_WAIT_MAX_S`, 60 s) though the room was there, and meanwhile
+    that room was anyone's: another peer's message (`presser`, within the caps: no recall) took it, and the honest
+    borrower was refused once the paused process answered. Now the loan is taken as soon as the answers so far
+    freed its room; the paused process's answer is not waited for."""
+
+    async def go() -> None:
+        loans = StreamLoans(LIMITS)
+        quick, paused = Core(loans), PausedCore(loans)
+        one, slow, two = LentStreamBudget(LIMITS, quick), LentStreamBudget(LIMITS, paused), LentStreamBudget(
+            LIMITS, Core(loans)
+        )
+        for budget, peer, nbytes in ((one, "b", 600), (slow, "c", 400)):
+            ended = budget.lease(peer)
+            await charged(ended, nbytes)
+            ended.close()  # idle there until its rebalance
+        await charged(two.lease("d"), 500)  # held: 1500 of 1600 lent
+        honest = asyncio.ensure_future(charged(two.lease("h"), 500))  # 400 short of the total: a recall
+        await paused.asked.wait()
+        for _ in range(20):  # (the quick process's answer, not the paused one's)
+            await asyncio.sleep(0)
+        # another peer's message within the caps takes whatever room is free, with no recall (main: the room freed
+        # for the borrower); now it finds the total full and waits for a recall of its own
+        presses = asyncio.ensure_future(charged(one.lease("q"), 500) if presser else asyncio.sleep(0))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert honest.done(), "the borrower waits for the paused process though its room came back"
+        paused.resumed.set()
+        await asyncio.wait_for(honest, 5)  # lent, not refused
+        with contextlib.suppress(ServerLimitExceeded):
+            await asyncio.wait_for(presses, 5)
+        assert loans.per_peer["h"] == 500 and loans.total_bytes <= 1600
+
+    asyncio.run(go())

@@ -64,14 +64,14 @@ class StreamLoans(PeerBytes):
             self.take(peer, nbytes)
         except (PeerLimitExceeded, ServerLimitExceeded):
             if not await self._recall(holder, peer, nbytes):
-                raise
-            self.take(peer, nbytes)  # refused again: every process uses what it holds
+                self.take(peer, nbytes)  # refused again: every process asked uses what it holds
         loans = self.holders.setdefault(holder, {})
         loans[peer] = loans.get(peer, 0) + nbytes
 
     async def _recall(self, borrower: LoanHolder, peer: str, nbytes: int) -> bool:
-        """Asks back the idle loans that stand between `peer`'s loan of `nbytes` and the caps; False: nobody holds
-        any that could (refused at once)."""
+        """Asks back the idle loans that stand between `peer`'s loan of `nbytes` and the caps, and takes the loan as
+        soon as the answers so far freed its room (True); False: nobody holds any that could (at once), or every
+        process answered and the room is still short, or the wedged process's bound passed."""
         per_peer_cap, total_cap = self.per_peer_cap.limit_bytes, self.total_limit_bytes(peer, nbytes)
         peer_short = max(0, self.per_peer.get(peer, 0) + nbytes - per_peer_cap) if per_peer_cap else 0
         total_short = max(0, self.total_bytes + nbytes - total_cap) if total_cap else 0
@@ -87,15 +87,34 @@ class StreamLoans(PeerBytes):
         if not asks:
             return False
         self.num_recalls += 1
-        recalls = [asyncio.ensure_future(ask) for ask in asks]
+        recalls = {asyncio.ensure_future(ask) for ask in asks}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RECALL_WAIT_MAX_S
         try:
-            # every answer up to a wedged process's bound: a process answers as soon as its loop runs, or ends (and
+            # the answers up to a wedged process's bound: a process answers as soon as its loop runs, or ends (and
             # its loans come back); a 3 s clock here refused a peer whose streams follow each other when a loaded
-            # host paused the idle loan's process past it (decision 0252)
-            await asyncio.wait(recalls, timeout=RECALL_WAIT_MAX_S)
+            # host paused the idle loan's process past it (decision 0252). The loan is taken at the first answer
+            # that makes room: waiting for the slowest process left the room freed by the others to anyone's next
+            # message meanwhile, and the borrower refused at the end (decision 0257)
+            while recalls:
+                answered, recalls = await asyncio.wait(
+                    recalls, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not answered:
+                    return False
+                if self._taken(peer, nbytes):
+                    return True
         finally:
-            for recall in recalls:  # (the borrower gone meanwhile: nobody waits for them)
+            for recall in recalls:  # (taken, past the bound, or the borrower gone: nobody waits for the rest)
                 recall.cancel()
+        return False
+
+    def _taken(self, peer: str, nbytes: int) -> bool:
+        """Takes `peer`'s `nbytes` if the caps let them in now (no refusal raised)."""
+        try:
+            self.take(peer, nbytes)
+        except (PeerLimitExceeded, ServerLimitExceeded):
+            return False
         return True
 
     def repay(self, holder: LoanHolder, peer: str, nbytes: int) -> None:
