@@ -241,10 +241,8 @@ def test_a_loan_is_taken_once_the_answers_so_far_freed_its_room_not_after_the_sl
 
     async def go() -> None:
         loans = StreamLoans(LIMITS)
-        quick, paused = Core(loans), PausedCore(loans)
-        one, slow, two = LentStreamBudget(LIMITS, quick), LentStreamBudget(LIMITS, paused), LentStreamBudget(
-            LIMITS, Core(loans)
-        )
+        paused = PausedCore(loans)
+        one, slow, two = (LentStreamBudget(LIMITS, core) for core in (Core(loans), paused, Core(loans)))
         for budget, peer, nbytes in ((one, "b", 600), (slow, "c", 400)):
             ended = budget.lease(peer)
             await charged(ended, nbytes)
