@@ -593,9 +593,10 @@ class DeviceChannel:
             NOT_DRAINING if deadline is None else deadline,
         )  # fmt: skip
 
-    def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
-        """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
-        self.io.send_frames([body.frame(kind, request_id)])
+    def send(self, kind: int, request_id: int, body: wire.Writer) -> bool:
+        """Sends one frame from any thread (a blocking `sendall` under the socket's lock); False once the channel is
+        shut down (`FrameSocket.send_frames`)."""
+        return self.io.send_frames([body.frame(kind, request_id)])
 
     def _queue_results(self, results: list[StepReply]) -> None:
         with self._outbox_lock:
@@ -906,7 +907,7 @@ class DeviceChannel:
         self._recalls[recall] = answered  # (before the note: an end that comes after it answers this one too)
         try:
             note = wire.named("recall_stream", (recall, peer, peer_bytes, any_bytes, reclaim_bytes))
-            if self.io.send_frames([note.frame(wire.NOTE, 0)]):  # (False once shut down: no answer is coming)
+            if self.send(wire.NOTE, 0, note):  # (False once shut down: no answer is coming)
                 await answered
         finally:
             self._recalls.pop(recall, None)
