@@ -39,7 +39,7 @@ from corolla.client.session.replacement_race import (
 from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
-from corolla.client.session.unheard_pairs import UnheardPair, retries_of
+from corolla.client.session.unheard_pairs import UnheardPair, lost_pair_verdict, names, refute_once, retries_of
 from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
 from corolla.client.verification.pair_referee import referee_pair
 from corolla.client.verification.range_dispute import Produced, producer_failure
@@ -760,19 +760,14 @@ class InferenceSession:
             except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
                 logger.warning("inference_session.lost_pair_unjudged(pair=%s, error=%r)", pair, e)
                 continue
-            if rechecked.verdict == "unchecked":
-                verdict = "unheard"
-            else:
-                verdict = "split" if rechecked.confirmed_by else "refuted"
+            verdict = lost_pair_verdict(rechecked)
             self.race_events.append(RaceEvent(blocks, "judged", tuple(pair), verdict))
             logger.info(
                 "inference_session.lost_pair_judged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
-                *blocks, ", ".join("..." + peer[-6:] for peer in pair), winner[-6:], rechecked.verdict, verdict,
+                *blocks, names(pair), winner[-6:], rechecked.verdict, verdict,
             )  # fmt: skip
             if verdict == "refuted":
-                for peer in set(pair) - refuted_peers:
-                    refuted(self.manager, peer)  # standing lost (0208), avoided longer each time (0225)
-                refuted_peers.update(pair)
+                refute_once(self.manager, pair, refuted_peers)
             elif verdict == "unheard":
                 standing = [peer for peer in pair if trusted(self.manager, peer)]
                 spent: list[tuple[str, int]] = []

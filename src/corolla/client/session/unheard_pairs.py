@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from corolla.client import background_loop
@@ -99,7 +99,7 @@ class UnheardRetries:
         if refused:
             logger.info(
                 "unheard_pairs.not_retried(pair=%s, running=%d, same_pair=%s, shut=%s)",
-                _names(unheard.pair), len(self._jobs), key in self._jobs, self._shut,
+                names(unheard.pair), len(self._jobs), key in self._jobs, self._shut,
             )  # fmt: skip
             return False
         job = asyncio.ensure_future(self._retry(manager, unheard))
@@ -185,7 +185,7 @@ async def _ask_again(manager: RemoteSequenceManager, unheard: UnheardPair) -> Re
         try:
             rechecked = await unheard.ask()
         except Exception as e:  # (`recheck` counts a referee's failure as silence: not expected)
-            logger.warning("unheard_pairs.ask_failed(pair=%s, error=%r)", _names(unheard.pair), e)
+            logger.warning("unheard_pairs.ask_failed(pair=%s, error=%r)", names(unheard.pair), e)
             continue
         if rechecked.verdict != "unchecked":
             return rechecked
@@ -199,10 +199,7 @@ def rejudge(manager: RemoteSequenceManager, unheard: UnheardPair, rechecked: Rec
     may be the liar's); "refuted" where referees answered and none confirmed (both lose their standing and are
     avoided, `witnesses.refuted`, each once per race: `UnheardPair.refuted`); "unheard" where none answered (0248's
     verdict stands: what it spent is lost for good). Recorded as a `rejudged` race event; returns the verdict."""
-    if rechecked.verdict == "unchecked":
-        verdict = "unheard"
-    else:
-        verdict = "split" if rechecked.confirmed_by else "refuted"
+    verdict = lost_pair_verdict(rechecked)
     if verdict != "unheard" and unheard.watch is not None:
         manager.disputes.close(unheard.watch)
     for peer, spend_id in unheard.spent:  # (this verdict's spend only: another race's on the same peer is its own)
@@ -211,16 +208,31 @@ def rejudge(manager: RemoteSequenceManager, unheard: UnheardPair, rechecked: Rec
         else:
             manager.bans.forfeit(peer, spend_id)
     if verdict == "refuted":
-        for peer in set(unheard.pair) - unheard.refuted:
-            refuted(manager, peer)  # standing lost (0208), avoided longer each time (0225)
-        unheard.refuted.update(unheard.pair)
+        refute_once(manager, unheard.pair, unheard.refuted)
     unheard.events.append(RaceEvent(unheard.blocks, "rejudged", unheard.pair, verdict))
     logger.info(
         "unheard_pairs.rejudged(blocks=%d:%d, pair=%s, winner=...%s, referees=%s): %s",
-        *unheard.blocks, _names(unheard.pair), unheard.winner[-6:], rechecked.verdict, verdict,
+        *unheard.blocks, names(unheard.pair), unheard.winner[-6:], rechecked.verdict, verdict,
     )  # fmt: skip
     return verdict
 
 
-def _names(peers: tuple[str, ...]) -> str:
+def lost_pair_verdict(rechecked: Rechecked) -> str:
+    """A lost race pair's verdict by its referees' recheck (decisions 0238, 0248): "unheard" where none answered,
+    "split" where one confirmed the pair, else "refuted"."""
+    if rechecked.verdict == "unchecked":
+        return "unheard"
+    return "split" if rechecked.confirmed_by else "refuted"
+
+
+def refute_once(manager: RemoteSequenceManager, pair: Sequence[str], refuted_peers: set[str]) -> None:
+    """Refutes `pair`'s peers not in `refuted_peers` (the race's so far) and adds them: standing lost (0208), avoided
+    longer each time (0225), once per race however many of its pairs lost (0238, 0256)."""
+    for peer in set(pair) - refuted_peers:
+        refuted(manager, peer)
+    refuted_peers.update(pair)
+
+
+def names(peers: Sequence[str]) -> str:
+    """Peer ids as their last six characters, for logs."""
     return ", ".join("..." + peer[-6:] for peer in peers)
