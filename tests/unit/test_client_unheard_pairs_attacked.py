@@ -70,6 +70,17 @@ async def _silent() -> Rechecked:
     return UNCHECKED
 
 
+def _confirming_once(confirm: threading.Event) -> Callable[[], Awaitable[Rechecked]]:
+    """A pair's recheck that an outside referee (S3) confirms once `confirm` is set."""
+
+    async def confirming_later() -> Rechecked:
+        while not confirm.is_set():
+            await asyncio.sleep(0.01)
+        return Rechecked("confirmed", (("S3",),))
+
+    return confirming_later
+
+
 def test_seven_identities_with_standing_do_not_hold_every_retry_slot():
     """0253 says a retry slot costs the attacker a standing spent (lent) or held (two of its own). The jobs were one
     per pair, and 7 identities with standing (S0..S6, on blocks no honest server holds: their referees are theirs,
@@ -150,11 +161,7 @@ def test_a_split_gives_back_what_its_own_race_spent_not_another_races():
     steps = manager.config.witness_standing_steps
     vouch(manager, "S1")
     confirm = threading.Event()
-
-    async def confirming_later() -> Rechecked:
-        while not confirm.is_set():
-            await asyncio.sleep(0.01)
-        return Rechecked("confirmed", (("S3",),))
+    confirming_later = _confirming_once(confirm)
 
     race_a = _judge(manager, [(("S1", "F1"), confirming_later)])
     assert manager.bans.agreed_in_a_row("S1") == 0
@@ -174,11 +181,7 @@ def test_a_split_after_a_refutation_elsewhere_gives_nothing_back():
     manager = _manager("S1", "F1")
     vouch(manager, "S1")
     confirm = threading.Event()
-
-    async def confirming_later() -> Rechecked:
-        while not confirm.is_set():
-            await asyncio.sleep(0.01)
-        return Rechecked("confirmed", (("S3",),))
+    confirming_later = _confirming_once(confirm)
 
     race = _judge(manager, [(("S1", "F1"), confirming_later)])
     vouch(manager, "S1")  # earned again meanwhile
