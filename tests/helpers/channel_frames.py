@@ -1,4 +1,5 @@
-"""A device channel for tests: one served over a socket pair (`served_channel`), blocking reads of its frames (the
+"""A device channel for tests: one served over a socket pair (`served_channel`; several sharing one core and one
+intake as a handler pool's do: `served_channels`), blocking reads of its frames (the
 server reads them from its intake thread), a batch payload built item by item (`batch_payload`), and a session opened
 through a handler process's seam to the core with the caps off."""
 
@@ -18,7 +19,7 @@ from corolla.server.core.executor import SessionCache, SessionSpec
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers.device_channel import DeviceChannel, FrameSocket
+from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel, FrameSocket
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 
 # a core whose admission caps nothing (0 disables a cap): tests of the work, not of fair use
@@ -76,3 +77,33 @@ async def served_channel(
         finally:
             await link.close()
             await asyncio.wait_for(serving, 10)
+
+
+@contextlib.asynccontextmanager
+async def served_channels(
+    backend: SpanBackend, span: Sequence[int], count: int
+) -> AsyncIterator[tuple[EngineExecutor, list[DeviceChannel], list[asyncio.Task[None]], list[DeviceLink]]]:
+    """`count` channels as `served_channel`'s, over one executor and one `SpanCore`, read by one `ChannelIntake` (a
+    handler pool's layout); yields (executor, channels, their serving tasks, their handler ends' links)."""
+    with Runtime(max_batch_size_tokens=1024) as runtime, ChannelIntake() as intake:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in span], config), runtime)
+        core = SpanCore(real, NO_CAPS)
+        channels, servings, links = [], [], []
+        try:
+            for index in range(count):
+                device_end, handler_end = socket.socketpair()
+                channel = DeviceChannel(
+                    index, device_end, executor=real, core=core, span=tuple(span), max_frame_bytes=1 << 20,
+                    intake=intake,
+                )  # fmt: skip
+                channels.append(channel)
+                servings.append(asyncio.create_task(channel.serve()))
+                links.append(await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end)))
+            yield real, channels, servings, links
+        finally:
+            for link in links:
+                await link.close()
+            for channel in channels:
+                channel.close()
+            await asyncio.wait_for(asyncio.gather(*servings, return_exceptions=True), 10)

@@ -2,17 +2,21 @@
 frames (`protocol.channel_frames`) against the executor and the server's one `SpanCore`, re-checking only what a frame
 can get wrong by itself (sizes, handles, block ranges, argument types). Calls and notes run in the event loop; steps
 skip it: one intake thread reads every channel (`ChannelIntake`, decision 0004) and queues a frame's decode steps as
-ONE runtime task, and the runtime thread sends each channel one REPLY_BATCH per merged forward (decision 0003)."""
+ONE runtime task, and the runtime thread sends each channel one REPLY_BATCH per merged forward (decision 0003). No send
+blocks its sender: what the socket does not take at once waits in the channel's backlog, which the intake thread
+drains; a handler process that stops reading is declared dead past a byte cap or a stall bound (decision 0258)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,23 +58,55 @@ NOT_DRAINING = math.nan
 
 INITIAL_BUFFER_BYTES = 1 << 16
 
+# A handler process that has taken none of the bytes waiting for it this long is wedged (stopped, a loop that never
+# returns, a bug), not slow: a live one's loop reads its channel between any two callbacks, and the pauses a loaded
+# host gives it are seconds (decision 0252 injected 1-5 s). Its channel is declared dead (decision 0258).
+WRITE_STALL_S = 30.0
+# The bytes a channel may hold back for a process that reads slower than the core writes: at least this, and at
+# least BACKLOG_FRAMES frames at the bound (a KV export's reply behind a forward's). The replies a live process waits
+# for are bounded by its requests (the stream byte caps it is lent, 128 MiB by default), so more than this is a
+# process that has fallen behind for good, and holding it would grow the device process's memory without bound.
+BACKLOG_MIN_BYTES = 256 << 20
+BACKLOG_FRAMES = 2
+# What one drain turn of the intake thread copies at most while it holds a channel's send lock: a sender waiting for
+# that lock waits for this much of a copy into the socket, not for a whole backlog (a process reading as fast as the
+# core writes would otherwise keep the lock taken).
+DRAIN_TURN_BYTES = 4 << 20
+
+
+class ChannelStalled(wire.ChannelClosed):
+    """The handler process stopped reading its channel: its backlog passed its cap, or it took nothing for
+    `WRITE_STALL_S`. The channel ends as if the process died (decision 0258)."""
+
 
 class FrameSocket:
     """One end of a stream socket carrying `protocol.channel_frames` frames: non-blocking `recv_into`s into one reused
-    buffer (frames that arrived together parsed out of one syscall), whole frames sent under one lock."""
+    buffer (frames that arrived together parsed out of one syscall), whole frames sent under one lock, never waiting
+    for the other end: what the socket does not take at once waits in a backlog (in order, ahead of later frames)
+    that a drainer (`ChannelIntake`) sends when the socket takes bytes again (`drain`). A backlog past
+    `max_backlog_bytes`, or one the other end took nothing of for `stall_s`, ends the socket (`failure`)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int):
         if max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
-        sock.setblocking(True)
+        sock.setblocking(True)  # reads and writes say MSG_DONTWAIT where they must not wait (all but a test's read)
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
+        self.max_backlog_bytes = max(BACKLOG_MIN_BYTES, BACKLOG_FRAMES * max_frame_bytes)
+        self.stall_s = WRITE_STALL_S
         self._buffer = bytearray(min(INITIAL_BUFFER_BYTES, max_frame_bytes))
         self._start = 0  # received bytes not parsed yet: self._buffer[self._start : self._end]
         self._end = 0
         self._send_lock = threading.Lock()
-        self.closed = False  # set under the send lock
-        self.frames_sent = 0  # counted under the send lock
+        self.closed = False  # no more frames taken (closed, or declared dead); set under the send lock
+        self.frames_sent = 0  # frames taken (sent or in the backlog), counted under the send lock
+        self.failure: ChannelStalled | None = None  # why the socket was declared dead; set once, under the send lock
+        # under the send lock: what the socket has not taken yet, oldest first, their bytes, and when the other end
+        # last took any of it (`time.monotonic`; the backlog's start when it took nothing yet)
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self._backlog_bytes = 0
+        self._taken_at = 0.0
+        self._on_backlog: Callable[[], None] | None = None  # wakes the drainer when a backlog starts (`attach`)
 
     def _header(self) -> tuple[int, int, int] | None:
         """(length, kind, request id) of the next frame if its header is buffered, checked against the bounds
@@ -125,19 +161,109 @@ class FrameSocket:
         return n
 
     def send_frames(self, frames: list[bytes]) -> bool:
-        """Sends whole frames in order (never interleaved with another thread's); False if the socket is closed or
-        the other end is gone (the reader sees that end and ends the channel)."""
+        """Takes whole frames in order (never interleaved with another thread's) and returns at once: sent now as far
+        as the socket takes them when nothing is waiting before them, else after what is. False if the socket is
+        closed, declared dead (now too: the backlog passed its cap), or the other end is gone (the reader sees that
+        end and ends the channel)."""
+        wake: Callable[[], None] | None = None
         with self._send_lock:
             if self.closed:
                 return False
+            self.frames_sent += len(frames)
+            if self._backlog:
+                sent = 0  # behind what waits already: all of them wait
+            else:
+                try:
+                    sent = self._send_now(frames)
+                except OSError as e:
+                    logger.debug(f"device_channel.intake_send_failed(error={e!r})")
+                    return False
+                if sent == len(frames) and not self._backlog:
+                    return True  # the usual case: the socket took them whole, nothing to hand over
+                self._taken_at = time.monotonic()  # the stall clock starts with the backlog
+                wake = self._on_backlog
+            for frame in frames[sent:]:
+                self._backlog.append(memoryview(frame))
+                self._backlog_bytes += len(frame)
+            if self._backlog_bytes > self.max_backlog_bytes:  # (its reader sees the end and ends the channel)
+                self._declare_dead(f"backlog cap: {self._backlog_bytes} bytes not read, {self.max_backlog_bytes} taken")
+            taken = not self.closed
+        if wake is not None:
+            wake()
+        return taken
+
+    def _send_now(self, frames: list[bytes]) -> int:
+        """Sends frames as far as the socket takes them now (one syscall a frame, as `sendall` made); the number of
+        frames done with: sent whole, or the last of them partly, its rest put in the backlog. Under the send lock,
+        with the backlog empty."""
+        for i, frame in enumerate(frames):
             try:
-                for frame in frames:
-                    self.sock.sendall(frame)
-                    self.frames_sent += 1
-            except OSError as e:
-                logger.debug(f"device_channel.intake_send_failed(error={e!r})")
-                return False
-        return True
+                n = self.sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return i
+            if n < len(frame):
+                rest = memoryview(frame)[n:]
+                self._backlog.append(rest)
+                self._backlog_bytes += len(rest)
+                return i + 1
+        return len(frames)
+
+    def attach(self, on_backlog: Callable[[], None]) -> bool:
+        """The drainer's `on_backlog` is called (from any sender's thread, outside the lock) whenever a backlog starts;
+        True if one is waiting already (or the socket was declared dead before it was attached)."""
+        with self._send_lock:
+            self._on_backlog = on_backlog
+            return bool(self._backlog) or self.failure is not None
+
+    def drain(self) -> bool:
+        """Sends what the socket takes of the backlog now, `DRAIN_TURN_BYTES` at most (the drainer, when the socket
+        takes bytes); True once nothing waits (the drainer stops asking), the socket gone or declared dead included."""
+        with self._send_lock:
+            budget = DRAIN_TURN_BYTES
+            while self._backlog and budget > 0:
+                head = self._backlog[0]
+                try:
+                    n = self.sock.send(head, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError as e:  # the other end is gone: its reader sees that and ends the channel
+                    logger.debug(f"device_channel.drain_failed(error={e!r})")
+                    self._drop_backlog()
+                    break
+                self._taken_at = time.monotonic()
+                self._backlog_bytes -= n
+                budget -= n
+                if n < len(head):
+                    self._backlog[0] = head[n:]
+                    break
+                self._backlog.popleft()
+            return not self._backlog
+
+    def stall_deadline(self) -> float | None:
+        """When the backlog will have waited `stall_s` with nothing taken (`time.monotonic`); None with no backlog."""
+        with self._send_lock:
+            return self._taken_at + self.stall_s if self._backlog else None
+
+    def declare_stalled(self, now: float) -> bool:
+        """Declares the socket dead if the other end took nothing of its backlog for `stall_s` by `now` (the drainer
+        sent what it could just before: a busy drainer is not the other end's stall); True if it is dead."""
+        with self._send_lock:
+            if self._backlog and now - self._taken_at >= self.stall_s:
+                self._declare_dead(f"stall bound: nothing of {self._backlog_bytes} bytes read for {self.stall_s} s")
+            return self.failure is not None
+
+    def _declare_dead(self, reason: str) -> None:
+        """Under the send lock: no more frames taken, the backlog dropped, both directions ended (the reader sees
+        the end: the channel ends as a dead process's does)."""
+        if self.failure is None:
+            self.failure = ChannelStalled(f"handler channel stalled ({reason})")
+        self.closed = True
+        self._drop_backlog()
+        self.shutdown()
+
+    def _drop_backlog(self) -> None:
+        self._backlog.clear()
+        self._backlog_bytes = 0
 
     def shutdown(self) -> None:
         """Ends both directions: its reader (`receive`) sees the end (ChannelClosed), and so does the other end."""
@@ -172,23 +298,28 @@ class FrameSource(Protocol):
         ...
 
     def on_end(self, error: BaseException | None) -> None:
-        """The channel ended (None: its socket closed or the intake stopped); called once, in the intake thread."""
+        """The channel ended (None: its socket closed or the intake stopped; `ChannelStalled`: its process stopped
+        reading); called once, in the intake thread."""
         ...
 
 
 class ChannelIntake:
-    """The device process's one reader of handler channels (see the module docstring). Use as a context manager,
-    or `close()`: the thread ends and every channel still registered ends with it."""
+    """The device process's one reader of handler channels (see the module docstring), and the drainer of their
+    backlogs: a channel whose socket holds frames back is watched for writing until they are out, and is ended
+    (`on_end` with its `ChannelStalled`) once declared dead. Use as a context manager, or `close()`: the thread ends
+    and every channel still registered ends with it."""
 
     def __init__(self, name: str = THREAD_NAME):
         self.name = name
         self._lock = threading.Lock()
         self._adding: list[FrameSource] = []
+        self._writing: list[FrameSource] = []  # channels whose backlog started since the thread last looked
         self._closing = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._thread: threading.Thread | None = None
+        self._backlogged: dict[FrameSource, None] = {}  # the intake thread's: channels watched for writing
         self.num_frames = 0  # counted by the intake thread
 
     def add(self, source: FrameSource) -> None:
@@ -223,6 +354,12 @@ class ChannelIntake:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _want_write(self, source: FrameSource) -> None:
+        """`source`'s backlog started (any thread): the intake watches its socket for writing."""
+        with self._lock:
+            self._writing.append(source)
+        self._wake()
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"\0")
@@ -234,13 +371,18 @@ class ChannelIntake:
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while True:
-                for key, _ in selector.select():
+                for key, events in selector.select(self._stall_timeout()):
                     source: FrameSource | None = key.data
                     if source is None:
                         if not self._take_additions(selector):
                             return
                         continue
-                    self._read(selector, source)
+                    if events & selectors.EVENT_WRITE:
+                        self._drain(selector, source)
+                    if events & selectors.EVENT_READ:
+                        self._read(selector, source)
+                if self._backlogged:
+                    self._end_stalled(selector)
         except Exception as e:  # a bug here would silence every channel: end them all, loudly
             logger.error(f"device_channel.intake_failed(error={e!r})")
         finally:
@@ -255,7 +397,8 @@ class ChannelIntake:
             selector.close()
 
     def _take_additions(self, selector: selectors.BaseSelector) -> bool:
-        """Registers the channels added meanwhile; False once the intake is closing."""
+        """Registers the channels added meanwhile and watches those whose backlog started for writing; False once the
+        intake is closing."""
         try:
             while self._wake_r.recv(4096):
                 pass
@@ -263,13 +406,45 @@ class ChannelIntake:
             pass
         with self._lock:
             adding, self._adding = self._adding, []
+            writing, self._writing = self._writing, []
             closing = self._closing
         for source in adding:
             try:
                 selector.register(source.io.sock, selectors.EVENT_READ, source)
             except (OSError, ValueError) as e:  # closed before it could be read
                 source.on_end(e)
+                continue
+            if source.io.attach(partial(self._want_write, source)):  # a backlog started before: drain it now
+                writing.append(source)
+        for source in writing:
+            try:
+                selector.modify(source.io.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, source)
+            except (KeyError, ValueError, OSError):
+                continue  # ended meanwhile
+            self._backlogged[source] = None
         return not closing
+
+    def _drain(self, selector: selectors.BaseSelector, source: FrameSource) -> None:
+        """Sends what a writable channel's socket takes of its backlog; stops watching it for writing once empty."""
+        if source.io.drain():
+            self._backlogged.pop(source, None)
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                selector.modify(source.io.sock, selectors.EVENT_READ, source)
+
+    def _stall_timeout(self) -> float | None:
+        """How long `select` may wait: until the first watched backlog's stall deadline (None: none watched)."""
+        if not self._backlogged:
+            return None
+        deadlines = [d for source in self._backlogged if (d := source.io.stall_deadline()) is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
+
+    def _end_stalled(self, selector: selectors.BaseSelector) -> None:
+        """Ends each watched channel declared dead (its backlog past the stall bound now, or past its cap before);
+        after this turn's drains, so a busy intake thread is never taken for a process that stopped reading."""
+        now = time.monotonic()
+        for source in list(self._backlogged):
+            if source.io.declare_stalled(now):
+                self._end(selector, source, source.io.failure)
 
     def _read(self, selector: selectors.BaseSelector, source: FrameSource) -> None:
         """One receive on a readable channel, then every whole frame it completed."""
@@ -285,10 +460,14 @@ class ChannelIntake:
             self._end(selector, source, e)
 
     def _end(self, selector: selectors.BaseSelector, source: FrameSource, error: BaseException | None) -> None:
+        """Lets go of a channel and tells it once: `error`, else why its socket was declared dead (None: its end)."""
+        self._backlogged.pop(source, None)
         try:
             selector.unregister(source.io.sock)
         except (KeyError, ValueError, OSError):
             pass
+        if error is None:
+            error = source.io.failure
         try:
             source.on_end(error)
         except Exception as e:
@@ -594,8 +773,9 @@ class DeviceChannel:
         )  # fmt: skip
 
     def send(self, kind: int, request_id: int, body: wire.Writer) -> bool:
-        """Sends one frame from any thread (a blocking `sendall` under the socket's lock); False once the channel is
-        shut down (`FrameSocket.send_frames`)."""
+        """Sends one frame from any thread, never waiting for the handler process to read it (`FrameSocket.send_frames`:
+        what the socket does not take at once waits in the channel's backlog); False once the channel is shut down or
+        declared dead."""
         return self.io.send_frames([body.frame(kind, request_id)])
 
     def _queue_results(self, results: list[StepReply]) -> None:
@@ -659,10 +839,11 @@ class DeviceChannel:
         self._loop.call_soon_threadsafe(self._dispatch, kind, request_id, bytes(payload))
 
     def on_end(self, error: BaseException | None) -> None:
-        """The intake let go of this channel: its socket ended, a frame was malformed (`error`), or it closed."""
+        """The intake let go of this channel: its socket ended, a frame was malformed or the process stopped reading
+        (`error`), or it closed."""
         if error is None:
             logger.info(f"device_channel.closed(handler={self.index}, sessions={len(self.sessions)})")
-        else:  # a malformed frame: the channel ends (the handler process restarts)
+        else:  # a malformed frame, or a wedged process: the channel ends (the handler process is replaced)
             logger.error(f"device_channel.failed(handler={self.index}, error={error!r})")
         if self._loop is not None and self._ended is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
@@ -850,8 +1031,7 @@ class DeviceChannel:
         """A push for a session of this channel's process: there, its stream's guard decides."""
         if self.io.closed:
             return False
-        self.send(wire.NOTE, 0, wire.named("push", (session_id, sender, request.SerializeToString())))
-        return True
+        return self.send(wire.NOTE, 0, wire.named("push", (session_id, sender, request.SerializeToString())))
 
     async def _forward(
         self, peer: str, blocks: tuple[int, int], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
