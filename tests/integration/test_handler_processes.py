@@ -2,7 +2,7 @@
 sessions opened by several client peers land on both handler processes and give bitwise identical outputs there
 (equal to the local blocks); a forward is served; a push crosses from the process that holds the upstream session
 to the one that holds the downstream session; a killed handler process is detected and replaced, and sessions
-keep working (no leaked KV cache); each handler process serves its own same-host socket, and a replaced process
+keep working (no leaked KV cache), and so is one that stops reading its channel (no sender of the core waits for it); each handler process serves its own same-host socket, and a replaced process
 serves it again; both processes listen on the one direct port and accept tickets either issued."""
 
 from __future__ import annotations
@@ -311,6 +311,45 @@ def test_killed_handler_process_is_replaced(server, clients):
     results = asyncio.run(_socket_sessions(server, 12, prefill, token))
     assert {name for name, _, _ in results} == {f"{server.peer_id}.0.sock", f"{server.peer_id}.1.sock"}
     assert all(torch.equal(second, outputs[0][1]) for _, _, second in results)
+    executor = server.service.executor
+    assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
+
+
+def test_a_handler_process_that_stops_reading_blocks_no_sender_and_is_replaced_once(server, clients):
+    """A handler process stopped for good (SIGSTOP) reads nothing more: the core's sends to it (20000 state frames
+    from one thread, as the runtime thread's replies go) return at once, its channel is declared dead after the stall
+    bound (2 s here, `device_channel.WRITE_STALL_S` in a server), the process is killed and replaced once (decision
+    0258), and sessions keep working on both processes."""
+    pool = server.service.pool
+    victim, channel = pool.processes[1], pool.channels[1]
+    assert victim is not None and victim.pid is not None and channel is not None
+    restarts = pool.num_restarts
+    channel.io.stall_s = 2.0
+    flooded = threading.Event()
+
+    def flood() -> None:
+        for _ in range(20000):
+            channel.send_state()
+        flooded.set()
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    sender = threading.Thread(target=flood, daemon=True)
+    try:
+        sender.start()
+        assert flooded.wait(10), "the sender is blocked on the process that stopped reading"
+        assert wait_until(lambda: pool.num_restarts == restarts + 1, 60), "the stopped process was not replaced"
+    finally:
+        if victim.is_alive():
+            os.kill(victim.pid, signal.SIGCONT)  # (main: it reads again and the sender goes on)
+        sender.join(10)
+    assert not victim.is_alive() and victim.exitcode == -signal.SIGKILL
+    assert pool.processes[1] is not victim and channel.io.closed and channel.sessions == {}
+    assert wait_until(lambda: pool.channels[1] is not None and pool.channels[1].ready.is_set(), 60)
+    assert server.service.healthy and pool.num_restarts == restarts + 1  # replaced once
+    prefill, token = torch.randn(1, 2, HIDDEN), torch.randn(1, 1, HIDDEN)
+    results = asyncio.run(_socket_sessions(server, 12, prefill, token))
+    assert {name for name, _, _ in results} == {f"{server.peer_id}.0.sock", f"{server.peer_id}.1.sock"}
+    assert all(torch.equal(second, results[0][2]) for _, _, second in results)
     executor = server.service.executor
     assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
 

@@ -1,8 +1,8 @@
 """`--num_handlers N` (N > 1): N handler processes, forked from a forkserver that imported the handler module once, own
 the p2p streams (registered `balanced=True` on P2P replicas of the server's p2pd); the device process keeps all session
-state. A process that dies is restarted; more than `MAX_RESTARTS_PER_MINUTE` deaths mark the pool failed (`healthy`),
-and the server restarts its serving part. Stopping closes every channel; a process not gone within `stop_timeout_s` is
-killed."""
+state. A process that dies, or stops reading its channel (killed: decision 0258), is restarted; more than
+`MAX_RESTARTS_PER_MINUTE` deaths mark the pool failed (`healthy`), and the server restarts its serving part. Stopping
+closes every channel; a process not gone within `stop_timeout_s` is killed."""
 
 from __future__ import annotations
 
@@ -147,9 +147,12 @@ class HandlerPool:
         return channel
 
     async def _serve(self, index: int, process: BaseProcess, channel: DeviceChannel) -> None:
-        await channel.serve()  # returns when the channel ends: a stop, or the process died
+        await channel.serve()  # returns when the channel ends: a stop, the process died, or it stopped reading
         if self._stopping:
             return
+        if channel.io.failure is not None:  # it stopped reading (wedged, stopped): it will not see its channel's end
+            logger.error(f"handler_pool.kill(index={index}, pid={process.pid}): {channel.io.failure}")
+            process.kill()
         await asyncio.to_thread(process.join, 5.0)
         if self._stopping:
             return
