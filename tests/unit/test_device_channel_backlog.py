@@ -119,8 +119,8 @@ def test_a_channel_whose_reader_stopped_blocks_no_sender_and_ends_once(monkeypat
 
 def test_a_slow_reader_gets_every_frame_whole_and_in_order_from_many_senders(monkeypatch) -> None:
     """Partly sent frames wait in the backlog and go out after it in order; a reader that takes a little every
-    100 ms is never stalled (1 s bound)."""
-    monkeypatch.setattr(device_channel, "WRITE_STALL_S", 1.0, raising=False)
+    100 ms is never stalled (2 s bound)."""
+    monkeypatch.setattr(device_channel, "WRITE_STALL_S", 2.0, raising=False)
     ours, far = socket.socketpair()
     channel = _Echo(ours, max_frame_bytes=1 << 20)
     threads = 4
@@ -134,11 +134,11 @@ def test_a_slow_reader_gets_every_frame_whole_and_in_order_from_many_senders(mon
         total = sum(len(f) for frames in expected.values() for f in frames)
         received = bytearray()
         far.settimeout(SENDER_BOUND_S)
-        slow_until = time.monotonic() + 2.5
+        slow_until = time.monotonic() + 4.0
         while len(received) < total:
             received += far.recv(1 << 20)
             if time.monotonic() < slow_until:
-                time.sleep(0.1)  # slow for 2.5 s: longer than the stall bound, but always reading
+                time.sleep(0.1)  # slow for 4 s: longer than the stall bound, but always reading
         for sender in senders:
             sender.join(SENDER_BOUND_S)
         assert not channel.ended.is_set()
