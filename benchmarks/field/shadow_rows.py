@@ -21,12 +21,13 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over
 from corolla.client.session.shadows import SHADOW_BATCH_ROWS
-from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.engine.step_request import StepSession
 
 TOP_KERNELS = 10
 
 
-def _step(session: EngineSession, hidden: torch.Tensor) -> StepRequest:
+def _step(session: StepSession, hidden: torch.Tensor) -> StepRequest:
     """The session's next positions as merged decode rows (a shadow's request as a replica marks it)."""
     request = StepRequest(session, hidden, session.length_tokens)
     request.is_decode = True
