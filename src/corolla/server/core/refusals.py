@@ -38,12 +38,6 @@ class TooLong(BadRequest):
         self.limit = limit
 
 
-class Overloaded(RuntimeError):
-    """The server can't take this work now (its device queue is closed or full)."""
-
-    reason = "overloaded"
-
-
 class RuntimeStopped(RuntimeError):
     """The runtime stopped before a pending task could run (the server shuts down)."""
 
@@ -64,8 +58,7 @@ class RequestTimeout(TimeoutError):
 
 # the typed refusals: each carries its own metrics label (`reason`)
 REFUSALS = (
-    LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep, BadRequest, Overloaded, RuntimeStopped, Draining,
-    RequestTimeout,
+    LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep, BadRequest, RuntimeStopped, Draining, RequestTimeout,
 )  # fmt: skip
 
 
@@ -87,11 +80,11 @@ def rejection_reason(error: BaseException) -> str:
 ERROR_CODES: tuple[tuple[int, type[BaseException] | tuple[type[BaseException], ...]], ...] = (
     (2, TooLong), (9, HandoffUnsupported), (1, BadRequest), (4, PeerLimitExceeded), (5, ServerLimitExceeded),
     (11, SessionEvicted), (3, AllocationFailed), (6, (TimeoutError, asyncio.TimeoutError)),
-    (7, (Overloaded, RuntimeStopped)), (8, TypeError), (10, Draining), (1, ValueError),
+    (7, RuntimeStopped), (8, TypeError), (10, Draining), (1, ValueError),
 )  # fmt: skip
 # the codes whose refusal carries its message alone
 MESSAGE_REFUSALS: dict[int, Callable[[str], Exception]] = {
-    1: BadRequest, 3: AllocationFailed, 6: RequestTimeout, 7: Overloaded, 8: TypeError, 9: HandoffUnsupported,
+    1: BadRequest, 3: AllocationFailed, 6: RequestTimeout, 7: RuntimeStopped, 8: TypeError, 9: HandoffUnsupported,
     10: Draining, 11: SessionEvicted,
 }  # fmt: skip
 
