@@ -51,7 +51,7 @@ class DemoBackend(TokenizerCodec):
             ids.append((yield logits))
 
     @contextlib.contextmanager
-    def verify_target(self, prompt_ids: list[int], max_length: int) -> Iterator[LocalTarget]:
+    def verify_target(self, max_length: int) -> Iterator[LocalTarget]:
         backend = self
 
         class Counted(LocalTarget):

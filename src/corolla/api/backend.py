@@ -40,7 +40,7 @@ class GenerationBackend(Protocol):
         the inference session. May raise `corolla.utils.errors.MissingBlocksError`."""
         ...
 
-    def verify_target(self, prompt_ids: list[int], max_length: int) -> AbstractContextManager[VerifyTarget]:
+    def verify_target(self, max_length: int) -> AbstractContextManager[VerifyTarget]:
         """For speculative decoding: a fresh rollback-able target (`corolla.client.speculative.loop.VerifyTarget`,
         empty cache) for a sequence of at most `max_length` tokens, released on exit. Backends without one raise
         `NotImplementedError` (the app then refuses `--speculative` at start)."""
@@ -117,7 +117,7 @@ class SwarmBackend(TokenizerCodec):
                 hidden = self.model.session_step(session, torch.tensor([[token]], dtype=torch.long))  # [1, 1, H]
 
     @contextlib.contextmanager
-    def verify_target(self, prompt_ids: list[int], max_length: int) -> Iterator[VerifyTarget]:
+    def verify_target(self, max_length: int) -> Iterator[VerifyTarget]:
         with self._session(max_length) as (session, trace):
             yield _TracedTarget(self.model, session, trace)
 

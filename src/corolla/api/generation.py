@@ -112,7 +112,7 @@ def _run_choice(
     choice = _Choice(backend, request, index, emit, metrics, started)
     max_length = len(request.prompt_ids) + params.max_new_tokens
     if speculative is not None:
-        with backend.verify_target(request.prompt_ids, max_length) as target:
+        with backend.verify_target(max_length) as target:
             run_speculative_choice(
                 target, speculative, sampler, request.prompt_ids, params.max_new_tokens, choice.push, cancelled
             )

@@ -114,19 +114,19 @@ def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:
             raise
 
 
-def check_model_argument(name: str, what: str = "model") -> None:
+def check_model_argument(name: str) -> None:
     """ConfigurationError for a local-looking model path that is not there (instead of the Hub's "Repo id must use
     alphanumeric chars"), or a directory without `config.json`. `ORG/NAME` and `NAME` may be Hub ids: not checked."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ConfigurationError(f"{what} directory {name!r} has no config.json (is it a model checkpoint?)")
+            raise ConfigurationError(f"model directory {name!r} has no config.json (is it a model checkpoint?)")
         return
     if path.exists():
-        raise ConfigurationError(f"{what} {name!r} is a file; give the checkpoint's directory or a Hub id ORG/NAME")
+        raise ConfigurationError(f"model {name!r} is a file; give the checkpoint's directory or a Hub id ORG/NAME")
     looks_local = name.startswith(("/", "./", "../", "~")) or name.count("/") >= 2 or name.endswith("/")
     if looks_local:
-        raise ConfigurationError(f"no such {what} directory: {name!r} (nor is it a Hub id ORG/NAME)")
+        raise ConfigurationError(f"no such model directory: {name!r} (nor is it a Hub id ORG/NAME)")
 
 
 def check_initial_peers(peers: Sequence[str] | None) -> None:

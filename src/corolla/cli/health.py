@@ -72,7 +72,7 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
             entries.append(ModelEntry(dht_prefix=prefix, num_blocks=int(num_blocks)))
             continue
         if index is None:
-            index = get_verified_model_infos(dht, latest=True)
+            index = get_verified_model_infos(dht)
         if spec not in index:
             served = ", ".join(sorted(index)) or "none"
             raise ConfigurationError(

@@ -90,7 +90,7 @@ class StateCollector:
         models = list(self.pinned_models)
         if self.config.use_models_index:
             seen = {m.dht_prefix for m in models}
-            indexed = get_verified_model_infos(self.dht, latest=True, timeout_s=self.config.dht_timeout_s)
+            indexed = get_verified_model_infos(self.dht, timeout_s=self.config.dht_timeout_s)
             extra = []
             for prefix, info in indexed.items():
                 if prefix in seen:

@@ -20,15 +20,13 @@ logger = get_logger(__name__)
 SPLIT_ATTR = "corolla_split"  # on a sliced nn.Linear: ("rows" | "cols", LongTensor of full-layer indices, full size)
 
 
-def make_tensor_parallel(
-    block: CorollaBlock, devices: Sequence[torch.device | str], *, output_device: torch.device | str | None = None
-) -> CorollaBlock:
+def make_tensor_parallel(block: CorollaBlock, devices: Sequence[torch.device | str]) -> CorollaBlock:
     """Splits `block` in place over `devices` (call before `quantize_block` and `add_adapter`) and returns it.
-    Inputs and outputs live on `output_device` (default: the first device). One device: just moves the block."""
+    Inputs and outputs live on the first device. One device: just moves the block."""
     targets = [torch.device(d) for d in devices]
     if not targets:
         raise ValueError("make_tensor_parallel needs at least one device")
-    out = torch.device(output_device) if output_device is not None else targets[0]
+    out = targets[0]
     if len(targets) == 1:
         return block.to(targets[0])
     for name, module in block.named_modules():

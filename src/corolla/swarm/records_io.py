@@ -259,11 +259,11 @@ def declare_model_info(
 
 
 async def _get_index_and_signed(
-    dht: hivemind.DHT, node: Any, *, latest: bool, max_signed_lookups: int
+    dht: hivemind.DHT, node: Any, *, max_signed_lookups: int
 ) -> tuple[dict[str, Any], SignedRecords]:
     """The raw `_petals.models` entries and the signed records of the servers of each indexed model's first block
     (and last block, if the entry names a plausible size)."""
-    index = (await _get_records(dht, node, keys=[MODELS_INDEX_KEY], latest=latest)).get(MODELS_INDEX_KEY)
+    index = (await _get_records(dht, node, keys=[MODELS_INDEX_KEY], latest=True)).get(MODELS_INDEX_KEY)
     if not isinstance(index, dict):
         return {}, {}
     entries: dict[str, Any] = {}
@@ -282,21 +282,20 @@ async def _get_index_and_signed(
     if not probe:
         return entries, {}
     keys = list(dict.fromkeys(probe))
-    _, signed = await _get_block_records(dht, node, keys=keys, latest=latest, max_signed_lookups=max_signed_lookups)
+    _, signed = await _get_block_records(dht, node, keys=keys, latest=True, max_signed_lookups=max_signed_lookups)
     return entries, signed
 
 
 def get_verified_model_infos(
     dht: hivemind.DHT,
     *,
-    latest: bool = True,
     timeout_s: float = DEFAULT_DHT_TIMEOUT_S,
     max_signed_lookups: int = DEFAULT_MAX_SIGNED_LOOKUPS,
 ) -> dict[str, ModelInfo]:
     """The `_petals.models` index as a corolla reader should believe it: every prefix named there, even one whose
     entry was overwritten with garbage, described by the `ModelInfo` its servers' signed records agree on; the
     unsigned entry is used only for models no signed record speaks for (stock Petals servers: forgeable)."""
-    coro = partial(_get_index_and_signed, latest=latest, max_signed_lookups=max_signed_lookups)
+    coro = partial(_get_index_and_signed, max_signed_lookups=max_signed_lookups)
     entries, signed_records = run_in_dht(dht, coro, timeout_s=timeout_s, what="get_verified_model_infos")
     models = {}
     for prefix, value in entries.items():

@@ -317,7 +317,7 @@ def candidate_pairs(uids: Iterable[str], raw: Mapping[str, Any], max_lookups: in
     return chosen[:max_lookups], max(0, len(chosen) - max_lookups)
 
 
-def check_found_entry(key: str, found: Any, *, now: float | None = None) -> SignedServerRecord | None:
+def check_found_entry(key: str, found: Any) -> SignedServerRecord | None:
     """The verified record inside one `get` result for a signed key (None if absent); SignedRecordError if the
     entry under the expected subkey is forged or malformed, or if it has expired."""
     value = getattr(found, "value", None)
@@ -327,7 +327,7 @@ def check_found_entry(key: str, found: Any, *, now: float | None = None) -> Sign
     if entry is None:
         return None
     record = verify_signed_entry(key_id_bytes(key), key, getattr(entry, "value", None), entry.expiration_time)
-    if record.expiration_time < (time.time() if now is None else now):
+    if record.expiration_time < time.time():
         raise SignedRecordError(f"signed record of {record.peer_id} expired")
     return record
 

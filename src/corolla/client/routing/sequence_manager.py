@@ -518,7 +518,7 @@ class RemoteSequenceManager:
         if self.dht is None:
             return text
         try:
-            served = sorted(get_verified_model_infos(self.dht, latest=True, timeout_s=timeout_s))
+            served = sorted(get_verified_model_infos(self.dht, timeout_s=timeout_s))
         except Exception as e:  # a diagnosis must not hide the real error
             return f"{text} (could not read the swarm's model index: {type(e).__name__})"
         others = [p for p in served if p != prefix]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 from typing import Literal
 
 from corolla.client.routing.findings import Finding
@@ -32,13 +31,11 @@ logger = get_logger(__name__)
 Verdict = Literal["refuted", "caught", "unverifiable"]
 
 
-async def check_finding(
-    manager: RemoteSequenceManager, finding: Finding, *, reporter: str | None = None, rng: random.Random | None = None
-) -> Verdict:
+async def check_finding(manager: RemoteSequenceManager, finding: Finding, *, reporter: str | None = None) -> Verdict:
     """Re-verifies `finding` first-hand (module docstring). `reporter`: the peer that sent it, never asked."""
     if manager.bans.is_liar(finding.peer_id):  # (out of the view: it could not be asked)
         return _unverifiable(finding, "this client banned it as a liar already")
-    referees = StretchReferees(manager, rng=rng)
+    referees = StretchReferees(manager)
     accused = next((s for s in manager.spans if s.peer_id == finding.peer_id), None)
     span = RemoteSpanInfo(
         peer_id=finding.peer_id,

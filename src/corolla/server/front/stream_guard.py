@@ -42,9 +42,10 @@ STEP_RPCS = ("rpc_inference",)
 FINISH_INPUT_S = 1.0  # after the reply: how long the rest of a caller's input is read (and dropped) before closing
 
 
-def cancelled_inside(error: asyncio.CancelledError) -> bool:
-    """True where `error` came out of something the current task awaited (a future cancelled elsewhere) and not
-    from a cancellation of the task itself (Python >= 3.11 counts those; on 3.10 every one is the task's)."""
+def cancelled_inside() -> bool:
+    """True where the cancellation being handled came out of something the current task awaited (a future cancelled
+    elsewhere), not from a cancellation of the task itself (Python >= 3.11 counts those; on 3.10 every one is the
+    task's)."""
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
     return cancelling is not None and cancelling() == 0
@@ -136,7 +137,7 @@ def guarded_stream_handler(
                     conn.transport.abort()
                 return
             except asyncio.CancelledError as e:
-                if port.read_error is None and not cancelled_inside(e):
+                if port.read_error is None and not cancelled_inside():
                     raise  # the stream is over (the handler cancels its processing): nobody to answer
                 if port.read_error is None:  # a cancellation out of something the method awaited: a failure
                     logger.warning(f"stream_guard.method_cancelled(rpc={name}): {e!r:.200}")
