@@ -36,8 +36,10 @@ def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
     return q, k, v, tables, lens
 
 
-def run(inputs, splits: int) -> torch.Tensor:
-    return tk.paged_decode_attention(*[t.to(DEV) for t in inputs], D**-0.5, splits).cpu()
+def run(inputs, splits: int, pages_per_split: int = 1) -> torch.Tensor:
+    return tk.paged_decode_attention(
+        *[t.to(DEV) for t in inputs], D**-0.5, splits, pages_per_split=pages_per_split
+    ).cpu()
 
 
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -125,3 +127,25 @@ def test_counters_cover_the_reserved_grid_and_refuse_more() -> None:
     assert grown.numel() >= pairs and int(grown.abs().sum()) == 0
     assert attention_counters(DEV, pairs) is grown
     assert reserve_attention_counters(DEV, 1) is grown  # a smaller reservation keeps them
+
+
+@pytest.mark.parametrize(("splits", "pages_per_split"), [(7, 2), (7, 3), (4, 19), (2, 1)])
+def test_rows_take_splits_by_their_own_pages(splits: int, pages_per_split: int) -> None:
+    # rows of 1 to 19 pages take min(splits, ceil(pages / pages_per_split)) splits: one (no partials, the output
+    # stored at once) beside rows that take all of them; every row as the reference, the counters back to zero,
+    # and a row's output the same alone as beside the others (its splits follow its own length)
+    q, k, v, tables, lens = make_inputs(SEQ_LENS, 8, 2, seed=40 + splits * pages_per_split)
+    expected = ops.paged_decode_attention_ref(q, k, v, tables, lens, D**-0.5)
+    counters = attention_counters(DEV, len(SEQ_LENS) * 2)
+    whole = run((q, k, v, tables, lens), splits, pages_per_split)
+    assert not whole.isnan().any() and int(counters.abs().sum()) == 0
+    torch.testing.assert_close(whole, expected, atol=2e-3, rtol=2e-3)
+    assert torch.equal(run((q, k, v, tables, lens), splits, pages_per_split), whole)  # the next call combines again
+    for row in (0, 2, 4):
+        alone = run((q[row : row + 1], k, v, tables[row : row + 1], lens[row : row + 1]), splits, pages_per_split)
+        assert torch.equal(alone[0], whole[row])
+
+
+def test_pages_per_split_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="pages_per_split"):
+        run(make_inputs([64], 4, 1, seed=1), 2, 0)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-ATTENTION_COUNTERS = 2048  # the fewest a device gets: any grid that num_splits splits (rows x kv heads < 2 x SMs)
+# the fewest a device gets: any grid that `DecodeOps.attention_splits` splits (rows x kv heads <= 2,048: its
+# LONG_ROW_PROGRAMS / 2, or < 2 x SMs)
+ATTENTION_COUNTERS = 2048
 
 _BY_DEVICE: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # replaced by a larger reservation; captured graphs may still use them

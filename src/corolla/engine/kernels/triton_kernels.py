@@ -150,6 +150,7 @@ def _paged_attn_kernel(
     stride_oh,
     scale,
     alibi_scale,
+    pages_per_split,
     G: tl.constexpr,
     GP: tl.constexpr,
     NKV: tl.constexpr,
@@ -161,12 +162,34 @@ def _paged_attn_kernel(
     ALIBI: tl.constexpr,
 ):
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
+    # A row takes as many of the grid's S splits as it has `pages_per_split` pages (at least one): a long row beside
+    # short ones is split where they are not, and the splits it does not take return at once. The count depends on
+    # the row's own length (and the launch's constants) only, so a row's output does not depend on the other rows.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     n_pages = tl.cdiv(seq_len, PAGE)
-    per_split = tl.cdiv(n_pages, S)
+    taken = tl.minimum(tl.maximum(tl.cdiv(n_pages, pages_per_split), 1), S)  # the row's splits
+    if split < taken:
+        _paged_attn_split(
+            q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
+            stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
+            b, kvh, split, seq_len, n_pages, taken, G, GP, NKV, D, PAGE, S, SP, GC, ALIBI,
+        )  # fmt: skip
+
+
+@triton.jit
+def _paged_attn_split(
+    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
+    b, kvh, split, seq_len, n_pages, taken,
+    G: tl.constexpr, GP: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
+    SP: tl.constexpr, GC: tl.constexpr, ALIBI: tl.constexpr,
+):  # fmt: skip
+    # split `split` of the `taken` splits of (row b, kv head kvh): its pages' partial softmax sums; with one split the
+    # output itself, else the partials to the scratch, the last of the `taken` to arrive combining them
+    per_split = tl.cdiv(n_pages, taken)
     p_start = split * per_split
     p_end = tl.minimum(p_start + per_split, n_pages)
 
@@ -203,55 +226,61 @@ def _paged_attn_kernel(
         v = tl.load(v_ptr + tile)  # [PAGE, D]
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
         m_i = m_new
-    if S == 1:
-        out = acc / l_i[:, None]
-        dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]
+    if S == 1:  # (a launch without splits compiles no scratch code)
+        tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    elif taken == 1:
+        tl.store(dst, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         pair = b * NKV + kvh
         rows = (pair * S + split) * GP + offs_g  # scratch layout [B, NKV, S, GP(, D)]; padded heads not stored
         tl.store(m_ptr + rows, m_i, mask=g_mask)
         tl.store(l_ptr + rows, l_i, mask=g_mask)
         tl.store(acc_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
-        if arrive_last(cnt_ptr, pair, S):  # the pair's last split program combines its S splits
+        if arrive_last(cnt_ptr, pair, taken):  # the pair's last split program combines its splits
             offs_c = tl.arange(0, GC)  # the real heads (G of GC), not the tl.dot padding
-            out = _combine_splits(m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_c, offs_c < G, offs_d, GP, GC, D, S, SP)
-            dst = out_ptr + b * stride_ob + (kvh * G + offs_c)[:, None] * stride_oh + offs_d[None, :]  # [GC, D]
-            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(offs_c < G)[:, None])
+            out = _combine_splits(
+                m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_c, offs_c < G, offs_d, taken, GP, GC, D, S, SP
+            )
+            dst_c = out_ptr + b * stride_ob + (kvh * G + offs_c)[:, None] * stride_oh + offs_d[None, :]  # [GC, D]
+            tl.store(dst_c, out.to(out_ptr.dtype.element_ty), mask=(offs_c < G)[:, None])
             reset_counter(cnt_ptr, pair)
 
 
 @triton.jit
-def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, c_mask, offs_d, GP: tl.constexpr, GC: tl.constexpr,
+def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, c_mask, offs_d, taken, GP: tl.constexpr, GC: tl.constexpr,
                     D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):  # fmt: skip
-    # the real heads' partials of the S splits (rows0 [GC]: split 0's scratch rows, split s's rows0 + s GP) -> [GC, D]
-    # fp32; L2 reads (other programs wrote them), the splits' loads unrolled so that they are in flight together;
-    # the sums in a fixed order (split order for acc), whichever program arrived last
+    # the real heads' partials of the `taken` (<= S) splits (rows0 [GC]: split 0's scratch rows, split s's rows0 + s
+    # GP) -> [GC, D] fp32; L2 reads (other programs wrote them), the splits' loads unrolled so that they are in flight
+    # together; the sums in a fixed order (split order for acc), whichever program arrived last
     offs_s = tl.arange(0, SP)
     rows = rows0[None, :] + offs_s[:, None] * GP  # [SP, GC]
-    mask = (offs_s < S)[:, None] & c_mask[None, :]
+    mask = (offs_s < taken)[:, None] & c_mask[None, :]
     m = tl.load(m_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [SP, GC]
     m_all = tl.max(m, axis=0)  # [GC]
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[None, :]))  # [SP, GC]; empty splits weigh nothing
     l_all = tl.sum(tl.load(l_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg") * w, axis=0)  # [GC]
     acc = tl.zeros([GC, D], dtype=tl.float32)
     for s in tl.static_range(S):
-        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [GC]: row s of w
-        part = tl.load(acc_ptr + (rows0 + s * GP)[:, None] * D + offs_d[None, :], mask=c_mask[:, None], other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
+        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [GC]: row s of w (0 past `taken`)
+        part = tl.load(acc_ptr + (rows0 + s * GP)[:, None] * D + offs_d[None, :], mask=c_mask[:, None] & (s < taken),
+                       other=0.0, cache_modifier=".cg")  # fmt: skip
         acc += part * w_s[:, None]
     return acc / l_all[:, None]
 
 
 # fmt: off
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int, *,
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int, *, pages_per_split: int = 1,
     alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
 ) -> torch.Tensor:
     # fmt: on
-    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head), the last of
-    them to finish combines their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes` [nq] fp32
-    gives each query head's slope (see the kernel's ALIBI modes)."""
+    """Same contract as `ops.paged_decode_attention_ref`; a row of P pages is split over min(splits, ceil(P /
+    `pages_per_split`)) programs per kv head (at least one; the grid's other split programs return at once), the
+    last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes`
+    [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
+    if pages_per_split < 1:
+        raise ValueError(f"pages_per_split must be >= 1, got {pages_per_split}")
     b, nq, d = q.shape
     page, nkv = k_cache.shape[1], k_cache.shape[2]
     group = nq // nkv
@@ -270,7 +299,7 @@ def paged_decode_attention(
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
-        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
+        pages_per_split, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
         GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4,
         num_stages=2,
     )  # fmt: skip

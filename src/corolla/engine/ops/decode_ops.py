@@ -33,6 +33,12 @@ logger = get_logger(__name__)
 # the decode attention's splits per (row, kv head) for groups of more than LARGE_GROUP query heads on a kv head: on an
 # H200 at Falcon-7B's 71 on 1 (D 64), 8 splits took 11.9 / 15.6 us at 513 / 2049 tokens against 16.2 / 18.4 for 16
 LARGE_GROUP, LARGE_GROUP_SPLITS = 16, 8
+# A row of REFERENCE_TOKENS takes the splits `num_splits` gives its batch, a longer row more, up to the grid's splits:
+# LONG_ROW_SPLITS where that keeps the grid within LONG_ROW_PROGRAMS (`attention_splits`), so that one long row beside
+# many short ones (which need none) is not the forward's tail. One H100 layer, 63 rows of 512 tokens + one of 4,096 /
+# 16,384: 137.9 / 449.2 us at one split for all, 57.8 / 99.3 us so; 64 rows of 512: 47.7 -> 49.5 us (the grid's
+# programs that return at once; benchmarks/RESULTS.md, "Decode attention split by the rows' pages")
+REFERENCE_TOKENS, LONG_ROW_SPLITS, LONG_ROW_PROGRAMS = 512, 8, 4096
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
@@ -463,11 +469,14 @@ class DecodeOps:
         self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None
     ) -> torch.Tensor:
         if self.use_triton:
-            splits = self.num_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2])
+            splits, pages = self.attention_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2],
+                                                  k_cache.shape[1])  # fmt: skip
             if alibi is None:
-                return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)
+                return triton_kernels.paged_decode_attention(
+                    q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages
+                )
             return triton_kernels.paged_decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, splits,
+                q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages,
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
             )  # fmt: skip
         if q.is_cpu:
@@ -487,5 +496,16 @@ class DecodeOps:
         LARGE_GROUP_SPLITS for more than LARGE_GROUP query heads per kv head (`group`), whose splits' partial sums
         one program reads back one split after another (Falcon-7B's 71 heads on one: docs/decisions/0078)."""
         want = math.ceil(2 * self.num_sms / max(1, batch * num_kv_heads))
-        most = min(self.attention_splits_max, LARGE_GROUP_SPLITS) if group > LARGE_GROUP else self.attention_splits_max
-        return max(1, min(most, want))
+        return max(1, min(self._most_splits(group), want))
+
+    def attention_splits(self, batch: int, num_kv_heads: int, group: int, page_tokens: int) -> tuple[int, int]:
+        """(The grid's splits per (row, kv head), the pages a split takes): a row of REFERENCE_TOKENS is split as
+        `num_splits` says for its batch, a row of P pages over ceil(P / pages) of the grid's splits (at least one),
+        and the grid offers LONG_ROW_SPLITS where the cap and LONG_ROW_PROGRAMS allow. Depends on the launch's shape only (CUDA
+        graphs replay it), and a row's splits on its own length: its output does not depend on the other rows."""
+        base = self.num_splits(batch, num_kv_heads, group)
+        offered = min(LONG_ROW_SPLITS, self._most_splits(group), LONG_ROW_PROGRAMS // max(1, batch * num_kv_heads))
+        return max(base, offered), max(1, math.ceil(math.ceil(REFERENCE_TOKENS / page_tokens) / base))
+
+    def _most_splits(self, group: int) -> int:
+        return min(self.attention_splits_max, LARGE_GROUP_SPLITS) if group > LARGE_GROUP else self.attention_splits_max
