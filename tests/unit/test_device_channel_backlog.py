@@ -207,3 +207,25 @@ async def test_a_handler_process_that_stops_reading_stalls_no_other_and_its_sess
             assert out.shape == (1, 1, H) and not servings[1].done()
             assert max(durations) < 1.0
         assert len(ends) == 1
+
+
+def test_two_frames_at_the_bound_fit_the_backlog_and_one_byte_more_does_not(monkeypatch) -> None:
+    """The cap holds `BACKLOG_FRAMES` whole frames of the largest payload (a KV export's reply behind a forward's),
+    headers included; a frame more past it declares the channel dead (main: the two frames alone did, 18 bytes over)."""
+    monkeypatch.setattr(device_channel, "BACKLOG_MIN_BYTES", 0, raising=False)
+    ours, far = socket.socketpair()
+    io = FrameSocket(ours, max_frame_bytes=1 << 20)
+    try:
+        with contextlib.suppress(BlockingIOError):  # the socket full first: both frames wait in the backlog, whole
+            while True:
+                ours.send(bytes(1 << 16), socket.MSG_DONTWAIT)
+        assert io.send_frames([_frame(wire.NOTE, 1, bytes(1 << 20))])
+        assert io.send_frames([_frame(wire.NOTE, 2, bytes(1 << 20))])
+        assert io.failure is None and not io.closed, io.failure
+        assert io.send_frames([_frame(wire.NOTE, 3, b"")]) is False  # 9 bytes past the cap
+        assert isinstance(io.failure, device_channel.ChannelStalled) and io.closed
+        assert str(io.failure).startswith("handler channel stalled (backlog cap")
+    finally:
+        io.close()
+        far.close()
+

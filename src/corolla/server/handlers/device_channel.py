@@ -92,7 +92,8 @@ class FrameSocket:
         sock.setblocking(True)  # reads and writes say MSG_DONTWAIT where they must not wait (all but a test's read)
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
-        self.max_backlog_bytes = max(BACKLOG_MIN_BYTES, BACKLOG_FRAMES * max_frame_bytes)
+        # whole frames: `max_frame_bytes` bounds a payload, its header comes on top
+        self.max_backlog_bytes = max(BACKLOG_MIN_BYTES, BACKLOG_FRAMES * (wire.HEADER_BYTES + max_frame_bytes))
         self.stall_s = WRITE_STALL_S
         self._buffer = bytearray(min(INITIAL_BUFFER_BYTES, max_frame_bytes))
         self._start = 0  # received bytes not parsed yet: self._buffer[self._start : self._end]
