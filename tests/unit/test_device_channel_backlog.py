@@ -229,3 +229,47 @@ def test_two_frames_at_the_bound_fit_the_backlog_and_one_byte_more_does_not(monk
         io.close()
         far.close()
 
+
+async def test_a_handler_process_that_leaves_a_few_frames_unread_is_declared_dead(backend, monkeypatch) -> None:
+    """A process that stops reading while the core sends it little (a step's reply: its socket takes it, no backlog
+    forms) is declared dead after the stall bound all the same (a ping it leaves unanswered): its session's cache comes
+    back, and it reads the reply it left unread, then the channel's end. A live process that pauses shorter than the bound answers its
+    ping and stays (main: the stopped one's channel never ends, its session holds its cache for good)."""
+    monkeypatch.setattr(device_channel, "WRITE_STALL_S", 1.0, raising=False)
+    spec = SessionSpec(SPAN, 1, 16)
+    async with served_channels(backend, SPAN, 2) as (real, channels, servings, links):
+        ends: list[BaseException | None] = []
+        on_end = channels[0].on_end
+        channels[0].on_end = lambda error: (ends.append(error), on_end(error))  # type: ignore[method-assign]
+        pings: list[int] = []
+        if (ping_note := links[1].notes.get("ping")) is not None:  # (main: no ping)
+            types, answer = ping_note
+            links[1].notes["ping"] = (types, lambda ping: (pings.append(ping), answer(ping)))
+        wedged, live = RemoteCore(links[0]), RemoteCore(links[1])
+        async with contextlib.AsyncExitStack() as stack:
+            a = await stack.enter_async_context(remote_session(wedged, spec))
+            b = await stack.enter_async_context(remote_session(live, spec))
+            for proxy, cache in ((wedged, a), (live, b)):
+                await proxy.step(cache, step_inputs(torch.randn(1, 2, H), 0))
+            both = real.max_size_bytes - real.bytes_left
+            links[0].writer.transport.pause_reading()  # handler 0 reads nothing more
+            waiting = asyncio.ensure_future(wedged.step(a, step_inputs(torch.randn(1, 1, H), 2)))
+            links[1].writer.transport.pause_reading()  # handler 1 pauses for half the bound, a state unread meanwhile
+            channels[1].send_state()
+            await asyncio.sleep(0.5)
+            links[1].writer.transport.resume_reading()
+            try:
+                await asyncio.wait_for(asyncio.shield(servings[0]), 10)  # declared dead: its serving ended
+            finally:
+                links[0].writer.transport.resume_reading()
+            assert len(ends) == 1 and isinstance(ends[0], device_channel.ChannelStalled), ends
+            assert str(ends[0]).startswith("handler channel stalled (ping unanswered")
+            assert channels[0].sessions == {} and real.max_size_bytes - real.bytes_left == both // 2  # b's only
+            out = await asyncio.wait_for(waiting, 10)  # its reply, left unread, was sent before the end
+            assert out.shape == (1, 1, H)
+            await asyncio.wait_for(links[0].closed.wait(), 10)  # then the end
+            await asyncio.sleep(1.5)  # past the bound again: the live one answered its ping
+            assert pings and not servings[1].done()
+            out = await asyncio.wait_for(live.step(b, step_inputs(torch.randn(1, 1, H), 2)), 10)
+            assert out.shape == (1, 1, H)
+        assert len(ends) == 1

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import math
 import selectors
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -72,6 +74,11 @@ BACKLOG_FRAMES = 2
 # that lock waits for this much of a copy into the socket, not for a whole backlog (a process reading as fast as the
 # core writes would otherwise keep the lock taken).
 DRAIN_TURN_BYTES = 4 << 20
+# A frame the socket took may wait in it unread for good while no backlog ever forms (a wedged process's socket holds
+# ~280 small frames: an idle server's state broadcasts and evictions): each channel looks this many times per stall
+# bound for bytes waiting in its socket, and pings the process when some are (`DeviceChannel._watch`).
+STALL_TICKS = 3
+SIOCOUTQ = termios.TIOCOUTQ  # (Linux: the same request) the bytes a socket holds that its other end has not read
 
 
 class ChannelStalled(wire.ChannelClosed):
@@ -239,6 +246,24 @@ class FrameSocket:
                     break
                 self._backlog.popleft()
             return not self._backlog
+
+    @property
+    def backlogged(self) -> bool:
+        """Whether frames wait in the backlog (read without the lock: a stale answer is one tick late)."""
+        return bool(self._backlog)
+
+    def unread_bytes(self) -> int:
+        """What the socket holds that the other end has not read yet (`SIOCOUTQ`: the kernel's buffers, headers
+        included; the backlog not counted); 0 where the socket is gone or does not say."""
+        try:
+            return int(struct.unpack("i", fcntl.ioctl(self.sock.fileno(), SIOCOUTQ, bytes(4)))[0])
+        except (OSError, ValueError):
+            return 0
+
+    def declare_dead(self, reason: str) -> None:
+        """Declares the socket dead (`failure`: `ChannelStalled(reason)`): its reader sees the end."""
+        with self._send_lock:
+            self._declare_dead(reason)
 
     def stall_deadline(self) -> float | None:
         """When the backlog will have waited `stall_s` with nothing taken (`time.monotonic`); None with no backlog."""
@@ -719,6 +744,10 @@ class DeviceChannel:
         self.imports: dict[int, tuple[str, int]] = {}  # the process's KV imports in flight: (peer, bytes) by handle
         self._recalls: dict[int, asyncio.Future[None]] = {}  # stream loans recalled and not answered yet, by id
         self._recall_ids = iter(range(1, 1 << 32))
+        # the ping the handler process has not answered yet, and since when it counts (`_watch`)
+        self._ping_ids = iter(range(1, 1 << 32))
+        self._ping: int | None = None
+        self._ping_since = 0.0
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
         self._outbox: list[StepReply] = []  # step results not sent yet, from the intake and runtime threads
@@ -751,6 +780,7 @@ class DeviceChannel:
             "give_import": (tuple[int], self._give_import),
             "repay_stream": (tuple[str, int], self._repay_stream),
             "recalled": (tuple[int], self._recalled),
+            "pong": (tuple[int], self._pong),
         }
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
@@ -817,10 +847,12 @@ class DeviceChannel:
         loop = self._loop = asyncio.get_running_loop()
         ended = self._ended = loop.create_future()
         intake = self.intake or ChannelIntake(f"corolla-channel-{self.index}")  # a channel alone: one of its own
+        watch = asyncio.create_task(self._watch())
         try:
             intake.add(self)
             await asyncio.shield(ended)
         finally:
+            watch.cancel()
             self.io.shutdown()  # the intake reads the end and lets go of this channel (`on_end`)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(ended), 10.0)
@@ -849,6 +881,26 @@ class DeviceChannel:
         if self._loop is not None and self._ended is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 self._loop.call_soon_threadsafe(_set_done, self._ended)
+
+    async def _watch(self) -> None:
+        """Declares the channel dead once the handler process left the core's frames unread for the stall bound, however
+        few: each tick (`STALL_TICKS` a bound) that finds bytes unread in the socket pings the process (a "ping" note,
+        answered by its "pong" as soon as its loop reads it), and a ping unanswered for the bound ends the channel
+        (`ChannelStalled`). A backlog's own clock counts what the process takes of it: while one waits, a ping behind
+        it is not counted."""
+        loop, io = asyncio.get_running_loop(), self.io
+        while not io.closed:
+            await asyncio.sleep(io.stall_s / STALL_TICKS)
+            now = loop.time()
+            if io.backlogged:
+                self._ping_since = now
+            elif self._ping is not None:
+                if now - self._ping_since >= io.stall_s:
+                    io.declare_dead(f"ping unanswered: nothing read for {io.stall_s} s")
+                    return
+            elif io.unread_bytes() > 0:
+                self._ping, self._ping_since = next(self._ping_ids), now
+                self.send(wire.NOTE, 0, wire.named("ping", (self._ping,)))
 
     def _dispatch(self, kind: int, request_id: int, payload: bytes) -> None:
         """A frame other than a step, in the event loop: a call answered in a task of its own (a malformed one fails
@@ -915,6 +967,11 @@ class DeviceChannel:
         answered = self._recalls.pop(recall, None)
         if answered is not None and not answered.done():
             answered.set_result(None)
+
+    def _pong(self, ping: int) -> None:
+        """The handler process read the channel up to its ping (`_watch`)."""
+        if ping == self._ping:
+            self._ping = None
 
     def _loans(self) -> StreamLoans:
         loans = self.core.stream_loans

@@ -60,7 +60,10 @@ class DeviceLink:
         self.drain = DrainState()  # the device core's, as its STATE frames tell it
         self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an eviction ends one)
         # what the device tells on its own, and the types of its arguments (a "push": `RemoteCore` takes them)
-        self.notes: dict[str, tuple[Any, Callable[..., None]]] = {"evict": (tuple[int, str], self._evicted)}
+        self.notes: dict[str, tuple[Any, Callable[..., None]]] = {
+            "evict": (tuple[int, str], self._evicted),
+            "ping": (tuple[int], self._pinged),
+        }
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, wire.Reader]]] = {}  # the reply after the device's state
         self._outbox: list[tuple[int, int, wire.Writer]] = []  # steps of this loop iteration (one STEP_BATCH)
@@ -129,6 +132,11 @@ class DeviceLink:
         ticket = self.tickets.get(handle)
         if ticket is not None:  # (the session ended meanwhile: nothing to end)
             ticket.evict(reason)
+
+    def _pinged(self, ping: int) -> None:
+        """The device asks whether this process reads its channel (frames of its waited unread: a "pong" says it
+        read up to the ping; `device_channel.DeviceChannel._watch`)."""
+        self.note("pong", ping)
 
     def _resolve(self, request_id: int, kind: int, reply: wire.Reader) -> None:
         future = self._pending.pop(request_id, None)
