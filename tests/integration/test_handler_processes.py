@@ -2,7 +2,7 @@
 sessions opened by several client peers land on both handler processes and give bitwise identical outputs there
 (equal to the local blocks); a forward is served; a push crosses from the process that holds the upstream session
 to the one that holds the downstream session; a killed handler process is detected and replaced, and sessions
-keep working (no leaked KV cache), and so is one that stops reading its channel (no sender of the core waits for it); each handler process serves its own same-host socket, and a replaced process
+keep working (no leaked KV cache), and so is one that stops reading its channel (no sender of the core waits for it; however few of its frames wait); each handler process serves its own same-host socket, and a replaced process
 serves it again; both processes listen on the one direct port and accept tickets either issued."""
 
 from __future__ import annotations
@@ -352,6 +352,28 @@ def test_a_handler_process_that_stops_reading_blocks_no_sender_and_is_replaced_o
     assert all(torch.equal(second, results[0][2]) for _, _, second in results)
     executor = server.service.executor
     assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
+
+
+def test_a_stopped_handler_process_the_core_sent_little_is_replaced_too(server, clients):
+    """A handler process stopped (SIGSTOP) with only a state frame of the core unread (its socket takes it: no backlog
+    forms) is declared dead after the stall bound all the same (its ping unanswered, decision 0261), killed and
+    replaced once (main: it never is: the stall clock ran only with a backlog, ~280 small frames away)."""
+    pool = server.service.pool
+    victim, channel = pool.processes[0], pool.channels[0]
+    assert victim is not None and victim.pid is not None and channel is not None
+    restarts = pool.num_restarts
+    channel.io.stall_s = 2.0  # (from the watch's next tick: within the server's first 10 s)
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        channel.send_state()
+        assert wait_until(lambda: pool.num_restarts == restarts + 1, 40), "the stopped process was not replaced"
+    finally:
+        if victim.is_alive():
+            os.kill(victim.pid, signal.SIGCONT)
+    assert not victim.is_alive() and victim.exitcode == -signal.SIGKILL
+    assert channel.io.closed and channel.sessions == {}
+    assert wait_until(lambda: pool.channels[0] is not None and pool.channels[0].ready.is_set(), 60)
+    assert server.service.healthy and pool.num_restarts == restarts + 1
 
 
 def test_direct_port_serves_without_placement_where_no_private_directory_can_be_made(
