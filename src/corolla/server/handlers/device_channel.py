@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import math
 import selectors
 import socket
 import struct
-import termios
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -74,11 +72,11 @@ BACKLOG_FRAMES = 2
 # that lock waits for this much of a copy into the socket, not for a whole backlog (a process reading as fast as the
 # core writes would otherwise keep the lock taken).
 DRAIN_TURN_BYTES = 4 << 20
-# A frame the socket took may wait in it unread for good while no backlog ever forms (a wedged process's socket holds
-# ~280 small frames: an idle server's state broadcasts and evictions): each channel looks this many times per stall
-# bound for bytes waiting in its socket, and pings the process when some are (`DeviceChannel._watch`).
+# A wedged process whose socket still takes frames never forms a backlog (its socket holds ~280 small frames: a quiet
+# server's state broadcasts and evictions, or nothing), yet its sessions hold their cache and p2pd hands it new streams:
+# each channel pings its process this many times a stall bound, and one it leaves unanswered for the bound ends the
+# channel (`DeviceChannel._watch`).
 STALL_TICKS = 3
-SIOCOUTQ = termios.TIOCOUTQ  # (Linux: the same request) the bytes a socket holds that its other end has not read
 
 
 class ChannelStalled(wire.ChannelClosed):
@@ -251,14 +249,6 @@ class FrameSocket:
     def backlogged(self) -> bool:
         """Whether frames wait in the backlog (read without the lock: a stale answer is one tick late)."""
         return bool(self._backlog)
-
-    def unread_bytes(self) -> int:
-        """What the socket holds that the other end has not read yet (`SIOCOUTQ`: the kernel's buffers, headers
-        included; the backlog not counted); 0 where the socket is gone or does not say."""
-        try:
-            return int(struct.unpack("i", fcntl.ioctl(self.sock.fileno(), SIOCOUTQ, bytes(4)))[0])
-        except (OSError, ValueError):
-            return 0
 
     def declare_dead(self, reason: str) -> None:
         """Declares the socket dead (`failure`: `ChannelStalled(reason)`): its reader sees the end."""
@@ -883,11 +873,10 @@ class DeviceChannel:
                 self._loop.call_soon_threadsafe(_set_done, self._ended)
 
     async def _watch(self) -> None:
-        """Declares the channel dead once the handler process left the core's frames unread for the stall bound, however
-        few: each tick (`STALL_TICKS` a bound) that finds bytes unread in the socket pings the process (a "ping" note,
-        answered by its "pong" as soon as its loop reads it), and a ping unanswered for the bound ends the channel
-        (`ChannelStalled`). A backlog's own clock counts what the process takes of it: while one waits, a ping behind
-        it is not counted."""
+        """Declares the channel dead once the handler process has read nothing for the stall bound, however little the core
+        sent it: each tick (`STALL_TICKS` a bound) with no ping out sends one (a "ping" note, answered by a "pong" as
+        soon as the process's loop reads it), and a ping unanswered for the bound ends the channel (`ChannelStalled`).
+        A backlog's own clock counts what the process takes of it: while one waits, a ping behind it is not counted."""
         loop, io = asyncio.get_running_loop(), self.io
         while not io.closed:
             await asyncio.sleep(io.stall_s / STALL_TICKS)
@@ -898,7 +887,7 @@ class DeviceChannel:
                 if now - self._ping_since >= io.stall_s:
                     io.declare_dead(f"ping unanswered: nothing read for {io.stall_s} s")
                     return
-            elif io.unread_bytes() > 0:
+            else:
                 self._ping, self._ping_since = next(self._ping_ids), now
                 self.send(wire.NOTE, 0, wire.named("ping", (self._ping,)))
 
