@@ -250,9 +250,6 @@ class InferenceRequestMetadata:
             pushed=True if self.pushed else None,
         )
 
-    def to_bytes(self) -> bytes:
-        return encode_metadata(self.to_dict())
-
 
 def _set_keys(extra: Mapping[str, Any], **keys: Any) -> dict[str, Any]:
     """`extra`, then the `keys` that are set (not None), in their order (a Petals client's order: the bytes follow)."""
@@ -299,6 +296,3 @@ class ForwardRequestMetadata:
             args_structure=self.args_structure,
             output_compression=None if self.output_compression is None else tuple(self.output_compression),
         )
-
-    def to_bytes(self) -> bytes:
-        return encode_metadata(self.to_dict())

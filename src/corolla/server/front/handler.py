@@ -19,12 +19,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
 from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, combine_parts, stream_messages
-from corolla.protocol.metadata import (
-    ForwardRequestMetadata,
-    InferenceRequestMetadata,
-    decode_metadata,
-    encode_metadata,
-)
+from corolla.protocol.metadata import ForwardRequestMetadata, InferenceRequestMetadata, encode_metadata
 from corolla.server.core.limits import PeerLimits, SessionTimeouts, peer_key
 from corolla.server.core.refusals import BadRequest, RequestTimeout
 from corolla.server.core.span_core import CoreClient
@@ -176,7 +171,7 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes, peer: str
     ) -> list[runtime_pb2.Tensor]:
         block_indices = bf.resolve_chain(uid, self.limits)
-        metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
+        metadata = ForwardRequestMetadata.from_bytes(raw_metadata)
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         compressions = self._output_compressions(metadata, 1)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
@@ -191,7 +186,7 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes, peer: str
     ) -> list[runtime_pb2.Tensor]:
         block_indices = bf.resolve_chain(uid, self.limits)
-        metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
+        metadata = ForwardRequestMetadata.from_bytes(raw_metadata)
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices), adapter=adapter)
