@@ -59,7 +59,7 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # "caught" / "referee_lied": the server / the first referee outvoted 2:1 and banned for good; "disputed" /
 # "referee_disputed": outvoted by witnesses short of standing, avoided only (`witnesses.outvote`)
-Verdict = Literal["agreed", "caught", "undecided", "referee_lied", "disputed", "referee_disputed"]
+Verdict = Literal["caught", "undecided", "referee_lied", "disputed", "referee_disputed"]
 
 
 def record_floors(standing_steps: int) -> list[int]:
@@ -250,20 +250,6 @@ class StretchReferees:
         rtol = comparison_rtol(self.manager.config.verify_rtol, spans, a.dtype, b.dtype)
         error = float(position_errors(a, b).max()) if a.numel() else 0.0
         return error <= rtol, error
-
-    async def verify(self, span: RemoteSpanInfo, finding: Finding) -> Verdict:
-        """Asks replicas of `span` (not its server) to recompute `finding`'s inputs: "agreed" (the first that
-        answers agrees with the claim), else `decide` with it; "undecided" where none answers."""
-        referees = self.replicas(span, {span.peer_id})
-        for index, referee in enumerate(referees):
-            recomputed = await self.recompute(referee, finding)
-            if recomputed is None:
-                continue
-            agrees, error = self.compare(finding.claimed, recomputed, (span, referee))
-            if agrees:
-                return "agreed"
-            return await self.decide(span, referee, recomputed, finding, referees[index + 1 :])
-        return "undecided"
 
     async def decide(
         self,
