@@ -287,12 +287,3 @@ class ForwardRequestMetadata:
     @classmethod
     def from_bytes(cls, data: bytes) -> ForwardRequestMetadata:
         return cls.from_dict(decode_metadata(data))
-
-    def to_dict(self) -> dict[str, Any]:
-        return _set_keys(
-            self.extra,
-            points=self.points or None,
-            active_adapter=self.active_adapter or None,
-            args_structure=self.args_structure,
-            output_compression=None if self.output_compression is None else tuple(self.output_compression),
-        )
