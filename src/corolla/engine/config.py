@@ -44,14 +44,3 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return -(-self.max_seq_len_tokens // self.page_size_tokens)
-
-    def bucket_for(self, rows: int) -> int:
-        """The smallest graph bucket holding `rows` (rows itself when above every bucket)."""
-        for bucket in sorted(self.graph_buckets):
-            if bucket >= rows:
-                return bucket
-        return rows
