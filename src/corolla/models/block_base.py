@@ -33,7 +33,7 @@ class TensorDescriptor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def make_zeros(self) -> torch.Tensor:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)

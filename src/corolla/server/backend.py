@@ -5,7 +5,6 @@ chunks through a temporary cache (`forward_chunks`)."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -207,9 +206,7 @@ class SpanBackend:
     def cache_bytes_per_token(self, block_indices: Sequence[int] | None = None) -> int:
         """Bytes of keys + values for one token of one sequence, summed over `block_indices` (default: all)."""
         indices = self.block_indices if block_indices is None else self.validate_block_indices(block_indices)
-        return sum(
-            math.prod(d.shape) * d.dtype.itemsize for i in indices for d in self.blocks[i].cache_descriptors(1, 1)
-        )
+        return sum(d.nbytes for i in indices for d in self.blocks[i].cache_descriptors(1, 1))
 
 
 def _filled_grad(grad: torch.Tensor | None) -> torch.Tensor:
