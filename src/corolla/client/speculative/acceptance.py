@@ -141,8 +141,6 @@ class KChooser:
     _sy: float = 0.0
     _sxx: float = 0.0
     _sxy: float = 0.0
-    drafted_total: int = 0
-    accepted_total: int = 0
 
     def choose(self, limit: int) -> int:
         """k in [0, min(limit, max_k)]; 0 when nothing may be drafted."""
@@ -177,8 +175,6 @@ class KChooser:
     def record_round(self, num_drafted: int, num_accepted: int, sent_tokens: int, verify_s: float) -> None:
         keep = 1.0 - self.smoothing
         if num_drafted > 0:
-            self.drafted_total += num_drafted
-            self.accepted_total += num_accepted
             # an accepted prefix of n then a rejection: n successes and one failure (all k successes if none failed)
             trials = num_accepted + (1 if num_accepted < num_drafted else 0)
             rate = num_accepted / trials
@@ -198,8 +194,3 @@ class KChooser:
             self.draft_s = (
                 per_token if self.draft_s == 0 else (1 - self.smoothing) * self.draft_s + self.smoothing * per_token
             )
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / drafted over the whole generation (None before any draft)."""
-        return self.accepted_total / self.drafted_total if self.drafted_total else None
