@@ -4,8 +4,9 @@ whole batch (`DecodeOps.num_splits`, every row split alike): `python -m benchmar
 One Llama-3-8B layer's paged decode attention (32 query heads on 8 kv heads, head size 128, bf16, the pool's 64-token
 pages, shuffled) for batches of equal rows and batches with one long row among short ones; each variant's launch
 captured in a CUDA graph and replayed (`--replays` launches a timing, median of `--timings`). Variants: `batch`
-(num_splits for the batch, every row split over them: the rule before), `rows` (attention_splits: the product's), and
-`rows-8` (the same with at least 8 splits offered). Prints one JSON line per batch. `--engine_layers N` (> 0) then
+(num_splits for the batch, every row split over them: the rule before) and `rows` (attention_splits: the product's).
+Prints one JSON line per batch. `--sweep_rows R` (> 0) then times R rows of each of `--sweep_tokens` with every
+pages_per_split of `--sweep_pages` at the grid's splits for R rows (one JSON line per length). `--engine_layers N` (> 0) then
 times a whole merged decode step of N random Llama-3-8B bf16 layers (`SpanEngine.decode_many`, CUDA graphs) for 64
 sessions, 63 of `--short_tokens` and one of `--long_tokens`, with the rule before and the product's (an engine each,
 alternated `--engine_rounds` times; median ms a step)."""
@@ -29,6 +30,10 @@ from corolla.engine.span_engine import SpanEngine, StepRequest
 HEADS, KV_HEADS, HEAD_DIM, PAGE_TOKENS = 32, 8, 128, 64
 BATCHES = {
     "64 x 512": [512] * 64,
+    "32 x 512": [512] * 32,
+    "16 x 512": [512] * 16,
+    "8 x 128": [128] * 8,
+    "1 x 128": [128],
     "63 x 512 + 4096": [512] * 63 + [4096],
     "63 x 512 + 16384": [512] * 63 + [16384],
     "8 x 512": [512] * 8,
@@ -130,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine_rounds", type=int, default=3)
     p.add_argument("--short_tokens", type=int, default=512)
     p.add_argument("--long_tokens", type=int, default=4096)
+    p.add_argument("--sweep_rows", type=int, default=0)
+    p.add_argument("--sweep_tokens", default="128,512,1024,2048,4096,8192")
+    p.add_argument("--sweep_pages", default="1,2,4,8,16")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     ops = DecodeOps(device, HEAD_DIM, use_triton=True)
@@ -139,21 +147,31 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v, tables, lens = _cache(lengths, device, gen)
         base = ops.num_splits(len(lengths), KV_HEADS, HEADS // KV_HEADS)
         splits, pages = ops.attention_splits(len(lengths), KV_HEADS, HEADS // KV_HEADS, PAGE_TOKENS)
-        variants = {"batch": (base, 1), "rows": (splits, pages), "rows-8": (max(splits, 8), pages)}
+        variants = {
+            "batch": functools.partial(triton_kernels.paged_decode_attention, q, k, v, tables, lens, scale, base),
+            "rows": functools.partial(ops.paged_decode_attention, q, k, v, tables, lens, scale),  # the product's
+        }
         outputs: dict[str, torch.Tensor] = {}
         row: dict[str, object] = {"lengths": name, "device": torch.cuda.get_device_name()}
-        for variant, (s, pps) in variants.items():
-            run = functools.partial(
-                triton_kernels.paged_decode_attention, q, k, v, tables, lens, scale, s, pages_per_split=pps
-            )
+        for variant, run in variants.items():
             outputs[variant] = run().float()
-            row[variant] = {
-                "splits": s,
-                "pages_per_split": pps,
-                "us": round(_timed_us(run, args.replays, args.timings), 2),
-            }
+            us = round(_timed_us(run, args.replays, args.timings), 2)
+            row[variant] = (
+                {"splits": base, "us": us} if variant == "batch" else {"splits": splits, "pages": pages, "us": us}
+            )
         row["max_diff_rows_vs_batch"] = float((outputs["rows"] - outputs["batch"]).abs().max())
         print(json.dumps(row), flush=True)
+    if args.sweep_rows > 0:
+        splits, _ = ops.attention_splits(args.sweep_rows, KV_HEADS, HEADS // KV_HEADS, PAGE_TOKENS)
+        for tokens in (int(t) for t in args.sweep_tokens.split(",")):
+            q, k, v, tables, lens = _cache([tokens] * args.sweep_rows, device, gen)
+            swept: dict[str, object] = {"rows": args.sweep_rows, "tokens": tokens, "splits": splits}
+            for pps in (int(x) for x in args.sweep_pages.split(",")):
+                run = functools.partial(
+                    triton_kernels.paged_decode_attention, q, k, v, tables, lens, scale, splits, pages_per_split=pps
+                )
+                swept[f"pages_per_split={pps}"] = round(_timed_us(run, args.replays, args.timings), 2)
+            print(json.dumps(swept), flush=True)
     if args.engine_layers > 0:
         print(json.dumps(engine_steps(args, device)), flush=True)
     return 0

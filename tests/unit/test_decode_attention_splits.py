@@ -24,14 +24,14 @@ def test_rows_split_by_their_own_pages() -> None:
     # (grid splits, pages a split takes) for Llama-3-8B's 8 kv heads of 4 query heads, 64-token pages, 132 SMs
     ops = DecodeOps(torch.device("cpu"), 128, use_triton=False)
     ops.num_sms = 132
-    assert ops.attention_splits(1, 8, 4, 64) == (16, 1)  # one row: as before (a page a split, 16 at most)
-    assert ops.attention_splits(8, 8, 4, 64) == (8, 2)  # a 512-token row takes 4 splits, a 1,024-token one 8
+    assert ops.attention_splits(1, 8, 4, 64) == (16, 1)  # one row: a page a split, 16 at most (as before)
+    assert ops.attention_splits(8, 8, 4, 64) == (8, 1)  # a 512-token row takes 8 splits
     # 64 rows: a row of <= 512 tokens takes one split (as the batch's one split before), a 4,096-token row 8
     assert ops.attention_splits(64, 8, 4, 64) == (8, 8)
     # the grid stays within LONG_ROW_PROGRAMS: fewer splits offered to more rows, none past 2,048 (row, kv head) pairs
-    assert ops.attention_splits(128, 8, 4, 64) == (4, 8)
-    assert ops.attention_splits(256, 8, 4, 64) == (2, 8)
-    assert ops.attention_splits(512, 8, 4, 64) == (1, 8)
+    assert ops.attention_splits(128, 8, 4, 64) == (4, 16)
+    assert ops.attention_splits(256, 8, 4, 64) == (2, 32)
+    assert ops.attention_splits(512, 8, 4, 64)[0] == 1
     for rows in (1, 8, 64, 100, 256, 300, 1024):
         splits, _ = ops.attention_splits(rows, 8, 4, 64)
         assert splits == 1 or rows * 8 <= ATTENTION_COUNTERS  # every split grid has its arrival counters

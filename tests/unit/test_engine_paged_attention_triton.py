@@ -36,9 +36,10 @@ def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
     return q, k, v, tables, lens
 
 
-def run(inputs, splits: int, pages_per_split: int = 1) -> torch.Tensor:
+def run(inputs, splits: int, pages_per_split: int = 1, unsplit_pages: int = 0) -> torch.Tensor:
+    args = [t.to(DEV) for t in inputs]
     return tk.paged_decode_attention(
-        *[t.to(DEV) for t in inputs], D**-0.5, splits, pages_per_split=pages_per_split
+        *args, D**-0.5, splits, pages_per_split=pages_per_split, unsplit_pages=unsplit_pages
     ).cpu()
 
 
@@ -129,21 +130,31 @@ def test_counters_cover_the_reserved_grid_and_refuse_more() -> None:
     assert reserve_attention_counters(DEV, 1) is grown  # a smaller reservation keeps them
 
 
-@pytest.mark.parametrize(("splits", "pages_per_split"), [(7, 2), (7, 3), (4, 19), (2, 1)])
-def test_rows_take_splits_by_their_own_pages(splits: int, pages_per_split: int) -> None:
-    # rows of 1 to 19 pages take min(splits, ceil(pages / pages_per_split)) splits: one (no partials, the output
-    # stored at once) beside rows that take all of them; every row as the reference, the counters back to zero,
-    # and a row's output the same alone as beside the others (its splits follow its own length)
-    q, k, v, tables, lens = make_inputs(SEQ_LENS, 8, 2, seed=40 + splits * pages_per_split)
+@pytest.mark.parametrize(("splits", "pages_per_split", "unsplit"), [(7, 2, 0), (7, 3, 3), (4, 19, 0), (2, 1, 4)])
+def test_rows_take_splits_by_their_own_pages(splits: int, pages_per_split: int, unsplit: int) -> None:
+    # rows of 1 to 19 pages take min(splits, ceil(pages / pages_per_split)) splits (one for rows of <= `unsplit`
+    # pages): one (no partials, the output stored at once) beside rows that take all of them; every row as the
+    # reference, the counters back to zero, and a row's output the same alone as beside the others (its splits
+    # follow its own length)
+    q, k, v, tables, lens = make_inputs(SEQ_LENS, 8, 2, seed=40 + splits * pages_per_split + unsplit)
     expected = ops.paged_decode_attention_ref(q, k, v, tables, lens, D**-0.5)
     counters = attention_counters(DEV, len(SEQ_LENS) * 2)
-    whole = run((q, k, v, tables, lens), splits, pages_per_split)
+    whole = run((q, k, v, tables, lens), splits, pages_per_split, unsplit)
     assert not whole.isnan().any() and int(counters.abs().sum()) == 0
     torch.testing.assert_close(whole, expected, atol=2e-3, rtol=2e-3)
-    assert torch.equal(run((q, k, v, tables, lens), splits, pages_per_split), whole)  # the next call combines again
+    assert torch.equal(run((q, k, v, tables, lens), splits, pages_per_split, unsplit), whole)  # combines again
     for row in (0, 2, 4):
-        alone = run((q[row : row + 1], k, v, tables[row : row + 1], lens[row : row + 1]), splits, pages_per_split)
-        assert torch.equal(alone[0], whole[row])
+        one = (q[row : row + 1], k, v, tables[row : row + 1], lens[row : row + 1])
+        assert torch.equal(run(one, splits, pages_per_split, unsplit)[0], whole[row])
+
+
+def test_a_short_row_takes_one_split() -> None:
+    # a row of 10 pages with unsplit_pages 10 gives the output of one program over its pages (splits=1), bit for bit;
+    # with 9 it is split (summed in another order)
+    inputs = make_inputs([146], 4, 1, seed=7)  # 10 pages of 16
+    one = run(inputs, 1)
+    assert torch.equal(run(inputs, 8, 1, unsplit_pages=10), one)
+    assert not torch.equal(run(inputs, 8, 1, unsplit_pages=9), one)
 
 
 def test_pages_per_split_must_be_positive() -> None:

@@ -151,6 +151,7 @@ def _paged_attn_kernel(
     scale,
     alibi_scale,
     pages_per_split,
+    unsplit_pages,
     G: tl.constexpr,
     GP: tl.constexpr,
     NKV: tl.constexpr,
@@ -162,15 +163,17 @@ def _paged_attn_kernel(
     ALIBI: tl.constexpr,
 ):
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
-    # A row takes as many of the grid's S splits as it has `pages_per_split` pages (at least one): a long row beside
-    # short ones is split where they are not, and the splits it does not take return at once. The count depends on
-    # the row's own length (and the launch's constants) only, so a row's output does not depend on the other rows.
+    # A row takes as many of the grid's S splits as it has `pages_per_split` pages (at least one; one for a row of at
+    # most `unsplit_pages`, whose combine would cost more than its pages): a long row beside short ones is split where
+    # they are not, and the splits it does not take return at once. The count depends on the row's own length (and
+    # the launch's constants) only, so a row's output does not depend on the other rows.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     n_pages = tl.cdiv(seq_len, PAGE)
     taken = tl.minimum(tl.maximum(tl.cdiv(n_pages, pages_per_split), 1), S)  # the row's splits
+    taken = tl.where(n_pages <= unsplit_pages, 1, taken)
     if split < taken:
         _paged_attn_split(
             q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
@@ -272,12 +275,12 @@ def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, c_mask, offs_d, taken, GP: tl.
 # fmt: off
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int, *, pages_per_split: int = 1,
-    alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
+    unsplit_pages: int = 0, alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
 ) -> torch.Tensor:
     # fmt: on
     """Same contract as `ops.paged_decode_attention_ref`; a row of P pages is split over min(splits, ceil(P /
-    `pages_per_split`)) programs per kv head (at least one; the grid's other split programs return at once), the
-    last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes`
+    `pages_per_split`)) programs per kv head (one where P <= `unsplit_pages`; the grid's other split programs return
+    at once), the last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes`
     [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
     if pages_per_split < 1:
         raise ValueError(f"pages_per_split must be >= 1, got {pages_per_split}")
@@ -299,7 +302,7 @@ def paged_decode_attention(
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
-        pages_per_split, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
+        pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
         GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4,
         num_stages=2,
     )  # fmt: skip

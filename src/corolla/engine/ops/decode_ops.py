@@ -33,12 +33,13 @@ logger = get_logger(__name__)
 # the decode attention's splits per (row, kv head) for groups of more than LARGE_GROUP query heads on a kv head: on an
 # H200 at Falcon-7B's 71 on 1 (D 64), 8 splits took 11.9 / 15.6 us at 513 / 2049 tokens against 16.2 / 18.4 for 16
 LARGE_GROUP, LARGE_GROUP_SPLITS = 16, 8
-# A row of REFERENCE_TOKENS takes the splits `num_splits` gives its batch, a longer row more, up to the grid's splits:
-# LONG_ROW_SPLITS where that keeps the grid within LONG_ROW_PROGRAMS (`attention_splits`), so that one long row beside
-# many short ones (which need none) is not the forward's tail. One H100 layer, 63 rows of 512 tokens + one of 4,096 /
-# 16,384: 137.9 / 449.2 us at one split for all, 57.8 / 99.3 us so; 64 rows of 512: 47.7 -> 49.5 us (the grid's
-# programs that return at once; benchmarks/RESULTS.md, "Decode attention split by the rows' pages")
-REFERENCE_TOKENS, LONG_ROW_SPLITS, LONG_ROW_PROGRAMS = 512, 8, 4096
+# The decode attention's splits by the rows' pages (`attention_splits`; decision 0262, H100 sweeps of 1-64 rows of
+# 128-8,192 tokens): rows of REFERENCE_TOKENS make about REFERENCE_PROGRAMS_PER_SM programs a multiprocessor, a longer
+# row takes more splits, up to LONG_ROW_SPLITS where that keeps the grid within LONG_ROW_PROGRAMS (one long row beside
+# many short ones is not the forward's tail: 63 x 512 + one 16,384-token row 455 -> 100 us a layer), and a row of at
+# most SHORT_ROW_TOKENS is not split (its combine costs more than its pages: one row of 128 tokens 6.8 -> 4.7 us)
+REFERENCE_TOKENS, REFERENCE_PROGRAMS_PER_SM, SHORT_ROW_TOKENS = 512, 4, 192
+LONG_ROW_SPLITS, LONG_ROW_PROGRAMS = 8, 4096
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
@@ -469,14 +470,16 @@ class DecodeOps:
         self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None
     ) -> torch.Tensor:
         if self.use_triton:
-            splits, pages = self.attention_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2],
-                                                  k_cache.shape[1])  # fmt: skip
+            page = k_cache.shape[1]
+            splits, pages = self.attention_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2], page)
             if alibi is None:
                 return triton_kernels.paged_decode_attention(
-                    q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages
-                )
+                    q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages,
+                    unsplit_pages=SHORT_ROW_TOKENS // page,
+                )  # fmt: skip
             return triton_kernels.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages,
+                unsplit_pages=SHORT_ROW_TOKENS // page,
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
             )  # fmt: skip
         if q.is_cpu:
@@ -499,13 +502,17 @@ class DecodeOps:
         return max(1, min(self._most_splits(group), want))
 
     def attention_splits(self, batch: int, num_kv_heads: int, group: int, page_tokens: int) -> tuple[int, int]:
-        """(The grid's splits per (row, kv head), the pages a split takes): a row of REFERENCE_TOKENS is split as
-        `num_splits` says for its batch, a row of P pages over ceil(P / pages) of the grid's splits (at least one),
-        and the grid offers LONG_ROW_SPLITS where the cap and LONG_ROW_PROGRAMS allow. Depends on the launch's shape only (CUDA
-        graphs replay it), and a row's splits on its own length: its output does not depend on the other rows."""
-        base = self.num_splits(batch, num_kv_heads, group)
-        offered = min(LONG_ROW_SPLITS, self._most_splits(group), LONG_ROW_PROGRAMS // max(1, batch * num_kv_heads))
-        return max(base, offered), max(1, math.ceil(math.ceil(REFERENCE_TOKENS / page_tokens) / base))
+        """(The grid's splits per (row, kv head), the pages a split takes): rows of REFERENCE_TOKENS make about
+        REFERENCE_PROGRAMS_PER_SM programs a multiprocessor, a row of P pages takes ceil(P / pages) of the grid's
+        splits (at least one), and the grid offers `num_splits`' count, or LONG_ROW_SPLITS where the cap and
+        LONG_ROW_PROGRAMS allow (the kernel leaves rows of SHORT_ROW_TOKENS unsplit). Depends on the launch's shape
+        only (CUDA graphs replay it), and a row's splits on its own length: its output does not depend on the
+        other rows."""
+        pairs = max(1, batch * num_kv_heads)
+        offered = min(LONG_ROW_SPLITS, self._most_splits(group), LONG_ROW_PROGRAMS // pairs)
+        reference_pages = math.ceil(REFERENCE_TOKENS / page_tokens)
+        pages = math.ceil(reference_pages * pairs / (REFERENCE_PROGRAMS_PER_SM * self.num_sms))
+        return max(self.num_splits(batch, num_kv_heads, group), offered), max(1, pages)
 
     def _most_splits(self, group: int) -> int:
         return min(self.attention_splits_max, LARGE_GROUP_SPLITS) if group > LARGE_GROUP else self.attention_splits_max
