@@ -41,7 +41,6 @@ EXPERT_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (64, 64, 4, 4),
     (128, 64, 8, 3),
 )
-DEFAULT_CONFIG = EXPERT_CONFIGS[0]
 
 
 @triton.jit
