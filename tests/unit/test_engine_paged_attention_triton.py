@@ -160,3 +160,9 @@ def test_a_short_row_takes_one_split() -> None:
 def test_pages_per_split_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pages_per_split"):
         run(make_inputs([64], 4, 1, seed=1), 2, 0)
+
+
+def test_splits_must_be_positive() -> None:
+    # a grid of no split programs would return the output as torch.empty left it (whatever the memory held)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        run(make_inputs([64], 4, 1, seed=1), 0)

@@ -280,8 +280,10 @@ def paged_decode_attention(
     # fmt: on
     """Same contract as `ops.paged_decode_attention_ref`; a row of P pages is split over min(splits, ceil(P /
     `pages_per_split`)) programs per kv head (one where P <= `unsplit_pages`; the grid's other split programs return
-    at once), the last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes`
-    [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
+    at once), the last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0,
+    `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
+    if splits < 1:  # a grid of no programs would return the output tensor unwritten
+        raise ValueError(f"splits must be >= 1, got {splits}")
     if pages_per_split < 1:
         raise ValueError(f"pages_per_split must be >= 1, got {pages_per_split}")
     b, nq, d = q.shape
