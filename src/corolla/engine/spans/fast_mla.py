@@ -47,14 +47,10 @@ class MlaSpec:
 
     hidden_size: int
     num_heads: int
-    q_lora_rank: int | None  # None: one q_proj instead of q_a -> norm -> q_b
     kv_lora_rank: int
     qk_rope_head_dim: int
     qk_nope_head_dim: int
     v_head_dim: int
-    intermediate_size: int  # the dense layers' MLP
-    moe_intermediate_size: int
-    num_experts: int
     num_experts_per_tok: int
     num_groups: int
     topk_groups: int
@@ -91,18 +87,13 @@ class MlaSpec:
         rope_dim = int(config.qk_rope_head_dim)
         if rope_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {rope_dim}")
-        q_lora = getattr(config, "q_lora_rank", None)
         return cls(
             hidden_size=int(config.hidden_size),
             num_heads=int(config.num_attention_heads),
-            q_lora_rank=None if q_lora is None else int(q_lora),
             kv_lora_rank=int(config.kv_lora_rank),
             qk_rope_head_dim=rope_dim,
             qk_nope_head_dim=int(config.qk_nope_head_dim),
             v_head_dim=int(config.v_head_dim),
-            intermediate_size=int(config.intermediate_size),
-            moe_intermediate_size=int(config.moe_intermediate_size),
-            num_experts=num_experts,
             num_experts_per_tok=int(config.num_experts_per_tok),
             num_groups=num_groups,
             topk_groups=int(getattr(config, "topk_group", 1) or 1),
