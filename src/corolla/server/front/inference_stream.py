@@ -68,7 +68,6 @@ class SessionState:
     active_adapter: str
     args_structure: object
     prefix_length: int = 0
-    started_at: float = field(default_factory=time.monotonic)
     push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); push_guard.screen_step
     seen_step_ids: set[str] = field(default_factory=set)
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
