@@ -203,7 +203,6 @@ class ShadowVerifier:
         self.referees = StretchReferees(manager, rng=self.rng)
         self._drawn: dict[int, tuple[SpanSession, Shadow | None]] = {}  # id(span session) -> (it, its shadow)
         self._lock = threading.Lock()  # draws: a span session's first step, in the caller's thread or on the loop
-        self.num_sessions = 0  # span sessions drawn
         self.findings: list[Finding] = []
         self.undecided: list[Finding] = []
 
@@ -260,7 +259,6 @@ class ShadowVerifier:
     def _draw(self, span_session: SpanSession, first: int) -> Shadow | None:
         """A shadow for a span session whose first step sent from position 0 (whole sessions), with probability
         `fraction`, on a random unbanned replica; None otherwise."""
-        self.num_sessions += 1
         span = span_session.span
         if first != 0 or not (self.fraction >= 1 or self.rng.random() < self.fraction):
             return None

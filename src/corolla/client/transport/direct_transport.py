@@ -78,7 +78,6 @@ class DirectInferenceStream(FramedSocketStream):
 
     _sealer: ds.Sealer | None = None
     _opener: ds.Opener | None = None
-    address: tuple[str, int] | None = None
 
     @classmethod
     async def open(
@@ -120,7 +119,6 @@ class DirectInferenceStream(FramedSocketStream):
             return None
         stream._sealer = ds.Sealer(keys.client_to_server)
         stream._opener = ds.Opener(keys.server_to_client)
-        stream.address = (host, offer.port)
         return stream
 
     # ---- framing (sealed once open)
