@@ -174,10 +174,6 @@ def _paged_attn_kernel(
     n_pages = tl.cdiv(seq_len, PAGE)
     taken = tl.minimum(tl.maximum(tl.cdiv(n_pages, pages_per_split), 1), S)  # the row's splits
     taken = tl.where(n_pages <= unsplit_pages, 1, taken)
-    # capped at S, a row's splits of ceil(P / taken) pages may leave the last ones without a page (17 pages over 16:
-    # 9 take 2 pages each): those return at once too, the same partition of the pages (bit-equal), fewer partials
-    taken = tl.cdiv(n_pages, tl.maximum(tl.cdiv(n_pages, taken), 1))
-    taken = tl.maximum(taken, 1)
     if split < taken:
         _paged_attn_split(
             q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
