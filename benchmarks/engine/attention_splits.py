@@ -24,6 +24,7 @@ import torch
 from benchmarks.engine.quant import LLAMA3_8B, random_layer
 from benchmarks.field.verify_tolerance import engine_over
 from corolla.engine.kernels import triton_kernels
+from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.span_engine import SpanEngine, StepRequest
 
@@ -59,27 +60,8 @@ def _cache(lengths: list[int], device: torch.device, gen: torch.Generator):
 
 
 def _timed_us(run, replays: int, timings: int) -> float:
-    run()  # compile
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(timings):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
+    """Median device us of one `run` launch: `replays` launches in one CUDA graph, `timings` replays."""
+    return graph_median_ms(lambda: [run() for _ in range(replays)], timings) * 1e3 / replays
 
 
 ENGINE_ROWS, ENGINE_STEPS = 64, 20
