@@ -107,17 +107,9 @@ class SpanAdapters(AdapterRows):
     """Every loaded adapter of a span, stacked (see the module docstring); the engine and the CUDA-graph capture say
     through `AdapterRows` which form the span's next steps take."""
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        layers: Sequence[dict[str, FusedProjection]],
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
+    def __init__(self, names: Sequence[str], layers: Sequence[dict[str, FusedProjection]], *, device: torch.device):
         super().__init__(names, device)
         self.layers = list(layers)
-        self.dtype = dtype
         self._columns: dict[tuple[int, ...], torch.Tensor] = {}
 
     def column_ids(self, ranks: tuple[int, ...]) -> torch.Tensor:
@@ -190,15 +182,15 @@ def adapters_from_blocks(blocks: Sequence[torch.nn.Module]) -> SpanAdapters | No
     if not names:
         return None
     layers = []
-    device, dtype = None, None
+    device = None
     for block in blocks:
         stacks = {proj: _fuse(linear, names) for proj, linear in _lora_linears(block).items()}
         for p in stacks.values():
-            device, dtype = p.a.device, p.a.dtype
+            device = p.a.device
         layers.append(stacks)
-    if device is None or dtype is None:
+    if device is None:
         raise ValueError(f"The blocks name adapters {names} but no projection carries one")
-    adapters = SpanAdapters(names, layers, device=device, dtype=dtype)
+    adapters = SpanAdapters(names, layers, device=device)
     logger.info(
         f"fast_lora.stacked(adapters={len(names)}, layers={len(layers)}, "
         f"projections={sum(len(s) for s in layers)}, mib={adapters.nbytes() / 2**20:.1f})"

@@ -193,7 +193,6 @@ class SpanCore:
 
     def configure(self, peer_limits: PeerLimits) -> None:
         """Sets the fair-use limits of every front's sessions and forwards (before serving)."""
-        self.peer_limits = peer_limits
         self.admission = SessionAdmission(peer_limits, self.executor)
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
         self.imports = import_budget(peer_limits)  # every front's KV imports in flight, per peer and in all
