@@ -49,7 +49,7 @@ def engine_over(
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=tokens + 64, use_triton=triton)
     config = EngineConfig(
         kv_pool_bytes=kv_pool_bytes_for(spec, len(layers), rows, tokens), max_seq_len_tokens=tokens + 64,
-        max_batch_rows=max(rows, *buckets), graph_buckets=buckets or (rows,), use_cuda_graphs=graphs, tune_gemm=False,
+        max_batch_rows=max((rows, *buckets)), graph_buckets=buckets or (rows,), use_cuda_graphs=graphs, tune_gemm=False,
     )  # fmt: skip
     return SpanEngine(model, config)
 
