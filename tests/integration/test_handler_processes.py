@@ -320,32 +320,24 @@ def test_a_handler_process_that_stops_reading_blocks_no_sender_and_is_replaced_o
     from one thread, as the runtime thread's replies go) return at once, its channel is declared dead after the stall
     bound (2 s here, `device_channel.WRITE_STALL_S` in a server), the process is killed and replaced once (decision
     0258), and sessions keep working on both processes."""
-    pool = server.service.pool
-    victim, channel = pool.processes[1], pool.channels[1]
-    assert victim is not None and victim.pid is not None and channel is not None
-    restarts = pool.num_restarts
-    channel.io.stall_s = 2.0
     flooded = threading.Event()
+    senders: list[threading.Thread] = []
 
-    def flood() -> None:
-        for _ in range(20000):
-            channel.send_state()
-        flooded.set()
+    def flood(channel) -> None:  # 20000 state frames from one thread, as the runtime thread's replies go
+        def send() -> None:
+            for _ in range(20000):
+                channel.send_state()
+            flooded.set()
 
-    os.kill(victim.pid, signal.SIGSTOP)
-    sender = threading.Thread(target=flood, daemon=True)
-    try:
-        sender.start()
+        senders.append(threading.Thread(target=send, daemon=True))
+        senders[0].start()
         assert flooded.wait(10), "the sender is blocked on the process that stopped reading"
-        assert wait_until(lambda: pool.num_restarts == restarts + 1, 60), "the stopped process was not replaced"
+
+    try:
+        _stopped_and_replaced_once(server, 1, flood, replaced_within_s=60)
     finally:
-        if victim.is_alive():
-            os.kill(victim.pid, signal.SIGCONT)  # (main: it reads again and the sender goes on)
-        sender.join(10)
-    assert not victim.is_alive() and victim.exitcode == -signal.SIGKILL
-    assert pool.processes[1] is not victim and channel.io.closed and channel.sessions == {}
-    assert wait_until(lambda: pool.channels[1] is not None and pool.channels[1].ready.is_set(), 60)
-    assert server.service.healthy and pool.num_restarts == restarts + 1  # replaced once
+        for sender in senders:
+            sender.join(10)  # (main: the process reads again and the sender goes on)
     prefill, token = torch.randn(1, 2, HIDDEN), torch.randn(1, 1, HIDDEN)
     results = asyncio.run(_socket_sessions(server, 12, prefill, token))
     assert {name for name, _, _ in results} == {f"{server.peer_id}.0.sock", f"{server.peer_id}.1.sock"}
@@ -358,22 +350,30 @@ def test_a_stopped_handler_process_the_core_sent_little_is_replaced_too(server, 
     """A handler process stopped (SIGSTOP) with only a state frame of the core unread (its socket takes it: no backlog
     forms) is declared dead after the stall bound all the same (its ping unanswered, decision 0261), killed and
     replaced once (main: it never is: the stall clock ran only with a backlog, ~280 small frames away)."""
+    _stopped_and_replaced_once(server, 0, lambda channel: channel.send_state(), replaced_within_s=40)
+
+
+def _stopped_and_replaced_once(server, index: int, send, *, replaced_within_s: float) -> None:
+    """Stops handler process `index` for good (SIGSTOP; its stall bound 2 s, from the watch's next tick), calls
+    `send(its channel)`, and checks that the process is killed and replaced once: the channel closed, its sessions
+    gone, the new process's channel ready, the server healthy (SIGCONT where it was not killed)."""
     pool = server.service.pool
-    victim, channel = pool.processes[0], pool.channels[0]
+    victim, channel = pool.processes[index], pool.channels[index]
     assert victim is not None and victim.pid is not None and channel is not None
     restarts = pool.num_restarts
-    channel.io.stall_s = 2.0  # (from the watch's next tick: within the server's first 10 s)
+    channel.io.stall_s = 2.0
     os.kill(victim.pid, signal.SIGSTOP)
     try:
-        channel.send_state()
-        assert wait_until(lambda: pool.num_restarts == restarts + 1, 40), "the stopped process was not replaced"
+        send(channel)
+        replaced = wait_until(lambda: pool.num_restarts == restarts + 1, replaced_within_s)
+        assert replaced, "the stopped process was not replaced"
     finally:
         if victim.is_alive():
             os.kill(victim.pid, signal.SIGCONT)
     assert not victim.is_alive() and victim.exitcode == -signal.SIGKILL
-    assert channel.io.closed and channel.sessions == {}
-    assert wait_until(lambda: pool.channels[0] is not None and pool.channels[0].ready.is_set(), 60)
-    assert server.service.healthy and pool.num_restarts == restarts + 1
+    assert pool.processes[index] is not victim and channel.io.closed and channel.sessions == {}
+    assert wait_until(lambda: pool.channels[index] is not None and pool.channels[index].ready.is_set(), 60)
+    assert server.service.healthy and pool.num_restarts == restarts + 1  # replaced once
 
 
 def test_direct_port_serves_without_placement_where_no_private_directory_can_be_made(

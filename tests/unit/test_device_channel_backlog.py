@@ -151,6 +151,14 @@ def test_a_slow_reader_gets_every_frame_whole_and_in_order_from_many_senders(mon
     assert got == expected
 
 
+def _recorded_ends(channel) -> list[BaseException | None]:
+    """The errors `channel.on_end` is called with (it still runs), as they come."""
+    ends: list[BaseException | None] = []
+    on_end = channel.on_end
+    channel.on_end = lambda error: (ends.append(error), on_end(error))
+    return ends
+
+
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
     return tiny_span_backend(SPAN)
@@ -163,9 +171,7 @@ async def test_a_handler_process_that_stops_reading_stalls_no_other_and_its_sess
     monkeypatch.setattr(device_channel, "WRITE_STALL_S", 1.0, raising=False)
     spec = SessionSpec(SPAN, 1, 16)
     async with served_channels(backend, SPAN, 2) as (real, channels, servings, links):
-        ends: list[BaseException | None] = []
-        on_end = channels[0].on_end
-        channels[0].on_end = lambda error: (ends.append(error), on_end(error))  # type: ignore[method-assign]
+        ends = _recorded_ends(channels[0])
         wedged, live = RemoteCore(links[0]), RemoteCore(links[1])
         async with contextlib.AsyncExitStack() as stack:
             a = await stack.enter_async_context(remote_session(wedged, spec))
@@ -238,9 +244,7 @@ async def test_a_handler_process_that_leaves_a_few_frames_unread_is_declared_dea
     monkeypatch.setattr(device_channel, "WRITE_STALL_S", 1.0, raising=False)
     spec = SessionSpec(SPAN, 1, 16)
     async with served_channels(backend, SPAN, 2) as (real, channels, servings, links):
-        ends: list[BaseException | None] = []
-        on_end = channels[0].on_end
-        channels[0].on_end = lambda error: (ends.append(error), on_end(error))  # type: ignore[method-assign]
+        ends = _recorded_ends(channels[0])
         pings: list[int] = []
         if (ping_note := links[1].notes.get("ping")) is not None:  # (main: no ping)
             types, answer = ping_note
