@@ -73,6 +73,19 @@ def _send(io: FrameSocket) -> Callable[[bytes], bool]:
     return lambda frame: io.send_frames([frame])
 
 
+def _watch(io: FrameSocket) -> threading.Thread:
+    """Asks `io`'s stall clock every 0.1 s until it ends, as a channel's watch does (`DeviceChannel._watch`)."""
+
+    def run() -> None:
+        while not io.closed:
+            time.sleep(0.1)
+            io.declare_stalled(time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def _echo_round_trip(far: socket.socket, rid: int) -> None:
     far.sendall(_frame(wire.NOTE, rid, b"ping"))
     far.settimeout(SENDER_BOUND_S)
@@ -97,6 +110,7 @@ def test_a_channel_whose_reader_stopped_blocks_no_sender_and_ends_once(monkeypat
         with ChannelIntake() as intake:
             intake.add(stalled)
             intake.add(live)
+            _watch(stalled.io)
             sender, durations = _flood(_send(stalled.io), [_frame(wire.NOTE, i, bytes(16 << 10)) for i in range(count)])
             for rid in range(20):  # the live channel is served meanwhile
                 _echo_round_trip(live_far, rid)
@@ -130,6 +144,7 @@ def test_a_slow_reader_gets_every_frame_whole_and_in_order_from_many_senders(mon
     }
     with ChannelIntake() as intake:
         intake.add(channel)
+        _watch(channel.io)
         senders = [_flood(_send(channel.io), expected[t])[0] for t in range(threads)]
         total = sum(len(f) for frames in expected.values() for f in frames)
         received = bytearray()

@@ -4,7 +4,8 @@ can get wrong by itself (sizes, handles, block ranges, argument types). Calls an
 skip it: one intake thread reads every channel (`ChannelIntake`, decision 0004) and queues a frame's decode steps as
 ONE runtime task, and the runtime thread sends each channel one REPLY_BATCH per merged forward (decision 0003). No send
 blocks its sender: what the socket does not take at once waits in the channel's backlog, which the intake thread
-drains; a handler process that stops reading is declared dead past a byte cap or a stall bound (decision 0258)."""
+drains; a handler process that stops reading is declared dead past a byte cap (at once) or a stall bound (one clock,
+`DeviceChannel._watch`; decisions 0258, 0261)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class FrameSocket:
     buffer (frames that arrived together parsed out of one syscall), whole frames sent under one lock, never waiting
     for the other end: what the socket does not take at once waits in a backlog (in order, ahead of later frames)
     that a drainer (`ChannelIntake`) sends when the socket takes bytes again (`drain`). A backlog past
-    `max_backlog_bytes`, or one the other end took nothing of for `stall_s`, ends the socket (`failure`)."""
+    `max_backlog_bytes`, or one the other end took nothing of for `stall_s` (`declare_stalled`, asked by the
+    channel's watch), ends the socket (`failure`)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int):
         if max_frame_bytes < 1:
@@ -255,14 +257,9 @@ class FrameSocket:
         with self._send_lock:
             self._declare_dead(reason)
 
-    def stall_deadline(self) -> float | None:
-        """When the backlog will have waited `stall_s` with nothing taken (`time.monotonic`); None with no backlog."""
-        with self._send_lock:
-            return self._taken_at + self.stall_s if self._backlog else None
-
     def declare_stalled(self, now: float) -> bool:
-        """Declares the socket dead if the other end took nothing of its backlog for `stall_s` by `now` (the drainer
-        sent what it could just before: a busy drainer is not the other end's stall); True if it is dead."""
+        """Declares the socket dead if the other end took nothing of its backlog for `stall_s` by `now`
+        (`time.monotonic`); True if it is dead."""
         with self._send_lock:
             if self._backlog and now - self._taken_at >= self.stall_s:
                 self._declare_dead(f"stall bound: nothing of {self._backlog_bytes} bytes read for {self.stall_s} s")
@@ -335,7 +332,6 @@ class ChannelIntake:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._thread: threading.Thread | None = None
-        self._backlogged: dict[FrameSource, None] = {}  # the intake thread's: channels watched for writing
         self.num_frames = 0  # counted by the intake thread
 
     def add(self, source: FrameSource) -> None:
@@ -387,7 +383,7 @@ class ChannelIntake:
         selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             while True:
-                for key, events in selector.select(self._stall_timeout()):
+                for key, events in selector.select():
                     source: FrameSource | None = key.data
                     if source is None:
                         if not self._take_additions(selector):
@@ -397,8 +393,6 @@ class ChannelIntake:
                         self._drain(selector, source)
                     if events & selectors.EVENT_READ:
                         self._read(selector, source)
-                if self._backlogged:
-                    self._end_stalled(selector)
         except Exception as e:  # a bug here would silence every channel: end them all, loudly
             logger.error(f"device_channel.intake_failed(error={e!r})")
         finally:
@@ -437,30 +431,13 @@ class ChannelIntake:
                 selector.modify(source.io.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, source)
             except (KeyError, ValueError, OSError):
                 continue  # ended meanwhile
-            self._backlogged[source] = None
         return not closing
 
     def _drain(self, selector: selectors.BaseSelector, source: FrameSource) -> None:
         """Sends what a writable channel's socket takes of its backlog; stops watching it for writing once empty."""
         if source.io.drain():
-            self._backlogged.pop(source, None)
             with contextlib.suppress(KeyError, ValueError, OSError):
                 selector.modify(source.io.sock, selectors.EVENT_READ, source)
-
-    def _stall_timeout(self) -> float | None:
-        """How long `select` may wait: until the first watched backlog's stall deadline (None: none watched)."""
-        if not self._backlogged:
-            return None
-        deadlines = [d for source in self._backlogged if (d := source.io.stall_deadline()) is not None]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
-
-    def _end_stalled(self, selector: selectors.BaseSelector) -> None:
-        """Ends each watched channel declared dead (its backlog past the stall bound now, or past its cap before);
-        after this turn's drains, so a busy intake thread is never taken for a process that stopped reading."""
-        now = time.monotonic()
-        for source in list(self._backlogged):
-            if source.io.declare_stalled(now):
-                self._end(selector, source, source.io.failure)
 
     def _read(self, selector: selectors.BaseSelector, source: FrameSource) -> None:
         """One receive on a readable channel, then every whole frame it completed."""
@@ -477,7 +454,6 @@ class ChannelIntake:
 
     def _end(self, selector: selectors.BaseSelector, source: FrameSource, error: BaseException | None) -> None:
         """Lets go of a channel and tells it once: `error`, else why its socket was declared dead (None: its end)."""
-        self._backlogged.pop(source, None)
         try:
             selector.unregister(source.io.sock)
         except (KeyError, ValueError, OSError):
@@ -873,16 +849,19 @@ class DeviceChannel:
                 self._loop.call_soon_threadsafe(_set_done, self._ended)
 
     async def _watch(self) -> None:
-        """Declares the channel dead once the handler process has read nothing for the stall bound, however little the core
-        sent it: each tick (`STALL_TICKS` a bound) with no ping out sends one (a "ping" note, answered by a "pong" as
-        soon as the process's loop reads it), and a ping unanswered for the bound ends the channel (`ChannelStalled`).
-        A backlog's own clock counts what the process takes of it: while one waits, a ping behind it is not counted."""
-        loop, io = asyncio.get_running_loop(), self.io
+        """The channel's one stall clock: declares it dead (`ChannelStalled`) once the handler process has read nothing
+        for the stall bound, however much or little the core sent it. While a backlog waits, what the process takes of
+        it counts (a ping behind it does not); else each tick (`STALL_TICKS` a bound) with no ping out sends one (a
+        "ping" note, answered by a "pong" as soon as the process's loop reads it), and one unanswered for the bound
+        ends the channel."""
+        io = self.io
         while not io.closed:
             await asyncio.sleep(io.stall_s / STALL_TICKS)
-            now = loop.time()
+            now = time.monotonic()
             if io.backlogged:
                 self._ping_since = now
+                if io.declare_stalled(now):
+                    return
             elif self._ping is not None:
                 if now - self._ping_since >= io.stall_s:
                     io.declare_dead(f"ping unanswered: nothing read for {io.stall_s} s")
