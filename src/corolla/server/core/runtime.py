@@ -439,52 +439,50 @@ def call_back(tasks: list[Task], outputs: Sequence[Any]) -> None:
             logger.warning(f"runtime.flush_failed(error={e!r})")
 
 
-def deliver(task: Task, output: Any) -> None:
-    """Resolves the task's future with `output` (an exception instance: its error) inside its own event loop
-    (thread-safe; then its `then`), or runs its callback here."""
-    if task.future is None or task.loop is None:
-        call_back([task], [output])
-        return
-    try:
-        task.loop.call_soon_threadsafe(settle, task, output)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
-
-
-def resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> bool:
-    """Sets the future's result or `error`; False (nothing set) where its caller cancelled it meanwhile."""
+def resolve(future: asyncio.Future, output: Any) -> bool:
+    """Sets the future's result to `output` (an exception instance: its error); False (nothing set) where its caller
+    cancelled it meanwhile."""
     if future.done():
         return False
-    if error is not None:
-        future.set_exception(error)
+    if isinstance(output, BaseException):
+        future.set_exception(output)
     else:
-        future.set_result(result)
+        future.set_result(output)
     return True
 
 
-def resolve_output(future: asyncio.Future, output: Any) -> bool:
-    """`resolve` with a task's output (an exception instance: its error)."""
-    if isinstance(output, BaseException):
-        return resolve(future, None, output)
-    return resolve(future, output, None)
-
-
-def settle(task: Task, output: Any) -> None:
-    """`resolve_output` of a task with a future, in its loop, then its `then` unless the future was cancelled (a
-    failing one is logged: the other tasks of its batch are settled all the same)."""
-    assert task.future is not None
-    then = task.then
-    if resolve_output(task.future, output) and then is not None:
-        try:
-            then(task.future)
-        except Exception as e:
-            logger.warning(f"runtime.then_failed(kind={task.kind}, error={e!r})")
-
-
-def resolve_all(tasks: list[Task], outputs: Sequence[Any]) -> None:
-    """Settles `tasks` (with futures of one event loop, in it) with their outputs (`settle`)."""
+def settle(tasks: list[Task], outputs: Sequence[Any]) -> None:
+    """Resolves `tasks`' futures (of one event loop, in it) with their outputs, then each one's `then` unless its
+    caller cancelled it (a failing one is logged: the others are settled all the same)."""
     for task, output in zip(tasks, outputs, strict=True):
-        settle(task, output)
+        assert task.future is not None
+        if resolve(task.future, output) and task.then is not None:
+            try:
+                task.then(task.future)
+            except Exception as e:
+                logger.warning(f"runtime.then_failed(kind={task.kind}, error={e!r})")
+
+
+def deliver(tasks: list[Task], outputs: Sequence[Any]) -> None:
+    """Hands each task its output: a callback task's `on_done` here (`call_back`), futures in their own event loop,
+    one wake-up per loop (`settle`; thread-safe)."""
+    loop = tasks[0].loop
+    by_loop: dict[asyncio.AbstractEventLoop, tuple[list[Task], list[Any]]] = {}
+    if loop is not None and all(t.loop is loop for t in tasks):  # the usual batch: futures of one event loop
+        by_loop[loop] = (tasks, outputs if isinstance(outputs, list) else list(outputs))
+    else:
+        callbacks: tuple[list[Task], list[Any]] = ([], [])
+        for task, output in zip(tasks, outputs, strict=True):
+            to = callbacks if task.loop is None else by_loop.setdefault(task.loop, ([], []))
+            to[0].append(task)
+            to[1].append(output)
+        if callbacks[0]:  # (their replies leave from this thread)
+            call_back(*callbacks)
+    for loop, (loop_tasks, loop_outputs) in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(settle, loop_tasks, loop_outputs)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            logger.debug(f"runtime.deliver_dropped(kind={loop_tasks[0].kind}, tasks={len(loop_tasks)}): loop closed")
 
 
 # Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
@@ -603,8 +601,8 @@ class Runtime:
         self._stopped = True
         pending = self._queue.close()
         error = RuntimeStopped("The server's runtime stopped before this task ran (server shutting down)")
-        for task in pending:
-            deliver(task, error)
+        if pending:
+            deliver(pending, [error] * len(pending))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.stop_timeout_s)
             if self._thread.is_alive():
@@ -782,7 +780,7 @@ class Runtime:
         self.num_tasks_done += task.steps
         self.num_inline_batches += 1
         if task.future is not None:
-            resolve_output(task.future, outputs[0])
+            resolve(task.future, outputs[0])
         else:
             call_back([task], outputs)
         if self.after_inline is not None:
@@ -1024,37 +1022,7 @@ class Runtime:
     def _complete(self, batch: list[Task], outputs: list[Any], steps: int) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += steps
-        if len(batch) == 1:
-            deliver(batch[0], outputs[0])
-            return
-        loop = batch[0].loop
-        if loop is not None and all(t.loop is loop for t in batch):  # the usual batch: futures of one event loop
-            _resolve_in(loop, batch, outputs)
-            return
-        if all(t.future is None for t in batch):  # only callback tasks (device channels)
-            call_back(batch, outputs)
-            return
-        if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
-            call_back(
-                [t for t in batch if t.future is None],
-                [out for t, out in zip(batch, outputs, strict=True) if t.future is None],
-            )
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[Task], list[Any]]] = {}  # one wake-up per loop
-        for task, output in zip(batch, outputs, strict=True):
-            if task.loop is not None:
-                tasks_outputs = by_loop.setdefault(id(task.loop), (task.loop, [], []))
-                tasks_outputs[1].append(task)
-                tasks_outputs[2].append(output)
-        for loop, tasks, loop_outputs in by_loop.values():
-            _resolve_in(loop, tasks, loop_outputs)
-
-
-def _resolve_in(loop: asyncio.AbstractEventLoop, tasks: list[Task], outputs: list[Any]) -> None:
-    """Resolves a batch's futures of one event loop in one wake-up of that loop (`resolve_all`)."""
-    try:
-        loop.call_soon_threadsafe(resolve_all, tasks, outputs)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        logger.debug(f"runtime.deliver_dropped(kind={tasks[0].kind}, tasks={len(tasks)}): event loop closed")
+        deliver(batch, outputs)
 
 
 def _device_key(launched: LaunchedBatch) -> tuple[str, int]:

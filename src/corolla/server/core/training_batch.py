@@ -308,7 +308,7 @@ class TrainingBatcher:
         future, loop = chain.future, chain.loop
         assert future is not None and loop is not None
         try:
-            loop.call_soon_threadsafe(resolve, future, result, error)
+            loop.call_soon_threadsafe(resolve, future, result if error is None else error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             logger.debug("training.deliver_dropped: event loop closed")
 
