@@ -67,9 +67,7 @@ async def served_channel(
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in span], config), runtime)
         device_end, handler_end = socket.socketpair()
-        channel = DeviceChannel(
-            0, device_end, executor=real, core=SpanCore(real, NO_CAPS), span=tuple(span), max_frame_bytes=1 << 20
-        )
+        channel = DeviceChannel(0, device_end, core=SpanCore(real, NO_CAPS), span=tuple(span), max_frame_bytes=1 << 20)
         serving = asyncio.create_task(channel.serve())
         link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
         try:
@@ -94,7 +92,7 @@ async def served_channels(
             for index in range(count):
                 device_end, handler_end = socket.socketpair()
                 channel = DeviceChannel(
-                    index, device_end, executor=real, core=core, span=tuple(span), max_frame_bytes=1 << 20,
+                    index, device_end, core=core, span=tuple(span), max_frame_bytes=1 << 20,
                     intake=intake,
                 )  # fmt: skip
                 channels.append(channel)

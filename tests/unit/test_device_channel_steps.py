@@ -83,7 +83,7 @@ async def _setup(
         config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         channel = _Channel()
-        intake = FrameIntake(real, SpanCore(real), channel.held, channel.queue, channel.flush)
+        intake = FrameIntake(SpanCore(real), channel.held, channel.queue, channel.flush)
         async with contextlib.AsyncExitStack() as stack:
             caches = [
                 await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))
@@ -307,7 +307,7 @@ async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
     config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
     real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
     channel = _Channel()
-    intake = FrameIntake(real, SpanCore(real), channel.held, channel.queue, channel.flush)
+    intake = FrameIntake(SpanCore(real), channel.held, channel.queue, channel.flush)
     async with contextlib.AsyncExitStack() as stack:
         for handle in (1, 2, 3):
             channel.caches[handle] = await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))

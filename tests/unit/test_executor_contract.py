@@ -90,7 +90,7 @@ async def proxied_executor(real: EngineExecutor, core: SpanCore | None = None) -
     device_end, handler_end = socket.socketpair()
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
-        0, device_end, executor=real, core=core if core is not None else SpanCore(real, NO_CAPS), span=SPAN,
+        0, device_end, core=core if core is not None else SpanCore(real, NO_CAPS), span=SPAN,
         max_frame_bytes=1 << 24,
     )  # fmt: skip
     serving = asyncio.create_task(channel.serve())

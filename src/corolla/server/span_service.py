@@ -121,10 +121,9 @@ class SpanService:
         self.core.lend_streams(settings.peer_limits.with_stream_defaults(settings.limits.step_bytes))
         self.pool = HandlerPool(
             self.num_handlers, settings, handler_main, str(p2p.daemon_listen_maddr),
-            executor=self.executor, core=self.core,  # one admission and one push table for all processes
+            core=self.core,  # one admission and one push table for all processes
             span=tuple(range(settings.limits.start_block, settings.limits.end_block)),
             max_frame_bytes=4 * settings.limits.max_stream_bytes,  # float16 on the wire may arrive as float32 here
-            metrics=self.metrics,
         )  # fmt: skip
         await self.pool.start()
 

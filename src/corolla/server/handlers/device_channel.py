@@ -46,7 +46,6 @@ from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.core.stream_loans import StreamLoans
-from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
 
@@ -516,13 +515,12 @@ class FrameIntake:
 
     def __init__(
         self,
-        executor: EngineExecutor,
         core: SpanCore,
         held: Callable[[int], tuple[SessionCache, SessionTicket | None]],
         queue_replies: Callable[[list[StepReply]], None],
         flush: Callable[[], None],
     ):
-        self.executor, self.core = executor, core
+        self.executor, self.core = core.executor, core
         self._held, self._queue_replies, self._flush = held, queue_replies, flush
         self.num_frame_tasks = 0  # tasks that carried two or more steps of one frame
 
@@ -685,11 +683,9 @@ class DeviceChannel:
         index: int,
         sock: socket.socket,
         *,
-        executor: EngineExecutor,
         core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
-        metrics: ServerMetrics | None = None,
         intake: ChannelIntake | None = None,
         on_sessions_changed: Callable[[], None] | None = None,
     ):
@@ -697,11 +693,11 @@ class DeviceChannel:
         # the device process's one reader of every channel (handler_pool's); None: this channel gets one of its own
         self.intake = intake
         self.io = FrameSocket(sock, max_frame_bytes)
-        self.executor, self.core, self.span = executor, core, span
+        self.executor, self.core, self.span = core.executor, core, span
         # a session opened or closed: every process learns the device's figures (a lone channel: this one)
         self.on_sessions_changed = on_sessions_changed if on_sessions_changed is not None else self.send_state
         self.max_frame_bytes = max_frame_bytes
-        self.metrics = metrics  # the server's one set: handler processes report sessions and refusals here
+        self.metrics = core.metrics  # the server's one set: handler processes report sessions and refusals here
         self.ready = asyncio.Event()  # the handler process registered its handlers
         self.pid = 0
         self.listen_maddr = ""  # the handler process's p2pd client socket (its streams arrive there)
@@ -722,7 +718,7 @@ class DeviceChannel:
         self._ended: asyncio.Future[None] | None = None
         # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
         # flushes each distinct object once per batch
-        self.steps = FrameIntake(executor, core, self._held_cache, self._queue_results, self._flush)
+        self.steps = FrameIntake(core, self._held_cache, self._queue_results, self._flush)
         # what a handler process may call (`RemoteCore`: a reply comes back) and note (one way): each one's argument
         # types, checked before it runs (a frame can get them wrong by itself), and what runs it
         self.calls: dict[str, tuple[Any, Callable[..., Awaitable[object]]]] = {

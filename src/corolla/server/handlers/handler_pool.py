@@ -21,11 +21,9 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.front_settings import FrontSettings
 from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel
-from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -80,19 +78,16 @@ class HandlerPool:
         main: HandlerMain,
         daemon_listen_maddr: str,
         *,
-        executor: EngineExecutor,
         core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
-        metrics: ServerMetrics | None = None,
         stop_timeout_s: float = 10.0,
     ):
         if num_handlers < 2:
             raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
         self.main, self.daemon_listen_maddr = main, daemon_listen_maddr
-        self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
-        self.core = core
-        self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
+        self.num_handlers, self.settings, self.core = num_handlers, settings, core
+        self.span, self.max_frame_bytes = span, max_frame_bytes
         self.stop_timeout_s = stop_timeout_s
         self.processes: list[BaseProcess | None] = [None] * num_handlers
         self.channels: list[DeviceChannel | None] = [None] * num_handlers
@@ -138,8 +133,7 @@ class HandlerPool:
         sock = socket.socket(fileno=os.dup(ours.fileno()))
         ours.close()
         channel = DeviceChannel(
-            index, sock, executor=self.executor, core=self.core, span=self.span, max_frame_bytes=self.max_frame_bytes,
-            metrics=self.metrics, intake=self.intake,
+            index, sock, core=self.core, span=self.span, max_frame_bytes=self.max_frame_bytes, intake=self.intake,
             on_sessions_changed=self.broadcast_state,
         )  # fmt: skip
         self.processes[index], self.channels[index] = process, channel
