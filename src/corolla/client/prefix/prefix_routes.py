@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
+from corolla.swarm.route_planning import block_time_s
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 MAX_REMEMBERED_BLOCKS = 16384  # chain hashes kept (each names one block of some conversation's prefix)
 OVERLOADED_BUSY_FRACTION = 0.9  # a server busier than this is not worth waiting for
-DEFAULT_BLOCK_RPS = 300.0  # tokens per second of one block when a server does not announce its speed
 PREFILL_SPEEDUP = 8.0  # a prefilled token costs this much less than a decoded one (batched matmuls)
 
 
@@ -30,14 +30,9 @@ class RememberedChain:
     cached_tokens: int
 
 
-def _token_block_s(span: RemoteSpanInfo) -> float:
-    """Seconds one decoded token takes in `span` (all its blocks), from the speed its server announces."""
-    rps = span.server_info.inference_rps
-    return span.length / (rps if rps is not None and rps > 0 else DEFAULT_BLOCK_RPS)
-
-
 def chain_step_s(route: Sequence[RemoteSpanInfo]) -> float:
-    return sum(_token_block_s(span) for span in route)
+    """A decode step over `route` at the speeds its servers announce (the routes' default rate where one does not)."""
+    return sum(span.length * block_time_s(span) for span in route)
 
 
 def fastest_step_s(view: Sequence[RemoteSpanInfo], route: Sequence[RemoteSpanInfo], start: int, end: int) -> float:
@@ -47,9 +42,9 @@ def fastest_step_s(view: Sequence[RemoteSpanInfo], route: Sequence[RemoteSpanInf
     not."""
     total = 0.0
     for block in range(start, end):
-        own = next(_token_block_s(s) / s.length for s in route if s.start <= block < s.end)
+        own = next(block_time_s(s) for s in route if s.start <= block < s.end)
         times = [
-            _token_block_s(s) / s.length
+            block_time_s(s)
             for s in view
             if s.start <= block < s.end and s.server_info.inference_rps is not None and s.server_info.inference_rps > 0
         ]
