@@ -241,7 +241,7 @@ async def _export_reply(old: SpanSession, due_s: float, limit_bytes: int) -> run
     just past the deadline spends one budget in all, not one a part)."""
     wait = old.step_wait(max(0.0, due_s - time.monotonic()))
     response = await old.next_response(wait, limit_bytes=limit_bytes)
-    old.time_step(0, wait)
+    old.time_step(wait)
     return response
 
 
@@ -269,4 +269,4 @@ async def _import(
     wait = new.step_wait(deadline_s)  # (timed from the last part sent)
     response = await new.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape))
     new.accept_reply(response, inputs, send_from, empty.dtype)
-    new.time_step(0, wait)  # (late: charged to the new span's budget)
+    new.time_step(wait)  # (late: charged to the new span's budget)

@@ -492,13 +492,10 @@ class SpanSession:
         request, inputs, send_from = self.build_request(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
-        self.started = True
-        num_tokens = self.step_tokens = inputs.shape[1]
-        self.step_rows = inputs.shape[0]
-        wait = self.step_wait(self.clock.deadline_s(num_tokens, inputs.nbytes))
+        wait = self._begin(inputs)
         response = await self.next_response(wait, limit_bytes=reply_limit_bytes(inputs.shape), request=request)
         result = self.accept_reply(response, inputs, send_from, hidden.dtype, step_id=step_id)
-        self.time_step(num_tokens, wait)
+        self.time_step(wait)
         return result
 
     async def probe(self, keys_until: int, like: torch.Tensor) -> int:
@@ -511,9 +508,7 @@ class SpanSession:
         request, _, _ = self.build_request(
             empty, 0, 0, NO_PROMPTS, NO_HYPO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
         )
-        self.started = True
-        self.step_tokens = 0
-        wait = self.step_wait(self.clock.deadline_s(0))  # (a loris may not hold the probe either)
+        wait = self._begin(empty)  # (a loris may not hold the probe either)
         response = await self.next_response(wait, limit_bytes=reply_limit_bytes(empty.shape), request=request)
         self.accept_reply(response, empty, 0, like.dtype)
         try:
@@ -563,9 +558,7 @@ class SpanSession:
         payload, values, inputs, send_from = self.build_payload(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
-        num_tokens = self.step_tokens = inputs.shape[1]
-        self.step_rows = inputs.shape[0]
-        wait = self.step_wait(self.clock.deadline_s(num_tokens, inputs.nbytes), pings=self.local is None)
+        wait = self._begin(inputs, pings=self.local is None)
         try:
             response = stream.exchange(
                 payload,
@@ -578,8 +571,15 @@ class SpanSession:
         except BaseException:
             stream.close()
             raise
-        self.time_step(num_tokens, wait)
+        self.time_step(wait)
         return result
+
+    def _begin(self, inputs: torch.Tensor, *, pings: bool = True) -> StepWait:
+        """Marks a step of `inputs` [B, n, H] as sent (the server opens the session at it; a stall event names its
+        tokens) and returns its wait (`step_wait`) under the clock's deadline for it."""
+        self.started = True
+        self.step_rows, self.step_tokens = inputs.shape[0], inputs.shape[1]
+        return self.step_wait(self.clock.deadline_s(inputs.shape[1], inputs.nbytes), pings=pings)
 
     def step_wait(self, stall_deadline_s: float | None, *, pings: bool = True) -> StepWait:
         """The wait policy of a step starting now, silent past `stall_deadline_s` (`client.session.step_wait`)."""
@@ -608,11 +608,12 @@ class SpanSession:
         peer_id, blocks = self.span.peer_id, (self.span.start, self.span.end)
         return has_alternative(self.manager, peer_id, blocks) and self.manager.may_avoid(peer_id)
 
-    def time_step(self, num_tokens: int, wait: StepWait) -> None:
-        """After a step answered at `wait`'s last wake: its time (the server's, `client.session.step_wait`) feeds the
-        clock's deadlines or, past its deadline, the late budget, and counts in what the span delivers. Answered at a
-        wake that overslept (when the reply came is not known), none of this."""
-        elapsed_s, answered_s, stall_deadline_s = wait.at_s, wait.now_s, wait.stall_deadline_s
+    def time_step(self, wait: StepWait) -> None:
+        """After a step of `step_tokens` answered at `wait`'s last wake: its time (the server's,
+        `client.session.step_wait`) feeds the clock's deadlines or, past its deadline, the late budget, and counts in
+        what the span delivers. Answered at a wake that overslept (when the reply came is not known), none of this."""
+        num_tokens, elapsed_s, answered_s = self.step_tokens, wait.at_s, wait.now_s
+        stall_deadline_s = wait.stall_deadline_s
         self.last_step_s = elapsed_s
         if not wait.overslept:
             self.clock.delivered(num_tokens, elapsed_s, answered_s, rows=self.step_rows)
