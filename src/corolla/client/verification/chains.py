@@ -288,30 +288,23 @@ async def chain_backward(
     """(grad wrt `inputs` [B, T, H], grad wrt `span`'s deep prompts or None) for `grad_outputs` [B, T, H], along
     `chain`: a forward through every hop but the last gives each hop its inputs, then each hop's backward, last first
     (all within one `request_timeout_s`)."""
-    return await within_one_request(manager, chain, _backward(manager, span, chain, inputs, grad_outputs, prompts))
 
+    async def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+        hop_inputs = [inputs]
+        for index in range(len(chain.hops) - 1):
+            hop_inputs.append(await hop_forward(manager, span, chain, index, hop_inputs[-1], prompts))
+        grad = grad_outputs
+        grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient)
+        sent = [hidden.dtype for hidden in hop_inputs[1:]]  # (the answer in the coarsest any hop sent: `coarsest`)
+        for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):
+            own_prompts = hop_prompts(prompts, span, hop)
+            grad, hop_grad = await run_remote_backward(manager, hop, hidden, grad, own_prompts)
+            grad_prompts.insert(0, (own_prompts, hop_grad))
+            sent += [grad.dtype] if hop_grad is None else [grad.dtype, hop_grad.dtype]
+        if all(hop_grad is None for _, hop_grad in grad_prompts):  # (as one server answers: no prompts' gradient)
+            return grad.to(coarsest(sent)), None
+        # a hop that sent none for its prompts: zeros there (its blocks' prompts did not move the outputs)
+        grads = torch.cat([torch.zeros_like(own) if g is None else g.to(own.dtype) for own, g in grad_prompts])
+        return grad.to(coarsest(sent)), grads.to(coarsest(sent))
 
-async def _backward(
-    manager: RemoteSequenceManager,
-    span: RemoteSpanInfo,
-    chain: Chain,
-    inputs: torch.Tensor,
-    grad_outputs: torch.Tensor,
-    prompts: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    hop_inputs = [inputs]
-    for index in range(len(chain.hops) - 1):
-        hop_inputs.append(await hop_forward(manager, span, chain, index, hop_inputs[-1], prompts))
-    grad = grad_outputs
-    grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient), in order
-    sent = [hidden.dtype for hidden in hop_inputs[1:]]  # (the answer in the coarsest any hop sent: `coarsest`)
-    for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):
-        own_prompts = hop_prompts(prompts, span, hop)
-        grad, hop_grad = await run_remote_backward(manager, hop, hidden, grad, own_prompts)
-        grad_prompts.insert(0, (own_prompts, hop_grad))
-        sent += [grad.dtype] if hop_grad is None else [grad.dtype, hop_grad.dtype]
-    if all(hop_grad is None for _, hop_grad in grad_prompts):  # (as one server answers: no prompts' gradient)
-        return grad.to(coarsest(sent)), None
-    # a hop that sent none for its prompts: zeros there (its blocks' prompts did not move the outputs)
-    grads = torch.cat([torch.zeros_like(own) if g is None else g.to(own.dtype) for own, g in grad_prompts])
-    return grad.to(coarsest(sent)), grads.to(coarsest(sent))
+    return await within_one_request(manager, chain, run())
