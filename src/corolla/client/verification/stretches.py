@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from corolla.client.calls.output_checks import comparison_rtol
-from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_forward
+from corolla.client.calls.remote_forward_backward import NO_PROMPTS
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.chains import (
@@ -213,25 +213,23 @@ class StretchReferees:
     async def recompute(self, replica: RemoteSpanInfo, finding: Finding) -> torch.Tensor | None:
         """The replica's outputs for positions [first, b) of `finding`'s inputs [B, b, H] (with its deep prompts, as
         Petals' rpc_forward takes them) in one rpc_forward; None if it failed (a failed referee is not a liar)."""
-        prompts = NO_PROMPTS if finding.prompts is None else finding.prompts
-        try:
-            return (await run_remote_forward(self.manager, replica, finding.inputs, prompts))[:, finding.first :]
-        except Exception as e:
-            logger.info("stretches.replica_failed(peer=...%s, error=%r)", replica.peer_id[-6:], e)
-            return None
+        return await self._forward(replica, Chain((replica,)), finding)
 
     async def chain_answer(
         self, span: RemoteSpanInfo, chain: Chain, finding: Finding, known: Mapping[str, torch.Tensor | None] | None
     ) -> torch.Tensor | None:
-        """`answer` of a chain of servers holding `span`'s blocks together (one: that server's `answer`): `finding`'s
-        stretch run hop by hop (`chains.chain_forward`); None if a hop failed."""
+        """`answer` of a chain of servers holding `span`'s blocks together (one: that server's `answer`)."""
         if len(chain.hops) == 1:
             return await self.answer(chain.hops[0], finding, known)
+        return await self._forward(span, chain, finding)
+
+    async def _forward(self, span: RemoteSpanInfo, chain: Chain, finding: Finding) -> torch.Tensor | None:
+        """`finding`'s stretch run hop by hop along `chain` (`chains.chain_forward`); None if a hop failed."""
         prompts = NO_PROMPTS if finding.prompts is None else finding.prompts
         try:
             return (await chain_forward(self.manager, span, chain, finding.inputs, prompts))[:, finding.first :]
         except Exception as e:
-            logger.info("stretches.chain_failed(chain=%s, error=%r)", chain.describe(), e)
+            logger.info("stretches.referee_failed(chain=%s, error=%r)", chain.describe(), e)
             return None
 
     async def answer(
