@@ -574,10 +574,7 @@ class InferenceSession:
         seated: dict[SpanSession, SeatedPair] = {}
 
         async def trial(racer: SpanSession) -> tuple[torch.Tensor, int, OutvotingPair | None]:
-            try:
-                await racer.open()
-            except Exception as e:  # the server we could not reach: the retry budget blames it
-                raise SpanUnreachable(racer.span.peer_id, e) from e
+            await racer.open()
             racer.upstream_peer = upstream
             # a fresh session's first step, the trial's positions (beams: the history was reordered as the step
             # began, so a fresh cache needs no hypo ids)
@@ -878,10 +875,7 @@ class InferenceSession:
         try:
             for span in route:
                 new_sessions.append(session := self._new_span_session(span))
-                try:
-                    await session.open()
-                except Exception as e:  # the server we could not reach: the retry budget blames it
-                    raise SpanUnreachable(span.peer_id, e) from e
+                await session.open()
         except BaseException:
             for session in new_sessions:
                 await session.close(drain=False)

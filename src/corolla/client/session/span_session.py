@@ -237,13 +237,17 @@ class SpanSession:
         self._judged_at_s = -math.inf  # when its delivery was last judged (`client.session.delivery`)
 
     async def open(self) -> None:
-        """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
-        self._stream = self._direct = await open_socket_stream(self.manager, self.span.peer_id, "rpc_inference")
-        if self._stream is None:
-            opening = self.manager.open_inference_stream(self.span.peer_id)
-            self._stream = stream = await asyncio.wait_for(opening, self.manager.config.connect_timeout_s)
-            self._direct = stream if isinstance(stream, FramedSocketStream) else None
-            self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
+        """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p;
+        SpanUnreachable where it cannot (the server's failure, for the retry budget to blame)."""
+        try:
+            self._stream = self._direct = await open_socket_stream(self.manager, self.span.peer_id, "rpc_inference")
+            if self._stream is None:
+                opening = self.manager.open_inference_stream(self.span.peer_id)
+                self._stream = stream = await asyncio.wait_for(opening, self.manager.config.connect_timeout_s)
+                self._direct = stream if isinstance(stream, FramedSocketStream) else None
+                self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
+        except Exception as e:
+            raise SpanUnreachable(self.span.peer_id, e) from e
         if not self._closed:  # (closed meanwhile: `close` found no stream to close)
             self.manager.stepping_through(self.span.peer_id)
             self._counted = True
