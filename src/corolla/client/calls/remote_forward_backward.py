@@ -38,6 +38,13 @@ NO_PROMPTS, NO_HYPO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
 _EMPTY_TENSORS: dict[tuple[torch.dtype, tuple[int, ...], bool], runtime_pb2.Tensor] = {}
 
 
+def span_prompts(prompts: torch.Tensor | None, first: int, span: RemoteSpanInfo) -> torch.Tensor:
+    """Deep prompts [blocks, B|1, P, H] given for blocks from `first` on, cut to `span`'s blocks (NO_PROMPTS: none)."""
+    if prompts is None or not prompts.numel():
+        return NO_PROMPTS
+    return prompts[span.start - first : span.end - first]
+
+
 def _serialize_empty(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     """`serialize_tensor(tensor, NONE)` of an empty tensor, made once per (dtype, shape, requires_grad)."""
     key = (tensor.dtype, tuple(tensor.shape), tensor.requires_grad)

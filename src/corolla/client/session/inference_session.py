@@ -17,7 +17,7 @@ import torch
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput, InputsOutOfRange, OutputsDisputed, comparison_rtol
-from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, NO_PROMPTS
+from corolla.client.calls.remote_forward_backward import NO_HYPO_IDS, span_prompts
 from corolla.client.calls.retries import PushedReplyRejected, RetryBudget, has_alternative
 from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -835,9 +835,7 @@ class InferenceSession:
         """Deep prompts for a span's request of a step at `position`; a request replaying from position 0 (the span's
         cache is behind) needs the prompts of position 0."""
         source = self._zero_prompts if min(span_session.position, position) == 0 else prompts
-        if source is None:
-            return NO_PROMPTS
-        return source[span_session.span.start - self.start : span_session.span.end - self.start]
+        return span_prompts(source, self.start, span_session.span)
 
     async def _replace_spans(
         self,

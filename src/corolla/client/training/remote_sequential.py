@@ -13,7 +13,12 @@ from torch import nn
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import InputsOutOfRange
-from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
+from corolla.client.calls.remote_forward_backward import (
+    NO_PROMPTS,
+    run_remote_backward,
+    run_remote_forward,
+    span_prompts,
+)
 from corolla.client.calls.retries import RetryBudget
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession
@@ -35,10 +40,6 @@ async def _retry(budget: RetryBudget, peer_id: str | None, error: Exception, blo
     await asyncio.sleep(delay_s)
 
 
-def _prompt_slice(prompts: torch.Tensor, span: RemoteSpanInfo, start: int) -> torch.Tensor:
-    return prompts[span.start - start : span.end - start] if prompts.numel() else NO_PROMPTS
-
-
 async def sequential_forward(
     manager: RemoteSequenceManager,
     inputs: torch.Tensor,
@@ -58,10 +59,10 @@ async def sequential_forward(
                 route = await asyncio.to_thread(manager.make_sequence, block, end, mode="max_throughput")
             span = route[0]
             # prompts are indexed relative to `start` of the whole call; spans relative to the manager
-            span_prompts = _prompt_slice(prompts, span, start)
-            outputs = await run_remote_forward(manager, span, hidden, span_prompts)
+            own_prompts = span_prompts(prompts, start, span)
+            outputs = await run_remote_forward(manager, span, hidden, own_prompts)
             if verifier is not None and verifier.sample([span.peer_id]):
-                await verifier.verify(span, hidden, outputs, prompts=span_prompts)
+                await verifier.verify(span, hidden, outputs, prompts=own_prompts)
             manager.on_request_success(span.peer_id)
             budget.on_success()
             span_inputs.append(hidden)
@@ -76,7 +77,7 @@ async def sequential_forward(
                 # float16 server's range, maybe a liar's or carried on from one's by the spans between (0186)
                 gave = [*span_inputs[1:], hidden]
                 producers = [
-                    Produced(spans[k], span_inputs[k], gave[k], _prompt_slice(prompts, spans[k], start))
+                    Produced(spans[k], span_inputs[k], gave[k], span_prompts(prompts, start, spans[k]))
                     for k in range(len(spans) - 1, -1, -1)
                 ]
                 found = await producer_failure(manager, producers, e)
@@ -107,13 +108,11 @@ async def sequential_backward(
     while spans:
         span, inputs = spans[-1], span_inputs[-1]
         try:
-            span_prompts = _prompt_slice(prompts, span, start)
-            grad_inputs, span_grad_prompts = await run_remote_backward(
-                manager, span, inputs, grad_outputs, span_prompts
-            )
+            own_prompts = span_prompts(prompts, start, span)
+            grad_inputs, span_grad_prompts = await run_remote_backward(manager, span, inputs, grad_outputs, own_prompts)
             if verifier is not None and verifier.sample([span.peer_id]):
                 await verifier.verify_backward(
-                    span, inputs, grad_outputs, grad_inputs, span_grad_prompts, prompts=span_prompts
+                    span, inputs, grad_outputs, grad_inputs, span_grad_prompts, prompts=own_prompts
                 )
             manager.on_request_success(span.peer_id)
             if span_grad_prompts is not None:
@@ -126,7 +125,7 @@ async def sequential_backward(
             await _retry(budget, span.peer_id, e, (span.start, span.end))
             # fresh servers for this span's blocks (and their intermediate inputs); prompts re-sliced from span.start
             _, new_inputs, new_spans = await sequential_forward(
-                manager, inputs, _prompt_slice(prompts, span, start), span.start, span.end, verifier
+                manager, inputs, span_prompts(prompts, start, span), span.start, span.end, verifier
             )
             spans[-1:], span_inputs[-1:] = new_spans, new_inputs
     if not prompts.numel():

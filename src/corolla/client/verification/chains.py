@@ -36,7 +36,12 @@ from typing import TypeVar
 
 import torch
 
-from corolla.client.calls.remote_forward_backward import NO_PROMPTS, run_remote_backward, run_remote_forward
+from corolla.client.calls.remote_forward_backward import (
+    NO_PROMPTS,
+    run_remote_backward,
+    run_remote_forward,
+    span_prompts,
+)
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 
@@ -240,16 +245,9 @@ async def hop_forward(
     deep `prompts`: asked once for the recheck's chains that start alike (`chain.answers`)."""
     hop = chain.hops[index]
     if chain.answers is None:
-        return await run_remote_forward(manager, hop, inputs, hop_prompts(prompts, span, hop))
+        return await run_remote_forward(manager, hop, inputs, span_prompts(prompts, span.start, hop))
     path = tuple((h.peer_id, h.start, h.end) for h in chain.hops[: index + 1])
-    return await chain.answers.forward(manager, path, hop, inputs, hop_prompts(prompts, span, hop))
-
-
-def hop_prompts(prompts: torch.Tensor, span: RemoteSpanInfo, hop: RemoteSpanInfo) -> torch.Tensor:
-    """`span`'s deep prompts [blocks, B|1, P, H] (or empty) for `hop`'s blocks only."""
-    if not prompts.numel():
-        return prompts
-    return prompts[hop.start - span.start : hop.end - span.start]
+    return await chain.answers.forward(manager, path, hop, inputs, span_prompts(prompts, span.start, hop))
 
 
 async def chain_forward(
@@ -297,7 +295,7 @@ async def chain_backward(
         grad_prompts: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (a hop's prompts, their gradient)
         sent = [hidden.dtype for hidden in hop_inputs[1:]]  # (the answer in the coarsest any hop sent: `coarsest`)
         for hop, hidden in reversed(list(zip(chain.hops, hop_inputs, strict=True))):
-            own_prompts = hop_prompts(prompts, span, hop)
+            own_prompts = span_prompts(prompts, span.start, hop)
             grad, hop_grad = await run_remote_backward(manager, hop, hidden, grad, own_prompts)
             grad_prompts.insert(0, (own_prompts, hop_grad))
             sent += [grad.dtype] if hop_grad is None else [grad.dtype, hop_grad.dtype]
