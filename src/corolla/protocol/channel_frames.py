@@ -49,15 +49,12 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )  # fmt: skip
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _ITEM_BYTES = tuple(dtype.itemsize for dtype in _DTYPES)
-# numpy has no bfloat16: its bytes leave through an int16 view (the other dtypes are numpy's own)
-_NUMPY_VIEW = {torch.bfloat16: torch.int16}
 _U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
 _U16 = struct.Struct(">H")
 _TAGGED_INT, _TAGGED_FLOAT = struct.Struct(">Bq"), struct.Struct(">Bd")
 _ITEM = struct.Struct(">BII")  # kind, request id, payload length
 _STEP_HEAD = struct.Struct(">IIBH")  # a STEP's handle, prefix length, lone session, adapter length (then its utf-8)
 _TENSOR_HEADS = tuple(struct.Struct(f">BB{ndim}I") for ndim in range(MAX_TENSOR_DIMS + 1))  # dtype code, ndim, dims
-_RECORD_HEAD = struct.Struct(">BB")  # dtype code, ndim
 # a usual step item's fields up to its hidden states' data: handle, prefix length, lone, adapter name length (0),
 # dtype code, ndim (3), dims
 _USUAL = struct.Struct(">IIBHBB3I")
@@ -123,18 +120,14 @@ class Writer:
         return self
 
     def text(self, value: str | None) -> Writer:
-        data = (value or "").encode()
-        if len(data) > MAX_STR_BYTES:
-            raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
-        self.parts.append(struct.pack(">H", len(data)) + data)
+        data = _utf8(value or "")
+        self.parts.append(_U16.pack(len(data)) + data)
         return self
 
     def step_head(self, handle: int, prefix_length: int, lone_session: bool, adapter: str) -> Writer:
         """A STEP's leading fields in one pack: `u32(handle).u32(prefix_length).u8(lone_session).text(adapter)`,
         the same bytes (the per-step path)."""
-        data = adapter.encode()
-        if len(data) > MAX_STR_BYTES:
-            raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
+        data = _utf8(adapter)
         self.parts.append(_STEP_HEAD.pack(handle, prefix_length, lone_session, len(data)) + data)
         return self
 
@@ -170,21 +163,11 @@ class Writer:
         if tensor is None:
             self.parts.append(_U8.pack(NO_TENSOR))
             return self
-        code = _DTYPE_CODES.get(tensor.dtype)
-        shape = tensor.shape
-        if code is None or len(shape) > MAX_TENSOR_DIMS:
-            raise FrameError(f"can't send a {tensor.dtype} tensor of {len(shape)} dims")
-        if tensor.requires_grad:
-            tensor = tensor.detach()  # [any shape]
-        if not tensor.is_cpu:
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        self.parts.append(_TENSOR_HEADS[len(shape)].pack(code, len(shape), *shape))
-        if tensor.numel():
-            view = _NUMPY_VIEW.get(tensor.dtype)
-            self.parts.append((tensor.view(view) if view is not None else tensor).numpy().data.cast("B"))  # flat
-        return self
+        if tensor.dtype not in _DTYPE_CODES or tensor.dim() > MAX_TENSOR_DIMS:
+            raise FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
+        if tensor.requires_grad or not tensor.is_cpu or not tensor.is_contiguous():
+            tensor = tensor.detach().cpu().contiguous()  # [any shape]
+        return self.record(tensor.dtype, tuple(tensor.shape), _raw(tensor.dtype, tensor) if tensor.numel() else b"")
 
     def record(self, dtype: torch.dtype, shape: tuple[int, ...], data: bytes | memoryview) -> Writer:
         """`tensor(t)`'s bytes for a CPU tensor `t` of `dtype` and `shape` that holds `data` (its values in C order,
@@ -219,19 +202,44 @@ def batch_frames(
 
 def split_batch(reader: Reader, batch_kind: int) -> list[tuple[int, int, memoryview]]:
     """The (kind, request id, payload view) items of a batch frame's payload, from `reader`'s position; every
-    count and length is checked against the frame before anything is sliced."""
-    allowed = BATCH_ITEM_KINDS[batch_kind]
-    (count,) = _U16.unpack(reader.take(2))
+    count and length is checked against the frame before anything is sliced (`_batch_items`)."""
+    items = _batch_items(reader.data, reader.offset, batch_kind)
+    reader.offset = len(reader.data)
+    return [(kind, request_id, reader.data[start : start + length]) for kind, request_id, start, length in items]
+
+
+def _batch_items(payload: memoryview, offset: int, batch_kind: int) -> list[tuple[int, int, int, int]]:
+    """(kind, request id, start, length) of each item of the batch at `offset`: its count, every item's kind and
+    length and the payload's end checked before anything is sliced."""
+    allowed, size = BATCH_ITEM_KINDS[batch_kind], len(payload)
+    if offset + _U16.size > size:
+        raise FrameError(f"field of {_U16.size} bytes runs past the payload ({size - offset} left)")
+    (count,) = _U16.unpack_from(payload, offset)
     if not 0 < count <= MAX_BATCH_ITEMS:
         raise FrameError(f"a batch holds 1 to {MAX_BATCH_ITEMS} items, got {count}")
     items = []
+    offset += _U16.size
     for _ in range(count):
-        kind, request_id, length = _ITEM.unpack(reader.take(_ITEM.size))
+        if offset + _ITEM.size > size:
+            raise FrameError(f"field of {_ITEM.size} bytes runs past the payload ({size - offset} left)")
+        kind, request_id, length = _ITEM.unpack_from(payload, offset)
         if kind not in allowed:
             raise FrameError(f"frame kind {kind} can't be an item of batch kind {batch_kind}")
-        items.append((kind, request_id, reader.take(length)))
-    reader.done()
+        start = offset + _ITEM.size
+        offset = start + length
+        if offset > size:
+            raise FrameError(f"field of {length} bytes runs past the payload ({size - start} left)")
+        items.append((kind, request_id, start, length))
+    if offset != size:
+        raise FrameError(f"{size - offset} unexpected trailing bytes in the payload")
     return items
+
+
+def _utf8(value: str) -> bytes:
+    data = value.encode()
+    if len(data) > MAX_STR_BYTES:
+        raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
+    return data
 
 
 class Reader:
@@ -262,7 +270,7 @@ class Reader:
         return None if math.isnan(value) else value
 
     def text(self) -> str:
-        (length,) = struct.unpack(">H", self.take(2))
+        (length,) = _U16.unpack(self.take(2))
         return bytes(self.take(length)).decode()
 
     def blob(self) -> bytes:
@@ -428,31 +436,10 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
     The usual item (no adapter name, hidden states of 3 dims, neither prompts nor beam ids) is read with one
     `unpack_from` at its offset in the payload, its length checked to be exactly those fields; any other goes
     through the general reader (`_parse_item`)."""
-    size = len(payload)
-    if size < _U16.size:
-        raise FrameError(f"field of {_U16.size} bytes runs past the payload ({size} left)")
-    (count,) = _U16.unpack_from(payload, 0)
-    if not 0 < count <= MAX_BATCH_ITEMS:
-        raise FrameError(f"a batch holds 1 to {MAX_BATCH_ITEMS} items, got {count}")
-    bounds: list[tuple[int, int, int]] = []  # request id, start, length
-    offset = _U16.size
-    for _ in range(count):  # counts, kinds and lengths, before anything is sliced
-        if offset + _ITEM.size > size:
-            raise FrameError(f"field of {_ITEM.size} bytes runs past the payload ({size - offset} left)")
-        kind, request_id, length = _ITEM.unpack_from(payload, offset)
-        if kind != STEP:
-            raise FrameError(f"frame kind {kind} can't be an item of batch kind {STEP_BATCH}")
-        start = offset + _ITEM.size
-        offset = start + length
-        if offset > size:
-            raise FrameError(f"field of {length} bytes runs past the payload ({size - start} left)")
-        bounds.append((request_id, start, length))
-    if offset != size:
-        raise FrameError(f"{size - offset} unexpected trailing bytes in the payload")
     out: list[ParsedStep | BadStep] = []
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, memoryview, int]]] = {}  # (code, shape) -> hiddens
     usual, codes, item_bytes, no_tensor = _USUAL, len(_DTYPES), _ITEM_BYTES, NO_TENSOR
-    for request_id, start, length in bounds:
+    for _, request_id, start, length in _batch_items(payload, 0, STEP_BATCH):
         if length >= usual.size:  # the usual step: [handle, prefix, lone, name length 0, code, 3, dims x 3]
             handle, prefix_length, lone, name_bytes, code, ndim, d0, d1, d2 = usual.unpack_from(payload, start)
             if name_bytes == 0 and ndim == 3 and code < codes:
@@ -699,11 +686,8 @@ def _reply_record(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, in
     record = _reply_records.get(key)
     if record is None:
         code = _DTYPE_CODES[dtype]
-        count = 1
-        for dim in shape:
-            count *= dim
-        prefix = b"\x01" + _RECORD_HEAD.pack(code, len(shape)) + struct.pack(f">{len(shape)}I", *shape)
-        record = (prefix, count * _ITEM_BYTES[code])
+        prefix = b"\x01" + _TENSOR_HEADS[len(shape)].pack(code, len(shape), *shape)
+        record = (prefix, math.prod(shape) * _ITEM_BYTES[code])
         if len(_reply_records) >= _REPLY_RECORDS_KEPT:
             _reply_records.clear()
         _reply_records[key] = record
