@@ -10,9 +10,9 @@ import torch
 import transformers as tf
 
 import helpers.tiny_models_fam_b as fam_b
+from corolla.models.attention import DEFAULT_SLIDING_SLACK_TOKENS
 from corolla.models.registry import get_family
 from corolla.models.sizing import count_block_parameters, kv_cache_bytes_per_token
-from corolla.models.window_attention import DEFAULT_SLIDING_SLACK_TOKENS
 from corolla.server import sizing as server_sizing
 from helpers.tiny_models import tiny_config
 

@@ -1,6 +1,15 @@
 """Self-attention shared by all families: one fused q/k/v projection (rows `[q heads | k heads | v heads]`),
-rotary or ALiBi positions, optional sliding window, our KV cache layout `[B, kv_heads, max_length, head_dim]`,
-and `scaled_dot_product_attention`."""
+rotary or ALiBi positions, optional sliding window, our KV cache layout `[B, kv_heads, max_length, head_dim]`, and
+`scaled_dot_product_attention`; or, for the features it can't express (Gemma 2/3, gpt-oss), scores in fp32 with
+logit soft-capping, learned per-head sink logits and a custom scale.
+
+Sliding-window ring (`ring_slack_tokens`, Gemma and gpt-oss). A sliding layer with window W only ever looks at the
+last W - 1 earlier keys, so its cache holds `capacity = min(max_length, W + slack_tokens)` positions in a ring
+(position p in slot p % capacity), plus a small int64 state `[batch, 2]` = (first position still held, end of the
+written prefix). A step at `position` P needs the keys of positions [max(0, P - W + 1), P); it is served when they
+are all still held, which is always the case for a rollback (`start_from_position`) of up to `slack_tokens + 1`
+tokens below the furthest written position. A rollback further back is refused with a ValueError naming the limit
+(never wrong output). Without a ring (Mistral, Qwen2, Phi-3) a sliding layer keeps the full cache and masks."""
 
 from __future__ import annotations
 
@@ -11,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from corolla.models.block_base import BlockAttention, TensorDescriptor
-from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, alibi_slopes
+
+DEFAULT_SLIDING_SLACK_TOKENS = 64  # rollback room of a sliding layer's ring (speculative drafts are shorter)
+STATE_FIELDS = 2  # a ring's state: (first held position, end of the written prefix)
 
 
 class Attention(BlockAttention):
@@ -20,7 +31,10 @@ class Attention(BlockAttention):
 
     `head_ids` are the global ids of the query heads held here (all unless tensor parallel split them); they pick
     the ALiBi slopes. ALiBi bias is `slope * key_position * alibi_scale` (BLOOM: scale 1; Falcon: 1/sqrt(hd),
-    with the slope-position product rounded to bf16 as Falcon does).
+    with the slope-position product rounded to bf16 as Falcon does). `q_norm` / `k_norm` (Qwen3, Gemma 3): modules
+    over head_dim applied to each head before rotary. `fp32_scores` (Gemma, gpt-oss): scores computed in fp32 and
+    multiplied by `scale` (1/sqrt(head_dim) unless given), soft-capped at `logit_softcap`, with a learned sink logit
+    per head (`sinks` [num_heads]) when `sinks`.
     """
 
     def __init__(
@@ -38,11 +52,19 @@ class Attention(BlockAttention):
         alibi_bf16_product: bool = False,
         total_heads: int | None = None,
         sliding_window: int | None = None,
-        qk_norm_eps: float | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        fp32_scores: bool = False,
+        scale: float | None = None,
+        logit_softcap: float | None = None,
+        sinks: bool = False,
+        ring_slack_tokens: int | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if ring_slack_tokens is not None and (ring_slack_tokens < 0 or (sliding_window or 1) < 1):
+            raise ValueError(f"a ring needs a window >= 1 and slack >= 0, got {sliding_window}, {ring_slack_tokens}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -56,17 +78,33 @@ class Attention(BlockAttention):
         self.total_heads = total_heads or num_heads
         self.head_ids: list[int] = list(range(num_heads))
         self.sliding_window = sliding_window
-        self.scale = 1.0 / math.sqrt(head_dim)
-        # Qwen3: RMSNorm over each head's q and k (weights `[head_dim]`, shared by the heads) before rotary.
-        self.qk_norm_eps = qk_norm_eps
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.fp32_scores = fp32_scores
+        self.logit_softcap = logit_softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.slack_tokens = ring_slack_tokens
+
+    @property
+    def ring(self) -> bool:
+        """Whether the cache is a ring: only where the layer slides (a block's full layers keep the whole cache)."""
+        return self.slack_tokens is not None and self.sliding_window is not None
+
+    def cache_capacity(self, max_length: int) -> int:
+        """Positions a layer's cache holds for a session of `max_length` tokens."""
+        if not self.ring:
+            return max_length
+        return min(max_length, int(self.sliding_window or 0) + int(self.slack_tokens or 0))
 
     def cache_descriptors(self, batch_size: int, max_length: int, dtype: torch.dtype) -> list[TensorDescriptor]:
-        """K and V, each `[batch, kv_heads, max_length, head_dim]` on this module's device."""
+        """K and V, each `[batch, kv_heads, capacity, head_dim]` on this module's device; a ring adds its state
+        `[batch, 2]` int64."""
         device = self.o_proj.weight.device
-        shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
-        return [TensorDescriptor(shape, dtype, device), TensorDescriptor(shape, dtype, device)]
+        shape = (batch_size, self.num_kv_heads, self.cache_capacity(max_length), self.head_dim)
+        descriptors = [TensorDescriptor(shape, dtype, device), TensorDescriptor(shape, dtype, device)]
+        if self.ring:
+            descriptors.append(TensorDescriptor((batch_size, STATE_FIELDS), torch.int64, device))
+        return descriptors
 
     def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -75,10 +113,45 @@ class Attention(BlockAttention):
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over hd
         if self.rotary is not None:
             q, k = self.rotary.apply(q, k, position)
-        key_start = position if cache is None else 0
-        k_all, v_all = (k, v) if cache is None else full_cache_step(cache, k, v, position)  # [B, kv, P+T, hd]
-        out = self._attend(q, k_all, v_all, query_start=position, key_start=key_start)  # [B, h, T, hd]
+        if cache is None:
+            k_all, v_all, key_start = k, v, position
+        elif not self.ring:
+            (k_all, v_all), key_start = full_cache_step(cache, k, v, position), 0  # [B, kv, P+T, hd]
+        else:
+            k_all, v_all, key_start = self._ring_cache_step(cache, k, v, position)
+        attend = self._attend_fp32 if self.fp32_scores else self._attend
+        out = attend(q, k_all, v_all, query_start=position, key_start=key_start)  # [B, h, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
+
+    def _ring_cache_step(self, cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int):
+        """Reads the held keys this step needs, then writes the new ones into the ring. Returns K/V
+        `[B, kv, n, hd]` for positions [key_start, position + T) and key_start."""
+        T = k.shape[2]
+        check_cache(cache, 3, k, v)
+        k_ring, v_ring, state = cache  # [B, kv, C, hd] x2, [B, 2] int64
+        window, capacity = int(self.sliding_window or 0), k_ring.shape[2]
+        held_from, held_end = (int(value) for value in state[0].tolist())
+        if position > held_end:
+            raise ValueError(f"position {position} is past the {held_end} tokens this session's cache holds")
+        need_from = max(0, position - window + 1)
+        if need_from < held_from:
+            raise ValueError(
+                f"start position {position} needs the keys from position {need_from}, but this sliding-window "
+                f"layer (window {window}, cache {capacity} tokens = window + {capacity - window} slack) only holds "
+                f"positions [{held_from}, {held_end}): rollbacks of more than {capacity - window + 1} tokens "
+                f"below the furthest position are not supported"
+            )
+        past_slots = torch.arange(need_from, position, device=k_ring.device) % capacity  # [P - need_from]
+        k_all = torch.cat([k_ring.index_select(2, past_slots).to(k.dtype), k], dim=2)  # [B, kv, n, hd]
+        v_all = torch.cat([v_ring.index_select(2, past_slots).to(v.dtype), v], dim=2)
+        kept = min(T, capacity)  # a prompt longer than the ring leaves only its last `capacity` keys
+        new_slots = torch.arange(position + T - kept, position + T, device=k_ring.device) % capacity  # [kept]
+        k_ring.index_copy_(2, new_slots, k[:, :, T - kept :].to(k_ring.dtype))
+        v_ring.index_copy_(2, new_slots, v[:, :, T - kept :].to(v_ring.dtype))
+        end = position + T
+        state[:, 0] = max(held_from, end - capacity)
+        state[:, 1] = end
+        return k_all, v_all, need_from
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_start: int, key_start: int):
         """q [B,h,T,hd], k/v [B,kv,S,hd]; query i sits at absolute position query_start+i, key j at key_start+j."""
@@ -98,6 +171,30 @@ class Attention(BlockAttention):
             bias = (slopes[:, None] * k_pos[None, :].float() * self.alibi_scale).to(q.dtype)  # [h, S]
         mask = bias[:, None, :].masked_fill(~allowed[None], float("-inf"))  # [h, T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scale, enable_gqa=gqa)
+
+    def _attend_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_start: int, key_start: int):
+        """`_attend` with scores in fp32: scale, soft-cap, causal (and window) mask, sinks, softmax."""
+        B, h, T, hd = q.shape
+        kv, S = k.shape[1], k.shape[2]
+        group = h // kv
+        qg = q.reshape(B, kv, group, T, hd).float()  # [B, kv, g, T, hd]
+        scores = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)) * self.scale  # [B, kv, g, T, S]
+        if self.logit_softcap is not None:
+            scores = softcap(scores, float(self.logit_softcap))
+        allowed, _ = causal_mask(query_start, T, key_start, S, self.sliding_window, q.device)  # [T, S]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.float().reshape(1, kv, group, 1, 1).expand(B, kv, group, T, 1)  # [B, kv, g, T, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]  # sink column dropped
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [B, kv, g, T, S]
+        out = torch.matmul(probs.to(v.dtype), v[:, :, None])  # [B, kv, g, T, hd]
+        return out.reshape(B, h, T, hd)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping)."""
+    return torch.tanh(x / cap) * cap
 
 
 def split_heads(

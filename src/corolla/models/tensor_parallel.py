@@ -34,8 +34,8 @@ def make_tensor_parallel(block: CorollaBlock, devices: Sequence[torch.device | s
             raise ValueError(f"{name} is already quantized ({type(module).__name__}): call make_tensor_parallel first")
     if isinstance(block.attn, ParallelAttention):
         raise ValueError("block is already tensor parallel")
-    if not isinstance(block.attn, Attention):  # e.g. DeepSeek-V3's latent attention
-        raise ValueError(f"tensor parallelism can't split {type(block.attn).__name__}")
+    if not isinstance(block.attn, Attention) or block.attn.fp32_scores:  # e.g. DeepSeek-V3's latent attention
+        raise ValueError(f"tensor parallelism can't split {type(block.attn).__name__} of {type(block).__name__}")
     attn = ParallelAttention(_split_attention(block.attn, targets), out)
     block.attn = attn
     if isinstance(block.mlp, SparseMoE):
@@ -177,7 +177,7 @@ def _split_attention(attn: Attention, devices: list[torch.device]) -> list[Atten
                 attn.hidden_size, len(q_heads), len(kv_heads), hd, qkv_bias=False, out_bias=False,
                 rotary=copy.copy(attn.rotary), alibi=attn.alibi, alibi_scale=attn.alibi_scale,
                 alibi_bf16_product=attn.alibi_bf16_product, total_heads=attn.total_heads,
-                sliding_window=attn.sliding_window, qk_norm_eps=attn.qk_norm_eps,
+                sliding_window=attn.sliding_window,
             )  # fmt: skip
         if attn.q_norm is not None and attn.k_norm is not None:  # per-head norms: every shard holds them whole
             shard.q_norm = copy.deepcopy(attn.q_norm).to(devices[i])

@@ -22,10 +22,10 @@ from corolla.client.session.inference_session import InferenceSession
 from corolla.client.speculative.loop import SpeculativeStats
 from corolla.client.training.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.training.remote_sequential import RemoteSequential
+from corolla.models.attention import softcap
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
 from corolla.models.layers import RMSNorm, RMSNormKind
 from corolla.models.loading import CheckpointSource
-from corolla.models.window_attention import softcap
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
 

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import torch
 
+from corolla.models.attention import DEFAULT_SLIDING_SLACK_TOKENS, Attention
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.expert_names import swiglu_layout
 from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.llama.block import QK_NORM_LAYOUT, head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
-from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
 
 SLIDING = "sliding_attention"
 
@@ -42,25 +42,18 @@ def layer_rope_parameters(config, layer_idx: int) -> dict:
     return rope_parameters(config)
 
 
-def make_gemma_attention(config, layer_idx: int, *, qk_norm: bool) -> WindowedAttention:
-    hd = head_dim_of(config)
+def make_gemma_attention(config, layer_idx: int, *, qk_norm: bool) -> Attention:
+    hd, eps = head_dim_of(config), config.rms_norm_eps
     bias = bool(getattr(config, "attention_bias", False))
-    cfg = WindowedAttentionConfig(
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=num_kv_heads_of(config),
-        head_dim=hd,
-        scale=float(config.query_pre_attn_scalar) ** -0.5,
-        qkv_bias=bias,
-        out_bias=bias,
-        sliding_window_tokens=sliding_window_of(config, layer_idx),
+    return Attention(
+        config.hidden_size, config.num_attention_heads, num_kv_heads_of(config), hd, qkv_bias=bias, out_bias=bias,
+        rotary=RotaryEmbedding(hd, layer_rope_parameters(config, layer_idx), config.max_position_embeddings),
+        sliding_window=sliding_window_of(config, layer_idx), ring_slack_tokens=DEFAULT_SLIDING_SLACK_TOKENS,
+        q_norm=RMSNorm(hd, eps, kind="gemma") if qk_norm else None,
+        k_norm=RMSNorm(hd, eps, kind="gemma") if qk_norm else None,
+        fp32_scores=True, scale=float(config.query_pre_attn_scalar) ** -0.5,
         logit_softcap=getattr(config, "attn_logit_softcapping", None),
-    )
-    rotary = RotaryEmbedding(hd, layer_rope_parameters(config, layer_idx), config.max_position_embeddings)
-    if not qk_norm:
-        return WindowedAttention(cfg, rotary)
-    eps = config.rms_norm_eps
-    return WindowedAttention(cfg, rotary, q_norm=RMSNorm(hd, eps, kind="gemma"), k_norm=RMSNorm(hd, eps, kind="gemma"))
+    )  # fmt: skip
 
 
 class Gemma2Block(CorollaBlock):

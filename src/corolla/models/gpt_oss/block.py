@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corolla.models.attention import DEFAULT_SLIDING_SLACK_TOKENS, Attention
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.gemma.block import sliding_window_of
 from corolla.models.gpt_oss.mxfp4 import dequantize_expert_tensors
 from corolla.models.layers import RMSNorm, mix_experts
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
-from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
 
 
 class GptOssExperts(nn.Module):
@@ -74,13 +74,12 @@ class GptOssBlock(CorollaBlock):
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps, kind="gpt_oss")
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, kind="gpt_oss")
         bias = bool(getattr(config, "attention_bias", True))
-        cfg = WindowedAttentionConfig(
-            hidden_size=H, num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads_of(config), head_dim=hd,
-            scale=hd**-0.5, qkv_bias=bias, out_bias=bias,
-            sliding_window_tokens=sliding_window_of(config, layer_idx), sinks=True,
+        self.attn = Attention(
+            H, config.num_attention_heads, num_kv_heads_of(config), hd, qkv_bias=bias, out_bias=bias,
+            rotary=RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings),
+            sliding_window=sliding_window_of(config, layer_idx), ring_slack_tokens=DEFAULT_SLIDING_SLACK_TOKENS,
+            fp32_scores=True, sinks=True,
         )  # fmt: skip
-        rotary = RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
-        self.attn = WindowedAttention(cfg, rotary)
         self.mlp = GptOssMoE(
             H, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
             float(config.swiglu_alpha), float(config.swiglu_limit),

@@ -47,7 +47,8 @@ def make_rotary_attention(config, layer_idx: int, *, qk_norm: bool = False) -> A
         config.hidden_size, config.num_attention_heads, num_kv_heads_of(config), hd, qkv_bias=qkv_bias,
         out_bias=out_bias, rotary=RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings),
         sliding_window=sliding_window_of(config, layer_idx),
-        qk_norm_eps=float(config.rms_norm_eps) if qk_norm else None,
+        q_norm=RMSNorm(hd, config.rms_norm_eps) if qk_norm else None,
+        k_norm=RMSNorm(hd, config.rms_norm_eps) if qk_norm else None,
     )  # fmt: skip
 
 
