@@ -1,22 +1,27 @@
 """The Phi-3 / Phi-4 decoder layer: Llama's layout with the checkpoint's fused projections read as stored
 (`self_attn.qkv_proj` rows `[q heads | k heads | v heads]`, `mlp.gate_up_proj` rows `[gate | up]`, both the row
 order of our fused parameters), optional partial rotary (`partial_rotary_factor`, Phi-4-mini), LongRoPE scaling
-(`rotary.py`) and a sliding window over every layer where the config sets `sliding_window`."""
+and a sliding window over every layer where the config sets `sliding_window`."""
 
 from __future__ import annotations
 
 from corolla.models.attention import Attention
 from corolla.models.block_base import TensorTarget, same_names
 from corolla.models.llama.block import LlamaBlock, head_dim_of, num_kv_heads_of
-from corolla.models.phi3.rotary import make_phi3_rotary
+from corolla.models.positions import RotaryEmbedding, rope_parameters
 
 
 def make_phi3_attention(config) -> Attention:
     hd = head_dim_of(config)
     window = getattr(config, "sliding_window", None)
+    params = rope_parameters(config, also=("longrope",))
+    rotary_dim = int(hd * float(params.get("partial_rotary_factor", 1.0)))  # Phi-4-mini rotates a head's first dims
+    if rotary_dim < 2 or rotary_dim > hd or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even and in [2, head_dim={hd}], got {rotary_dim}")
     return Attention(
         config.hidden_size, config.num_attention_heads, num_kv_heads_of(config), hd, qkv_bias=False, out_bias=False,
-        rotary=make_phi3_rotary(config, hd), sliding_window=None if window is None else int(window),
+        rotary=RotaryEmbedding(rotary_dim, params, int(config.max_position_embeddings)),
+        sliding_window=None if window is None else int(window),
     )  # fmt: skip
 
 
