@@ -23,7 +23,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import serialize_tensor, stream_messages
 from corolla.protocol.rpc import TransformerConnectionHandler
 from corolla.server.core.limits import MiB, PeerLimits
-from corolla.server.front.stream_endpoint import StreamBudget
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front.stream_guard import register_handlers
 
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)

@@ -96,7 +96,7 @@ SPLIT_FUNCTIONS = (
     ("corolla.server.core.engine_executor", "EngineExecutor", "step_task"),
     ("corolla.server.core.runtime", "Runtime", "queue"),
     ("corolla.server.front.stream_endpoint", "FrameConnection", "take_frame"),
-    ("corolla.server.front.stream_endpoint", "StreamLease", "charge"),
+    ("corolla.server.core.peer_bytes", "StreamLease", "charge"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "_request"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply"),
     ("corolla.server.front.stream_endpoint", "SocketPort", "reply_joined"),  # the usual step's reply (decision 0146)

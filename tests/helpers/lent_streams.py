@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from corolla.server.core.stream_loans import LoanPending, StreamLoans
-from corolla.server.front.lent_stream_budget import LentLease
+from corolla.server.core.peer_bytes import LentLease, LoanPending, StreamLoans
 
 
 class Core:

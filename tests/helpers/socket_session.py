@@ -12,7 +12,8 @@ from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import MessagePace
-from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamLease, StreamRpcs, serve_inference
+from corolla.server.core.peer_bytes import StreamLease
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamRpcs, serve_inference
 
 SERVER_PEER = PeerID(b"\x12\x20" + bytes(32))  # the context's local id (nothing reads it)
 

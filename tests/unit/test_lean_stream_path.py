@@ -20,9 +20,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 from corolla.protocol import local_stream as ls
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
+from corolla.server.core.peer_bytes import StreamBudget, StreamLease
 from corolla.server.core.push_guard import SessionPushGuard
 from corolla.server.front.inference_stream import SessionState, StepOrder
-from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, StreamBudget, StreamLease
+from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
 

@@ -16,8 +16,9 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front import stream_endpoint, stream_guard
-from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, PeerStreamPort, StreamBudget
+from corolla.server.front.stream_endpoint import FrameConnection, PeerFrames, PeerStreamPort
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 BOUND_S = 5.0

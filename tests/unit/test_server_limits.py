@@ -28,9 +28,9 @@ from corolla.server.core.limits import (
     StreamStalled,
     peer_key,
 )
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.core.refusals import rejection_reason
 from corolla.server.front.inference_stream import SessionState, StepOrder
-from corolla.server.front.stream_endpoint import StreamBudget
 from corolla.utils.errors import AllocationFailed
 
 KIB = 1024

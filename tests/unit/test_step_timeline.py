@@ -21,8 +21,9 @@ from hivemind.proto import runtime_pb2
 from benchmarks.users.timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front import step_timeline, stream_guard
-from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, StreamBudget, serve_inference
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, serve_inference
 
 
 class _Handler:

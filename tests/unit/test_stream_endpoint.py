@@ -13,7 +13,8 @@ from tests.helpers.socket_session import read_frame
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
-from corolla.server.front.stream_endpoint import FrameConnection, StreamBudget, StreamLease
+from corolla.server.core.peer_bytes import StreamBudget, StreamLease
+from corolla.server.front.stream_endpoint import FrameConnection
 
 IDLE_S = 0.5
 

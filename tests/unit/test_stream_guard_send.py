@@ -13,8 +13,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front import stream_guard
-from corolla.server.front.stream_endpoint import StreamBudget
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 PART_BODY = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()

@@ -13,8 +13,7 @@ from unittest import mock
 import pytest
 
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded
-from corolla.server.core.stream_loans import RECALL_WAIT_MAX_S, LoanPending, StreamLoans
-from corolla.server.front.lent_stream_budget import LentStreamBudget
+from corolla.server.core.peer_bytes import RECALL_WAIT_MAX_S, LentStreamBudget, LoanPending, StreamLoans
 from helpers.lent_streams import Core, charged
 
 # a lone peer meets its own cap before the total's reserve (a message, decision 0187), as with the defaults

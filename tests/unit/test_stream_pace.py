@@ -18,15 +18,10 @@ from tests.helpers.socket_session import read_frame
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import KiB, MiB, PeerLimits, ReplyStalled, StreamStalled, StreamTooSlow
+from corolla.server.core.peer_bytes import StreamBudget, StreamLease
 from corolla.server.core.refusals import rejection_reason
 from corolla.server.front import stream_endpoint, stream_guard
-from corolla.server.front.stream_endpoint import (
-    FrameConnection,
-    PlainFrames,
-    StreamBudget,
-    StreamLease,
-    serve_inference,
-)
+from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, serve_inference
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 BOUND_S = 5.0

@@ -15,10 +15,15 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from corolla.server.core.limits import KiB, PeerLimits, ServerLimitExceeded
-from corolla.server.core.stream_loans import StreamLoans
+from corolla.server.core.peer_bytes import (
+    RECLAIM_AFTER_S,
+    LentLease,
+    LentStreamBudget,
+    StreamBudget,
+    StreamLease,
+    StreamLoans,
+)
 from corolla.server.front import stream_guard
-from corolla.server.front.lent_stream_budget import LentLease, LentStreamBudget
-from corolla.server.front.stream_endpoint import RECLAIM_AFTER_S, StreamBudget, StreamLease
 from helpers.lent_streams import Core, charged
 
 # a message of 64 KiB, a peer 96 KiB (its share of 2), the total 192 KiB with its top message (64 KiB) kept for peers

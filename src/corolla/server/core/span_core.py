@@ -27,9 +27,8 @@ from corolla.server.core.executor import (
     StepInputs,
 )
 from corolla.server.core.limits import PeerLimits
-from corolla.server.core.peer_bytes import import_budget
+from corolla.server.core.peer_bytes import StreamLoans, import_budget
 from corolla.server.core.refusals import Draining
-from corolla.server.core.stream_loans import StreamLoans
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes

@@ -20,6 +20,7 @@ from hivemind.utils import MSGPackSerializer
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front.connection_balance import ConnectionHandoff
 from corolla.server.front.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.front.stream_endpoint import (
@@ -27,7 +28,6 @@ from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
     FrameConnection,
-    StreamBudget,
     StreamRpcs,
     check_hello,
     read_hello,

@@ -17,8 +17,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.direct_stream import TicketSecret
+from corolla.server.core.peer_bytes import StreamLender
 from corolla.server.core.span_core import CoreClient
-from corolla.server.core.stream_loans import StreamLender
 from corolla.server.front.connection_balance import ConnectionHandoff
 from corolla.server.front.direct_endpoint import DirectEndpoint
 from corolla.server.front.front_settings import FrontSettings

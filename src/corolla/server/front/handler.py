@@ -21,17 +21,15 @@ from corolla.protocol import rpc
 from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, combine_parts, stream_messages
 from corolla.protocol.metadata import ForwardRequestMetadata, InferenceRequestMetadata, encode_metadata
 from corolla.server.core.limits import PeerLimits, SessionTimeouts, peer_key
+from corolla.server.core.peer_bytes import LentStreamBudget, StreamBudget, StreamLender
 from corolla.server.core.refusals import BadRequest, RequestTimeout
 from corolla.server.core.span_core import CoreClient
-from corolla.server.core.stream_loans import StreamLender
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
 from corolla.server.front.inference_stream import InferenceStreams, SessionHandoff, SessionRegistry
-from corolla.server.front.lent_stream_budget import LentStreamBudget
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.prefix_keys import PrefixTrust
-from corolla.server.front.stream_endpoint import StreamBudget
 from corolla.server.front.stream_guard import register_handlers
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError

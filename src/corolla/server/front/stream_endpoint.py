@@ -1,22 +1,17 @@
-"""Framed streams and their byte budgets: the same-host socket's (`local_endpoint`) and the direct port's
-(`direct_endpoint`) connections, and p2p's inference streams once `stream_guard` takes their connection from p2pd's.
-A decode step on every transport crosses this file and no other of the transport's.
+"""Framed streams: the same-host socket's (`local_endpoint`) and the direct port's (`direct_endpoint`) connections, and
+p2p's inference streams once `stream_guard` takes their connection from p2pd's. A decode step on every transport
+crosses this file and no other of the transport's.
 
-Every frame's declared length is checked against its bound before its payload is read; where a `StreamLease` is given
-(a remote peer's stream: the direct port's, p2p's) the payload is charged to the handler's per-peer and total stream
-byte budget before it is waited for and released once the handler has taken the next message, and a started payload
-that stops arriving for `idle_s` ends the stream (`StreamStalled`)."""
+Every frame's declared length is checked against its bound before its payload is read; where a stream holds a lease
+of the stream byte budget (`core.peer_bytes.StreamLease`: a remote peer's stream, the direct port's, p2p's) the
+payload is charged to it before it is waited for and released once the handler has taken the next message, and a
+started payload that stops arriving for `idle_s` ends the stream (`StreamStalled`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
-import gc
 import struct
-import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,16 +25,13 @@ from corolla.protocol import local_stream as ls
 from corolla.protocol.stream_frames import ERROR_MARKER, FRAME_HEADER_BYTES, MESSAGE_MARKER, frame_header
 from corolla.server.core.limits import (
     MessagePace,
-    MiB,
     PeerLimitExceeded,
-    PeerLimits,
     ReplyStalled,
     ServerLimitExceeded,
     StreamStalled,
     StreamTooSlow,
 )
-from corolla.server.core.peer_bytes import PeerBytes
-from corolla.server.core.stream_loans import LoanPending, stream_caps
+from corolla.server.core.peer_bytes import LoanPending, StreamLease
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepOrder, StepPort
 from corolla.server.metrics import ServerMetrics
@@ -56,148 +48,6 @@ CLOSE_FLUSH_S = 5.0  # after a close, how long what waits to go out may wait for
 
 DEFAULT_LIMIT_BYTES = 1 << 16
 INSIDE_A_MESSAGE = "inside a message"
-TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
-TRIM_DELAY_S = 0.5
-# a message whose payload is still arriving this long after its declared length was charged is slow (`reclaim`): a
-# decode step's arrives within a round trip, one at the minimum rate (`min_stream_rate_kib_s`) may take hours
-RECLAIM_AFTER_S = 1.0
-
-
-class StreamBudget(PeerBytes):
-    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only), and each
-    message within `max_stream_message_bytes` (`--num_handlers` 1; a handler process spends what the core lent it:
-    `LentStreamBudget`). A message refused at the total although its peer is within its fair share takes the room of
-    slow messages (`reclaim`): peer ids cost nothing, so a hoarder is told by its pace (decision 0212)."""
-
-    def __init__(self, limits: PeerLimits):
-        super().__init__("stream message", "of unfinished requests", *stream_caps(limits))
-        self.limits = limits
-        self._freed_since_trim = 0
-        self.leases: weakref.WeakSet[StreamLease] = weakref.WeakSet()  # the streams' leases (what `reclaim` cuts)
-        self.num_reclaimed = 0  # streams cut by `reclaim` (a metric for tests and benches)
-
-    def lease(self, peer: str) -> StreamLease:
-        """A new stream's lease of `peer`'s bytes in this budget."""
-        return StreamLease(self, peer)
-
-    def reclaim(self, nbytes: int, *, sparing: str) -> int:
-        """Cuts the streams of peers other than `sparing` whose message has been arriving for `RECLAIM_AFTER_S` or
-        more (their bytes given back at once), those of the peers holding most first, then the oldest, until `nbytes`
-        are free; cuts none where all of them would not free that much. Returns the bytes freed."""
-        now = time.monotonic()
-        slow = [lease for lease in self.leases if lease.peer != sparing and lease.slow_since(now, RECLAIM_AFTER_S)]
-        if sum(lease.held for lease in slow) < nbytes:
-            return 0
-        slow.sort(key=lambda lease: (-self.per_peer.get(lease.peer, 0), lease.charged_at))
-        freed = 0
-        for lease in slow:
-            if freed >= nbytes:
-                break
-            freed += lease.held
-            logger.info(
-                "stream_budget.reclaimed(peer=...%s, bytes=%d, arriving_s=%.1f)",
-                lease.peer[-6:], lease.held, now - lease.charged_at,
-            )  # fmt: skip
-            lease.cut()
-            self.num_reclaimed += 1
-        return freed
-
-    def charge(self, peer: str, nbytes: int) -> None:
-        if nbytes <= 0:
-            return  # an empty message (e.g. the end of a session) holds nothing
-        max_message_bytes = self.limits.max_stream_message_bytes
-        if max_message_bytes and nbytes > max_message_bytes:
-            raise PeerLimitExceeded(
-                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={max_message_bytes}",
-                reason="stream_message_too_big",
-            )
-        try:
-            self.take(peer, nbytes)
-        except ServerLimitExceeded:  # the total: a peer within its share takes slow messages' room (`reclaim`)
-            short = self.total_bytes + nbytes - (self.total_cap.limit_bytes or 0)
-            if not self.within_share(peer, nbytes) or not self.reclaim(short, sparing=peer):
-                raise
-            self.take(peer, nbytes)
-
-    def release(self, peer: str, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        self.give_back(peer, nbytes)
-        self._freed_since_trim += nbytes
-
-    def maybe_trim(self) -> None:
-        """After large frees with nothing left in flight, asks glibc to return free heap pages to the OS."""
-        if self._freed_since_trim >= TRIM_AFTER_BYTES and self.total_bytes == 0:
-            self._freed_since_trim = 0
-            gc.collect(1)  # a refused message's buffer may sit in an exception's traceback cycle
-            malloc_trim()
-            logger.debug("stream_endpoint.trimmed")
-
-
-_libc: Any = None
-
-
-def malloc_trim() -> bool:
-    """`malloc_trim(0)` where the C library has it (glibc); False elsewhere."""
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _libc = ctypes.CDLL(name) if name else False
-        except OSError:
-            _libc = False
-    trim = getattr(_libc, "malloc_trim", None) if _libc else None
-    if trim is None:
-        return False
-    return bool(trim(0))
-
-
-class StreamLease:
-    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left, `cut()` too and ends the
-    stream (the connection `conn` its port reads)."""
-
-    def __init__(self, budget: StreamBudget, peer: str):
-        self.budget, self.peer, self.held = budget, peer, 0
-        budget.leases.add(self)
-        self.conn: FrameConnection | None = None  # set by the port that reads the stream (`SocketPort`)
-        # time.monotonic() when its message's header was read; of a request in parts, its first part's
-        self.charged_at = 0.0
-        # a request in parts is being read (`SocketPort.requests(whole=True)`): its parts stay charged and the request
-        # is slow as a frame is (decision 0228)
-        self.gathering = False
-
-    def charge(self, nbytes: int) -> None:
-        self.budget.charge(self.peer, nbytes)
-        self.charged(nbytes)
-
-    def charged(self, nbytes: int) -> None:
-        """`nbytes` of the next message were taken from the budget."""
-        if not (self.gathering and self.held):  # (the parts after a request's first keep its clock)
-            self.charged_at = time.monotonic()
-        self.held += nbytes
-
-    def slow_since(self, now: float, after_s: float) -> bool:
-        """Whether it holds bytes of a message (or a request in parts) that has been arriving for `after_s` or more at
-        `now`, and is not whole yet."""
-        conn = self.conn
-        arriving = conn is not None and (conn.frame_arriving or self.gathering)
-        return bool(self.held) and arriving and now - self.charged_at >= after_s
-
-    def cut(self) -> None:
-        """Gives back what it holds and aborts its connection (its stream ends as on a lost connection)."""
-        self.release(self.held)
-        if self.conn is not None and self.conn.transport is not None:
-            self.conn.transport.abort()
-
-    def release(self, nbytes: int) -> None:
-        nbytes = min(nbytes, self.held)
-        self.held -= nbytes
-        self.budget.release(self.peer, nbytes)
-
-    def close(self) -> None:
-        self.release(self.held)
-        # trim once the stream's handler has unwound (its frames still hold the buffers now)
-        asyncio.get_running_loop().call_later(TRIM_DELAY_S, self.budget.maybe_trim)
 
 
 class FrameConnection(asyncio.Protocol):

@@ -22,6 +22,7 @@ from corolla.server.core.limits import (
     ReplyStalled,
     peer_key,
 )
+from corolla.server.core.peer_bytes import StreamBudget
 from corolla.server.front import step_timeline
 from corolla.server.front.inference_stream import StepPort
 from corolla.server.front.opening_streams import OpeningStreams
@@ -29,7 +30,6 @@ from corolla.server.front.stream_endpoint import (
     FrameConnection,
     PeerFrames,
     PeerStreamPort,
-    StreamBudget,
     drain_reply,
 )
 from corolla.utils.logging import get_logger

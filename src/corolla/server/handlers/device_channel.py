@@ -42,10 +42,10 @@ from corolla.server.core.executor import (
     StepInputs,
 )
 from corolla.server.core.kv_handoff import check_handoff_frame
+from corolla.server.core.peer_bytes import StreamLoans
 from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.stream_loans import StreamLoans
 from corolla.utils.logging import get_logger
 from corolla.utils.tensor_bytes import TensorBytes
 
@@ -1101,7 +1101,7 @@ class DeviceChannel:
         return nbytes
 
     async def recall_streams(self, peer: str, peer_bytes: int, any_bytes: int, reclaim_bytes: int) -> None:
-        """Asks the handler process back for idle stream loans (`stream_loans.LoanHolder`): a "recall_stream" note,
+        """Asks the handler process back for idle stream loans (`peer_bytes.LoanHolder`): a "recall_stream" note,
         answered by its "recalled" after its repayments, or by the channel's end (`_end_all`); returns at once where
         the note cannot be sent (the channel is ending: its loans come back without an answer)."""
         recall = next(self._recall_ids)

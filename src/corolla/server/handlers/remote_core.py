@@ -371,7 +371,7 @@ class RemoteCore:
 
     async def borrow_stream(self, peer: str, nbytes: int) -> None:
         """`nbytes` more of `peer`'s stream bytes lent to this process by the core ("lend_stream", one call a loan: the
-        core's refusal, past the stream caps, is raised here; `core.stream_loans`)."""
+        core's refusal, past the stream caps, is raised here; `core.peer_bytes.StreamLoans`)."""
         _typed(await self.link.request("lend_stream", peer, nbytes), int)
 
     def repay_stream(self, peer: str, nbytes: int) -> None:
