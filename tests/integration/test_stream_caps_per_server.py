@@ -1,5 +1,5 @@
 """The stream byte caps (`max_stream_bytes_per_peer` / `max_stream_bytes_total`) of a server with handler processes
-are the server's: the core lends each process its peers' bytes (`core.stream_loans`), so a peer spreading stalled
+are the server's: the core lends each process its peers' bytes (`core.peer_bytes.StreamLoans`), so a peer spreading stalled
 streams over the processes holds one cap's worth, not one per process (decision 0161), and the loans come back to
 the core once the streams are gone."""
 

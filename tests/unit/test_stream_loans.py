@@ -1,4 +1,4 @@
-"""Stream bytes lent by the core to handler processes (`core.stream_loans`, `front.lent_stream_budget`): two
+"""Stream bytes lent by the core to handler processes (`core.peer_bytes`: `StreamLoans`, `LentStreamBudget`): two
 processes' budgets on one core's loans hold one peer to one cap and the server to one total, a message past its
 loan borrows before it is counted (its refusal is the stream's, reasons unchanged), and a process gives back what
 its peers did not use while keeping a streaming peer's loan."""
