@@ -736,19 +736,13 @@ class InferenceSession:
     ) -> None:
         """Judges the pairs seated in a race that `winner` won, its trial agreeing with `accused`'s (the left server's)
         earlier outputs (decision 0238), each by its referees' recheck (asked as it was seated) and the winner's trial,
-        one more server outside the pair that recomputed its trial and disagreed: "split" where a referee confirmed
-        the pair (nobody avoided: decision 0220); "refuted" where referees answered and none confirmed it: both lose
-        their standing and are avoided (`witnesses.refuted`), once each however many pairs it was in (unjudged, a
-        pair that lost its round would keep the standing one of it lent the other); "unheard" where no referee
-        answered (all silent, or none outside) (decision 0248): the winner's word alone, which the left server's
-        liar may have sent by a second identity while it kept the honest referees busy (decision 0232's trick), so
-        nobody is avoided and a standing of the pair's own is kept, but one lent to a fresh partner is spent (as a ban
-        on one standing spends it, decision 0226; held aside: `BanList.spend`) and a pair short of two standings is
-        watched; then the referees of a pair holding a standing are asked again after the race (decision 0253,
-        `unheard_pairs`): a referee heard later judges it as one heard now would have (the spent standing given back,
-        or the pair refuted). In the
-        background: a referee held to its timeout does not hold the session (the session's close waits for it, as for
-        its shadows; not for the later asks)."""
+        one more outside server that disagreed: "split" where a referee confirmed the pair (nobody avoided, 0220);
+        "refuted" where referees answered and none confirmed it (both lose their standing and are avoided, once each
+        however many pairs it was in); "unheard" where none answered (0248): the winner's word alone, maybe the liar's
+        second identity's, so nobody is avoided and a pair's own standings are kept, but one lent to a fresh partner is
+        spent (held aside: `BanList.spend`) and such a pair watched; the referees of a pair holding a standing are
+        then asked again after the race (`unheard_pairs`, 0253). In the background: the session's close waits for it
+        as for its shadows, not for the later asks."""
         refuted_peers: set[str] = set()  # (shared with the pairs asked again: a peer refuted once per race)
         retries = retries_of(self.manager)  # (before any wait: taken while the client runs, ended by its shutdown)
         for pair, referees, ask in lost_pairs:

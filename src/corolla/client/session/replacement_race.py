@@ -1,42 +1,23 @@
-"""The replacement of a span moved off a server too slow to keep it (a loris: it answers pings, holds steps;
-`client.session.stalls`, decision 0144) is raced, not planned by what servers announce (decision 0163). Announced
-figures cost nothing, and so do identities: K lorises announcing the best figures for one span were walked in turn
-by the usual routing, each holding the session its step deadline plus the late budget (the extra delay grew with K).
+"""The replacement of a span moved off a server too slow to keep it (a loris: it answers pings and holds steps;
+`client.session.stalls`, decision 0144) is raced, not planned by announced figures, which cost nothing (0163).
 
-Here the servers that cover the span alone (not banned, not avoided; those this client saw answer a step within its
-deadline first, the others in random order: nothing a server announces orders them; after a move for what a span
-delivered, those this client measured delivering what the move needs before all, racing a round alone, decision
-0214; at most `RACE_MAX`) are each given a fresh session whose first step replays the span's first `TRIAL_TOKENS` positions (a decode step's size: a
-slow uplink carries a few positions to each, not the whole history), `RACE_WIDTH` at once, `RACE_WIDTH` more every
-round (`round_s`: the decode floor `STALL_MIN_S` plus the round's trial bytes over a slow link; a round's racers are
-not dropped, any may still answer) while none answered; the first to answer keeps the session and is sent the rest,
-the others are closed (an honest loser computed at most `TRIAL_TOKENS` positions). Each racer's step keeps
-0144/0149's rules (its deadline, pings, the late budget, a move where another server covers the span), so a racer
-that fails is banned or avoided as it would be on its own, and one slow within its deadline may still win. A trial's
-outputs must agree with the ones the span gave for those positions before, where the client holds them (the next
-span's inputs there; `check_trial`, the verification's tolerance): a loris answering the trial at once with outputs it
-never computed would win every race, and hold the rest. Those earlier outputs are the left server's word: where two
-racers' trials agree with each other and not with them, the pair outvotes the left server (the verification's 2:1
-rule: a liar caught first-hand) and wins, unless a racer agreeing with the earlier outputs answers within a round
-(`round_s`) after the pair formed (decision 0183: the earlier outputs break the tie, so lorises answering one made-up
-trial at once do not outvote an honest server's outputs while honest racers compute theirs), and unless a server
-outside it recomputes the trial and disagrees (`verification.pair_referee`, decision 0190 "Attacked": its outputs
-rebuild the later spans; a pair with a witness's standing too, decision 0208). Those referees are
-asked as the pair is seated, and a pair that loses its round to a racer agreeing with the earlier outputs is judged
-all the same (decision 0238): that racer's trial is one more outside server that disagreed, so the pair is refuted
-(both avoided, their standing lost) unless a referee confirmed it (split: nobody avoided); else one identity's
-standing, lent to a fresh partner, would be kept by losing races. Where no referee answered, the winner's word is
-alone ("unheard", decision 0248: the liar's second identity may have won while the honest referees were kept busy):
-nobody avoided, a pair's own two standings kept, one lent to a fresh partner spent and such a pair watched; its
-referees are asked again after the race (decision 0253, `unheard_pairs`): a referee heard later judges it as one heard
-at once would have (the spent standing given back where one confirms it, both refuted where none does).
+Racers: the servers covering the span alone, not banned or avoided, at most `RACE_MAX` (`race_candidates`): after a
+move for delivery, those measured delivering what the move needs first, racing a round alone (0214); then those seen
+answering a step on time; then the rest, each group shuffled. `RACE_WIDTH` start, `RACE_WIDTH` more every `round_s`
+while none answered; each gets a fresh session whose first step replays the span's first `TRIAL_TOKENS` positions
+under a step's usual rules (deadline, pings, late budget), and the first to answer keeps the session and is sent the
+rest.
 
-A trial is a short step, which a loris may answer at once and then hold the rest; where the winner of a trial is moved
-off before it answered the rest, the session's next race sends every racer the trial and then the rest of the step (a
-long step, under its long-step deadline), and a racer must answer both to win: a loris answering only short steps
-holds the rest, one answering only long steps holds the trial (`InferenceSession`, decisions 0176, 0184): its
-outputs at every position of the history are checked as a trial's are, and its new positions are verified as any
-sampled step's."""
+A trial must agree with the span's earlier outputs where the client holds them (`check_trial`), or a loris answering
+made-up outputs at once would win. Two racers agreeing with each other and not with those outvote the left server
+(0183), unless a racer agreeing with the earlier outputs answers within a round, and only where the servers outside
+the pair, asked as it is seated, confirm its trial (`verification.pair_referee`; 0190, 0208). A pair that loses its
+round is judged all the same (0238: refuted, split, or "unheard" where no referee answered, 0248), and an unheard
+pair's referees are asked again after the race (`unheard_pairs`, 0253).
+
+A winner moved off before it answered the rest is raced again on the whole step: each racer is sent the trial, then
+the rest (a long step), and must answer both; every position of its history is checked as a trial's, and its new
+positions are verified as any sampled step's (0176, 0184)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
 """A race's pair that lost its round with no referee heard ("unheard": decision 0248,
-`InferenceSession._judge_lost_pairs`) is asked again after the race (decision 0253). An honest pair losing to the
-liar's second identity while the attacker keeps the honest outsiders busy, and a liar pair losing with its referees
-silent, present the same evidence when the race is judged; what tells them apart is a referee heard later: an
-attacker keeps an honest outsider busy for one round cheaply (one message per free identity filling its stream
-total, decision 0232), not for minutes at moments it cannot foresee. So the pair's recheck is asked again (the trial's
-inputs and the pair's outputs already held: nothing new is asked of the pair) after growing waits, each drawn at
-random, and the first answer judges the pair as a referee heard at once would have (decision 0238): "split" where a
-referee confirms it (what "unheard" spent, a standing lent to a fresh partner, is given back and its watch ended),
-"refuted" where referees answer and none confirms (both lose their standing and are avoided: a liar pair of two
-standings no longer escapes by silence). Still unheard after the last ask: 0248's verdict stands.
+`InferenceSession._judge_lost_pairs`) is asked again after the race (decision 0253): an attacker keeps an honest
+outsider busy for one round cheaply (0232), not for minutes at moments it cannot foresee, so a referee heard later
+tells an honest pair from a liar pair. The pair's recheck (the trial's inputs and the pair's outputs, already held) is
+asked after growing, randomly drawn waits, and the first answer judges the pair as one heard at once would have
+(0238): "split" where a referee confirms it (what "unheard" spent is given back, its watch ended), "refuted" where
+referees answer and none confirms (both lose their standing and are avoided). Still unheard after the last ask:
+0248's verdict stands.
 
-Only a pair holding a standing is asked again (a fresh pair's "unheard" costs it a watch only, and a fresh pair costs
-the attacker nothing). Bounded: `len(RETRY_WAITS_S)` asks per pair and race at most, the whole within
-`RETRY_BOUND_S`; one job per pair at once, each held by a peer of standing of its pair that holds no other (k
-identities of standing make k(k-1)/2 pairs, and pairs cost nothing past the standings: decision 0256), and
-`RETRIES_MAX` per client (an attacker making pair after pair unheard gets the rest judged by 0248 alone).
-The jobs outlive their session, as its judgements do (decision 0245), and end when the client shuts down
-(`RemoteSequenceManager.on_shutdown`)."""
+Only a pair holding a standing is asked again. Bounded: `len(RETRY_WAITS_S)` asks per pair and race within
+`RETRY_BOUND_S`; one job per pair, each held by a peer of standing of its pair that holds no other (0256: k
+identities of standing make k(k-1)/2 pairs), and `RETRIES_MAX` per client. The jobs outlive their session, as its
+judgements do (0245), and end when the client shuts down (`RemoteSequenceManager.on_shutdown`)."""
 
 from __future__ import annotations
 

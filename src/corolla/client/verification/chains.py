@@ -1,29 +1,16 @@
-"""Servers outside a dispute that recheck it together (decision 0234): a `Chain` of hops that jointly hold the
-disputed span's blocks, run by the client as a route (each hop one stateless `rpc_forward` of the whole stretch over
-its blocks, the next hop fed its outputs), answers as one outside server holding the blocks whole would. Servers choose
-their spans by load, so often no honest server holds the accused's blocks whole (H serves 0:8, the others 0:4 and
-4:8): a recheck asking only whole holders then had nobody to ask, and two identities with standing banned H for good
-on their word alone (decision 0232's (c)).
+"""Servers outside a dispute that recheck it together (decision 0234): a `Chain` of hops jointly holding the disputed
+span's blocks, run by the client as a route (each hop one stateless `rpc_forward` of the whole stretch, the next hop
+fed its outputs), answers as one outside server holding the blocks whole would; servers choose their spans by load,
+so often no honest one holds the accused's blocks whole.
 
-A chain is outside the dispute only where every hop is: a hop that is the accused or a witness would compute its part
-of the answer for its own side, so a chain through one is not asked at all (`chains_over` never builds it). A span
-whose blocks outside servers hold only in part, with a sub-span held by nobody outside (the parties are its only
-holders), has no chain: `Outsiders.unheard` counts it as an outside word not heard (decision 0232's rule: no ban on
-one standing).
-
-A chain is the attacker's where any hop is (a hop may forge what it passes on, and the framers may have made up their
-outputs as the honest later hops' answer to it). The seats (`witnesses.OUTSIDERS_MAX`, with the whole holders) are
-given per server, not per chain (`chains_over`, decision 0239): identities announcing short sub-spans multiply
-chains, and a uniform draw over chains left the one honest chain a seat in 4.0% of draws against 12 of them; now
-each such identity counts as one server at one block, as one announcing an honest server's own blocks would. Those
-whose every hop has a witness's standing are seated first (`StretchReferees.outsiders`). A chain's answer is compared
-in the coarsest dtype any hop sent (`coarsest`).
-
-A chain of k hops is k stateless forwards of the stretch: a recheck asks its chains only as far as their distinct hop
-forwards fit a `HopBudget` (`HOPS_PER_SEAT` per seat), spent in passes (`StretchReferees.outsiders`, decisions 0250 and
-0254): fewest hops first, so identities on single blocks (a chain of one hop per block) get only what is left, and
-then by the record of each chain's weakest server, so that an honest chain longer than `HOPS_PER_SEAT` hops (servers
-holding short spans) with standing or a record is not cut by an attacker's shorter chains."""
+A chain is outside the dispute only where every hop is (`chains_over` builds no other); a span with a sub-span held by
+the parties alone has no chain and counts in `Outsiders.unheard`, a word not heard (0232's rule: no ban on one
+standing). A chain is the attacker's where any hop is, so the seats (`witnesses.OUTSIDERS_MAX`) are given per server,
+not per chain (0239): identities on short sub-spans multiply chains, not seats; chains whose every hop has a witness's
+standing are seated first (`StretchReferees.outsiders`). A chain's answer is compared in the coarsest dtype any hop
+sent (`coarsest`). A chain of k hops is k forwards: a recheck asks its chains only as far as their distinct hop
+forwards fit a `HopBudget` (`HOPS_PER_SEAT` per seat), fewest hops first, then by the record of each chain's weakest
+server (0250, 0254)."""
 
 from __future__ import annotations
 
@@ -125,13 +112,10 @@ def chains_over(span: RemoteSpanInfo, holders: Sequence[RemoteSpanInfo], rng: ra
     a server is a candidate at one block of any chain only (a chain of the same servers less some is honest wherever
     the longer one is, so nothing honest is lost).
 
-    Seats are given per server, not per chain: at the span's first block every server that starts a chain (a whole
-    holder too) gets an equal share of the seats (the remainder drawn by `rng`), and each share is split the same way
-    among the servers that go on from that hop's end, down to the span's end (a server whose chains are fewer than
-    its share gives the rest to the others). Servers announcing short sub-spans multiply the chains through them (3
-    on each block of 0:4 make 169 chains, all but one through them), so a uniform draw over chains seated the one
-    honest chain in 4.5% of draws (decision 0237); here each of those servers takes one server's share at one block,
-    as one identity announcing the honest server's own blocks would (decision 0239)."""
+    Seats are given per server, not per chain (decision 0239): at the span's first block every server that starts a
+    chain (a whole holder too) gets an equal share of the seats (the remainder drawn by `rng`), and each share is
+    split the same way among the servers that go on from that hop's end (one whose chains are fewer than its share
+    gives the rest to the others): servers announcing short sub-spans multiply chains, not seats."""
     holders = [h for h in holders if h.start < span.end and span.start < h.end]
     blocks = range(span.start, span.end)
     at = {block: sorted((h for h in holders if h.start <= block < h.end), key=lambda h: h.start) for block in blocks}

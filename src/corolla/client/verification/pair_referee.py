@@ -1,20 +1,12 @@
-"""Whether a race's pair short of a witness's standing may rebuild a session from its outputs (decision 0190,
-"Attacked"). Two racers that agree with each other and not with the left server's earlier outputs outvote it
-(decision 0183), and their trial's outputs replace the left server's in what the session built from them: the next
-span's cache is rebuilt from them, or the chain's kept first outputs are (a later race's reference). Peer ids cost
-nothing: one attacker's two fresh identities racing first with the same made-up outputs would turn every later token
-of the session wrong (the watch of 0190 does not see it: the next span computes honestly on the inputs it was sent).
-So where neither has standing, servers outside the pair and the accused recompute the trial statelessly
-(`rpc_forward`) before the pair wins, and every one that answered must agree with it: the attacker runs referees too
-(a third free identity of the span, decision 0220), so one referee's agreement proves nothing while another
-disagrees. Up to `witnesses.OUTSIDERS_MAX` are asked at once, those with a witness's standing first (an honest one the
-client earned is not crowded out by fresh identities), the rest drawn at random (nothing announced orders them):
-"confirmed" where all that answered agree with the pair, "refuted" where all disagree (both avoided), "split" where
-they differ (the pair does not win, nobody is avoided: an attacker's referee siding with its lying loris against an
-honest pair must not get honest racers avoided, pair after pair), "unchecked" where none answered (the pair's word
-stands, as before, and it is watched). A pair with a witness's standing is refereed so too:
-one identity's standing, lent to a fresh partner, would ban the accused for good (decision 0208); the asking is
-`witnesses.recheck`, as for every ban on standing."""
+"""Whether a race's pair may rebuild a session from its outputs (decision 0190, "Attacked"). Two racers that agree
+with each other and not with the left server's earlier outputs outvote it (0183), and their trial's outputs replace
+the left server's in what the session built from them; one attacker's two fresh identities racing first with the
+same made-up outputs would turn every later token wrong. So servers outside the pair and the accused recompute the
+trial statelessly (`rpc_forward`), up to `witnesses.OUTSIDERS_MAX` at once, those with a witness's standing first,
+the rest at random, and every one that answered must agree (a referee may be a third identity of the attacker, 0220):
+"confirmed" where all agree, "refuted" where all disagree (both avoided), "split" where they differ (the pair does not
+win, nobody is avoided), "unchecked" where none answered (the pair's word stands, and it is watched). A pair with a
+witness's standing is refereed so too (its standing is not lent, 0208): the asking is `witnesses.recheck`."""
 
 from __future__ import annotations
 

@@ -1,26 +1,18 @@
 """Whose fault are a span's outputs that the next span's float16 server cannot hold (decision 0186)?
 
-A float32 or bfloat16 model may write values past float16's +-65504 into its residual stream (some models'
-outlier activations do): then the float16 server of the next span is routed around and nobody is blamed (decision
-0170). A hostile upstream can write such values too, and was then free to have the honest float16 server avoided for
-`retries.RANGE_AVOID_S` by every client it served, its own outputs (a lie) going on through a wider server. So the
-client asks a replica of the upstream's span to recompute the step (`StretchReferees`: one stateless rpc_forward
-over the span's inputs), before it routes around the float16 server:
-- "honest": every replica that answered (up to `witnesses.OUTSIDERS_MAX`, asked at once) agrees with the values: the
-  model's own range; the float16 server is routed around as before.
-- "caught": every replica that answered disagrees, and two with a witness's standing outvote the upstream: banned
-  for good (`StretchReferees.decide`).
-- "disputed": the replicas split (one side may be an attacker's identities: decision 0228, 0220's rule), or all
-  disagree and no third decides, or two short of standing outvote it (decision 0190): the upstream is avoided
-  instead of the float16 server (nobody is banned). Either way one server is avoided for a while; this way the one
-  whose answer nothing confirmed.
-- "unchecked": no replica answered (the upstream is the only server of its span): decision 0170 as it was.
-Where a replica confirms the upstream, its inputs may be what carried the values (a liar two spans before the float16
-server, an honest wider server between: the residual stream keeps them): the span before it is asked next, and so on
-back (`producer_failure`). The check runs once a step is refused this way (no cost on any other step); the float16
-server is then avoided or the upstream is, so the next steps do not ask again. Inference sessions
-(`InferenceSession._step`) and training's forward calls (`remote_sequential.sequential_forward`) ask it
-(`producer_failure`)."""
+A model may write values past float16's range into its residual stream: the float16 server is then routed around and
+nobody is blamed (0170). A hostile upstream can write them too, to get an honest float16 server avoided, so before
+that the client has replicas of the upstream's span recompute the step (`StretchReferees`, up to
+`witnesses.OUTSIDERS_MAX` at once):
+- "honest": every replica that answered agrees: the model's own range; the float16 server is routed around.
+- "caught": every one disagrees and two with a witness's standing outvote the upstream: banned for good
+  (`StretchReferees.decide`).
+- "disputed": the replicas split (0228, 0220's rule), or all disagree and no third decides, or two short of standing
+  outvote it (0190): the upstream is avoided instead of the float16 server; nobody is banned.
+- "unchecked": no replica answered: 0170's rule.
+Where a replica confirms the upstream, its own inputs may have carried the values (a liar further up, honest wider
+servers between), so the span before it is asked next, and so on back (`producer_failure`). It runs only for a step
+refused this way, by inference sessions and training's forward calls."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """`StepVerifier`: re-runs a sampled fraction of inference steps on other servers of the same span (a stateless
-`rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
-banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
-(`remote_sequential`) are sampled and voted on the same way. A server outvoted 2:1 is banned for good (first-hand
-evidence, as in `client.verification.stretches`) where a witness has standing with this client and no server outside
-them, asked first, refutes them (decision 0208: else a tie, nobody banned); else it is avoided and the
-witnesses are watched: every step of a watched server is verified, whatever the fraction
-(`sample(peers)`; decision 0190). A span served by one server only cannot be checked: at `verify_fraction` < 1
-its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) they are trusted only from a server
-whose last `LONE_TRUST_STEPS` verified outputs all agreed with other servers (a server lying on a share q of its
-steps builds such a record with probability (1 - q)^64: 0.1% at q = 10%, and is banned for good at its first lie
-outvoted 2:1); otherwise the call fails with `UnverifiableOutput`, a network-like failure that does not ban the lone
-server, so the client waits (within `max_wait_s`) for a second server rather than use an output nobody checked."""
+`rpc_forward` over the span's recorded inputs) and compares the new positions; training's forward and backward calls
+(`remote_sequential`) are sampled and voted on the same way. A server outvoted 2:1 is banned for good where a witness
+has standing and no server outside them, asked first, refutes them (decision 0208), else avoided and the witnesses
+watched: a watched server's every step is verified, whatever the fraction (`sample(peers)`, 0190). Two servers that
+disagree with no third to decide are both banned. A span with one server cannot be checked: at `verify_fraction` < 1
+its outputs are trusted (sampling deters); at 1.0 only from a server whose last `LONE_TRUST_STEPS` verified outputs
+all agreed with others (a liar on 10% of its steps builds that record with probability 0.1%), else the call fails
+with `UnverifiableOutput`, which bans nobody: the client waits (within `max_wait_s`) for a second server."""
 
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Deciding whether a server's claimed outputs for a stretch of a span's session are wrong (`StretchReferees`): a
-replica of the span recomputes the stretch as ONE stateless `rpc_forward` over the span's inputs for positions
-[0, b) and its session's deep prompts, if any (an existing RPC, so stock Petals servers serve as referees and are checked too), and the outputs the server
-claimed for positions [first, b) are compared position by position within the dtype's tolerance. A disagreement is
-decided by a second replica: the server outvoted 2:1 is banned for good (`BanList.ban_liar`) where one of the two
-replicas has a witness's standing and no replica outside the three refutes them (`recheck`, decision 0208), else
-avoided and the two watched (`verification.witnesses`, decision 0190: two fresh identities of one attacker must not
-get an honest server banned); with no second replica nobody is banned (an honest server must
-never be banned because one referee lied), and the finding is kept.
-
-Who asks: `client.session.shadows` (a sampled session's replica disagreed with its server: the shadow's outputs are the first
-referee's answer) and `client.verification.finding_check` (a shared finding, re-verified first-hand). Sessions are no longer verified
-by sampling stretches of them here: recomputing [0, b) from position 0 for each stretch cost a busy card 93-125% of
-its decode time, against the spare rows of a shadow session (docs/decisions/0042-shadow-sessions-built.md)."""
+replica of the span recomputes the stretch as one stateless `rpc_forward` over the span's inputs for positions [0, b)
+and its deep prompts (an existing RPC: stock Petals servers serve as referees and are checked too), and the outputs
+the server claimed for positions [first, b) are compared position by position within the dtype's tolerance. A
+disagreement is decided by a second replica: the server outvoted 2:1 is banned for good where one of the two has a
+witness's standing and no replica outside the three refutes them (`recheck`, decision 0208), else avoided and the two
+watched (`verification.witnesses`, 0190); with no second replica nobody is banned (one referee's lie must never ban
+an honest server), and the finding is kept. Asked by `client.session.shadows` (the shadow's outputs are the first
+referee's answer) and `client.verification.finding_check` (a shared finding, re-verified first-hand); sessions are
+checked by shadows, not by sampled stretches (0042)."""
 
 from __future__ import annotations
 
@@ -106,28 +102,19 @@ class StretchReferees:
 
     def outsiders(self, span: RemoteSpanInfo, parties: set[str]) -> Outsiders:
         """Servers outside a dispute's `parties` (the accused and its witnesses) that hold `span`'s blocks whole, and
-        chains of them that hold the blocks together (`chains.chains_over`, decision 0234: often no honest server
-        holds the accused's blocks whole), to recheck it before a ban on standing (decision 0208); avoided ones too
-        (decision 0228: an attacker's fresh pair gets any honest server avoided, and would empty the seats of honest
-        outsiders first). The seats, `OUTSIDERS_MAX`, in tiers, each given per server (`chains_over`: identities on
-        short sub-spans multiply chains, not seats, decision 0239): the chains whose every server has a witness's
-        standing (an attacker's fresh identity is never seated before them, 0208 and 0237), then any; in each the
-        servers that are co-witnesses of a party in an open dispute only after all the rest (their agreement earns
-        no standing: one attacker's identities vouching for each other). Then `RECORD_SEATS` more, to the chains not
-        seated yet whose weakest server has the longest record of verified work with this client (`record_floors`,
-        per server within a floor; decision 0246): identities announcing the honest servers' own blocks are
-        indistinguishable from them but for the work this client saw them do (32 of them left an honest chain of two
-        hops 2.5% of the seats per server), and seats added, not reordered, leave the honest chain with no record
-        the per-server share it had (the attacker's identities, given a record each, would take seats ordered by
-        record from it).
+        chains of them that hold the blocks together (`chains.chains_over`, decision 0234), avoided ones too (0228: an
+        attacker's fresh pair gets any honest server avoided), to recheck it before a ban on standing (0208). The
+        seats, `OUTSIDERS_MAX`, in tiers, each given per server (0239): the chains whose every server has a witness's
+        standing first (0237), then any; in each, servers that are co-witnesses of a party in an open dispute after
+        all the rest. Then `RECORD_SEATS` more, added, not reordered, to the chains not seated yet whose weakest
+        server has the longest record of verified work with this client (`record_floors`; 0246): identities
+        announcing the honest servers' own blocks differ from them only by the work this client saw them do.
 
-        The chains are asked only as far as their distinct hop forwards fit `HOPS_PER_SEAT` per seat (48; decisions
-        0250, 0254): the per-server seats' share (32) fewest hops first among them, so every chain of at most 4 hops
-        there is asked whatever the others are (identities on single blocks make chains of one hop per block); what
-        is left (16 at least) to the record seats' chains and those cut, the weakest server's record floor first (the
-        record seats' order), fewest hops first within a floor: an honest chain longer than 4 hops (servers holding
-        short spans) with standing or a record is not cut by an attacker's shorter chains of fresh identities, or of
-        identities with a shorter record (fewest hops first over every seat, 7 chains of 7 hops cut one of 8)."""
+        The chains are asked only as far as their distinct hop forwards fit `HOPS_PER_SEAT` per seat (0250, 0254):
+        the per-server seats' share fewest hops first, so every chain of at most `HOPS_PER_SEAT` hops there is asked
+        whatever the others are; what is left to the record seats' chains and those cut, by the weakest server's
+        record floor first, fewest hops first within a floor, so that an honest long chain with standing or a record
+        is not cut by an attacker's shorter chains."""
         banned = self.manager.bans.banned_peers()
         candidates = {s.peer_id: s for s in self.manager.avoided_spans()} | {s.peer_id: s for s in self.manager.spans}
         holders = [

@@ -1,38 +1,26 @@
 """Who may get a server banned on the word of others (decisions 0190, 0208). Two servers that agree with each other
-and not with a third outvote it 2:1 (a race's pair against the left server, decision 0183; referees against a
-verified server, `step_verifier`; replicas against a shadowed server or an upstream, `stretches`). Peer ids cost
-nothing: one attacker's two fresh identities, answering the same made-up outputs first, would outvote an honest
-server, get it banned for good by this client, and take its sessions. So the outvoted server is banned for good (and
-may be the subject of a shared finding) only where a witness has standing with this client (the other agreeing with
-it): `witness_standing_steps` verified outputs in a row that agreed with another server (`BanList.agreed_in_a_row`:
-reset by any disagreement, never earned by agreeing with a co-witness of an open dispute, nor by a race pair's
-agreement with each other). Short of it, the accused is avoided for `DISPUTE_AVOID_S` (routed around: never banned,
-never in a finding) and the witnesses are watched for `WATCH_S` (`routing.disputes`): each of their steps is
-verified, by other referees first, a co-witness only where no other is left (the accused is no referee while it is
-avoided: it is out of the view).
+and not with a third outvote it 2:1 (a race's pair against the left server, 0183; referees against a verified server,
+`step_verifier`; replicas against a shadowed server or an upstream, `stretches`). Peer ids cost nothing, so the
+outvoted server is banned for good (and may be the subject of a shared finding) only where a witness has standing
+with this client: `witness_standing_steps` verified outputs in a row that agreed with another server
+(`BanList.agreed_in_a_row`: reset by any disagreement, never earned from a co-witness of an open dispute nor by a race
+pair's agreement with each other). Short of it, the accused is avoided for `DISPUTE_AVOID_S` (never banned, never in
+a finding) and the witnesses are watched for `WATCH_S` (`routing.disputes`): each of their steps is verified, by
+other referees first.
 
-Standing is not lent (decision 0208): one identity that earned it, with any fresh partner, would ban every honest
-server it referees. So before a ban carried by standing, the client has servers outside the dispute recompute the
-same request (`recheck`, with the sites' own comparison; decision 0220's rule for a race's pair; servers holding its
-blocks whole, or chains of them holding the blocks together, run as a route: decision 0234, `chains`): none confirming
-the witnesses' outputs ("refuted") makes it a tie, words against words: nobody is banned, every party is avoided and
-the witnesses lose their standing; some confirming and some not ("split": an attacker's identity may be on either
-side) bans nobody either, the accused only avoided and the witnesses watched, as short of standing (nobody's standing
-lost on a word that may be the attacker's); all that answered confirming ("confirmed"), or none answering
-("unchecked"), ban, except one that would rest on one standing while an outsider asked did not answer (decision 0232:
-the framers may have kept the honest outsider busy when they framed), or while servers outside hold the blocks only
-in part and no chain of them covers them (decision 0234: a sub-span held by the parties alone). A ban that rests on one standing spends it (one
-ban per standing earned: the witness earns it again by `witness_standing_steps` more agreeing steps): one witness with
-standing, and no outside server with standing among those that confirmed (nobody outside, or only servers short of
-standing, which may be the attacker's fresh identities). One that rests on two standings or more (both witnesses', or a
-witness's and a confirming outsider's) spends nothing (decision 0226): spending there let free identities drain honest
-servers' standing, each a throwaway lie outvoted by two honest servers, until no real liar could be banned.
+Standing is not lent (0208): before a ban carried by standing, servers outside the dispute recompute the same request
+(`recheck`; whole holders, or chains of them run as a route: 0234, `chains`). "refuted" (none confirms the
+witnesses): a tie, nobody banned, every party avoided, the witnesses' standing lost. "split": nobody banned, the
+accused avoided and the witnesses watched, nobody's standing lost. "confirmed" or "unchecked" (none answered): banned,
+except where the ban would rest on one standing while an outsider asked did not answer (0232: the framers may have
+kept it busy) or a sub-span is held outside by nobody (0234). A ban resting on one standing (no second witness nor
+confirming outsider with standing) spends it; one resting on two or more spends nothing (0226: else free identities
+would drain honest servers' standing, one throwaway lie each).
 
-A server that loses dispute after dispute is avoided longer each time (decision 0225, `routing.dispute_repeats`):
-300 s doubled per dispute lost, capped at a day, but never further than each witness has accused before (fresh
-identities cannot escalate), only after servers outside the dispute did not refute the witnesses (an avoidance past
-the first is rechecked as a ban on standing is), and forgotten after a long honest record; witnesses refuted lose
-the dispute themselves, avoided for their own count."""
+A server that loses dispute after dispute is avoided longer each time (0225, `routing.dispute_repeats`): 300 s
+doubled per dispute lost, capped at a day, never further than each witness has accused before, only once servers
+outside did not refute the witnesses, forgotten after a long honest record; refuted witnesses lose the dispute
+themselves."""
 
 from __future__ import annotations
 
@@ -69,10 +57,8 @@ class Rechecked:
 UNCHECKED = Rechecked("unchecked")  # nobody outside was asked, or none answered
 
 # servers outside a dispute asked at most, at once (decision 0220): one honest one among them keeps a made-up answer
-# out, so an attacker with m free identities of the span against n honest ones fills every seat about
-# (m / (m + n)) ** 8 of the time (4% at m = 2n, where 2 seats, verify_max_referees' default, gave 44%); each is one
-# stateless forward of the disputed request, asked only where a fresh race pair forms or a ban would rest on a
-# witness's standing (decision 0208)
+# out, so m free identities against n honest servers fill every seat about (m / (m + n)) ** 8 of the time; each is
+# one stateless forward, asked only where a fresh race pair forms or a ban would rest on a standing (0208)
 OUTSIDERS_MAX = 8
 # chains asked beside them, those of the longest record of verified work with this client not seated already
 # (`StretchReferees.outsiders`, decision 0246): at most 4 more forwards per recheck
@@ -156,11 +142,8 @@ def outvote(
         avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
         why = "the servers outside them split: not banned, the witnesses watched"
     elif len(carried) == 1 and rechecked.silent:
-        # one standing, and an outsider asked did not answer: its word may be the honest side's (decision 0232). The
-        # attacker chooses when it frames, and the one honest outsider, kept busy then (its stream total filled, one
-        # message per free identity), refused the recheck, which banned the framed server on the word of one
-        # identity that earned standing and a fresh partner. Two standings ban whoever was silent, as with nobody
-        # outside (0226's rule, its Left)
+        # one standing, and an outsider asked did not answer: its word may be the honest side's, kept busy by the
+        # framers when they framed (decision 0232); two standings ban whoever was silent (0226's rule)
         avoid_s = manager.repeats.outvoted(accused, witnesses, escalate=False)
         why = (
             "it would rest on one standing and a server outside them did not answer: not banned, the witnesses watched"
