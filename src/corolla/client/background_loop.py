@@ -46,15 +46,18 @@ def get_selector() -> BusyPollSelector:
     return _selector
 
 
+def on_loop() -> bool:
+    """Whether the caller runs on the client loop (which must never block on itself: `run`)."""
+    try:
+        return asyncio.get_running_loop() is get_loop()
+    except RuntimeError:
+        return False
+
+
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
     """Runs `coro` on the loop thread and waits for its result (must not be called from the loop thread)."""
-    loop = get_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    assert running is not loop, "blocking on the client loop from inside it would deadlock"
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    assert not on_loop(), "blocking on the client loop from inside it would deadlock"
+    future = asyncio.run_coroutine_threadsafe(coro, get_loop())
     try:
         return future_result(future, timeout_s)  # in slices: Ctrl-C ends the wait (utils.interrupts)
     except concurrent.futures.TimeoutError:

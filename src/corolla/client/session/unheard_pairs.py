@@ -143,15 +143,11 @@ class UnheardRetries:
         async def ended() -> None:
             await asyncio.gather(*cancel_all(), return_exceptions=True)
 
-        loop = background_loop.get_loop()
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
+        if background_loop.on_loop():
             cancel_all()
             return
-        loop.call_soon_threadsafe(cancel_all)  # (cancelled whenever the loop runs, whether or not the wait below ends)
+        # (cancelled whenever the loop runs, whether or not the wait below ends)
+        background_loop.get_loop().call_soon_threadsafe(cancel_all)
         try:
             background_loop.run(ended(), timeout_s=CANCEL_TIMEOUT_S)
         except TimeoutError:  # the client loop held elsewhere: the shutdown goes on
