@@ -176,12 +176,7 @@ class InferenceSession:
         cpu_inputs = inputs.detach().cpu()
         chain = self.prefix
         if chain is not None and chain.active:
-            if (
-                token_ids is None
-                or hypo_ids is not None
-                or batch_size != 1
-                or tuple(token_ids.shape) != (1, num_tokens)
-            ):
+            if token_ids is None or hypo_ids is not None or batch_size != 1 or token_ids.shape != (1, num_tokens):
                 chain.active = False  # keys could no longer name these positions
             else:
                 chain.set(self._position, token_ids[0].tolist())
@@ -192,9 +187,10 @@ class InferenceSession:
                 cpu_inputs, prompts, self._position = cpu_inputs[:, reused:], None, reused
         if cpu_inputs.shape[1] > DECODE_MAX_TOKENS and self._spans:  # a new turn's prompt: priced where it goes
             self._judge_long_step(cpu_inputs.shape[1])
-        verify = prompts is None and self._zero_prompts is None and self.verifier.sample()  # see StepVerifier
+        may_verify = prompts is None and self._zero_prompts is None  # (not with deep prompts: see StepVerifier)
+        verify = may_verify and self.verifier.sample()
         # a watched server's steps are verified on the client loop, whatever the sample (decision 0190)
-        watching = prompts is None and self._zero_prompts is None and self.verifier.watches(self._peers())
+        watching = may_verify and self.verifier.watches([s.span.peer_id for s in list(self._spans)])
         with steps_in_flight():
             here = hypo_ids is None and not verify and not watching
             outputs = self._step_here(cpu_inputs, prompts) if here else None
@@ -206,9 +202,6 @@ class InferenceSession:
             self._keep_first_outputs(outputs)
         self._position += cpu_inputs.shape[1]
         return outputs.to(inputs.device)
-
-    def _peers(self) -> list[str]:
-        return [span_session.span.peer_id for span_session in list(self._spans)]
 
     def _judge_long_step(self, num_tokens: int) -> None:
         """Before a long step of `num_tokens` (a new turn's prompt) on the chain in use: a span whose server this
@@ -329,9 +322,7 @@ class InferenceSession:
         position, step_id = self._position, self.forwarding.take_step_id()
         # a watched server's steps are verified whatever the sample (decision 0190); not with deep prompts (as `verify`)
         may_verify = prompts is None and self._zero_prompts is None
-        may_forward = (
-            prompts is None and hypo_ids is None and self._zero_prompts is None
-        )  # see client.session.forwarding
+        may_forward = may_verify and hypo_ids is None  # see client.session.forwarding
         if hypo_ids is not None:
             for reordered in self._spans:
                 reordered.reorder(hypo_ids)
@@ -460,22 +451,17 @@ class InferenceSession:
                 logger.warning("inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)", *blocks,
                                (failed or "?")[-6:], e)  # fmt: skip
                 delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
-                knock_on = None  # (peer, address): the only server of the span, its link down
-                if span_session is not None and failed == span_session.span.peer_id and budget.kept_sole_server:
-                    address = span_session.link_address
-                    knock_on = None if address is None else (failed, address)
-                if knock_on is not None:
+                sole = span_session if span_session is not None and failed == span_session.span.peer_id else None
+                if sole is not None and budget.kept_sole_server and sole.link_address is not None:
                     # the only server's link failed: dial it through p2pd again only once its listener answers, so
                     # that no dial fails near the end of the outage and libp2p's back-off never delays the return;
                     # re-plan at once if another server comes to cover the span (the view is re-read meanwhile)
                     limit_s = LINK_KNOCK_LIMIT_S if budget.left_s is None else budget.left_s
-                    replica_appeared = functools.partial(has_alternative, self.manager, knock_on[0], blocks)
-                    with self.manager.link_down(knock_on[0]):
-                        link = await wait_until_answering(knock_on[1], limit_s, replica_appeared)
-                    if link in ("up", "refused"):
-                        await asyncio.sleep(delay_s)  # not a link outage: the usual pace of retries
-                else:
-                    await asyncio.sleep(delay_s)
+                    replica_appeared = functools.partial(has_alternative, self.manager, sole.span.peer_id, blocks)
+                    with self.manager.link_down(sole.span.peer_id):
+                        link = await wait_until_answering(sole.link_address, limit_s, replica_appeared)
+                    delay_s = delay_s if link in ("up", "refused") else 0.0  # (up, refused: no outage, the usual pace)
+                await asyncio.sleep(delay_s)
                 pending_replacement = span_session  # replaced (and its history replayed) on the next iteration
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]
