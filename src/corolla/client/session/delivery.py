@@ -17,11 +17,7 @@ from typing import Protocol
 
 from corolla.client.routing.announced_pace import announced_token_s
 from corolla.client.routing.observed_steps import ANNOUNCED_DISCOUNT, ObservedSteps
-from corolla.client.session.stalls import (
-    SLOW_AVOID_S,
-    SLOW_LINK_BYTES_PER_S,
-    STALL_MIN_S,
-)
+from corolla.client.session.stalls import SLOW_AVOID_S, SLOW_LINK_BYTES_PER_S, STALL_MIN_S
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.route_planning import block_time_s, make_min_latency_route
 from corolla.utils.errors import MissingBlocksError

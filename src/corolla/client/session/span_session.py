@@ -52,12 +52,7 @@ from corolla.client.session.delivery import (
     observed_block_s,
     pace_of,
 )
-from corolla.client.session.stalls import (
-    SLOW_AVOID_S,
-    StallAction,
-    StallEvent,
-    StepClock,
-)
+from corolla.client.session.stalls import SLOW_AVOID_S, StallAction, StallEvent, StepClock
 from corolla.client.session.step_wait import PING_TRIES, PINGS, Due, StepWait, ping_overslept
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
