@@ -101,13 +101,9 @@ def race_candidates(
     slower_than_s: float | None = None,
 ) -> list[RemoteSpanInfo]:
     """The servers of the view that cover `blocks` alone, other than `failed_peer` and not banned or avoided, as spans
-    of exactly `blocks`: those that answered a step of this client within its deadline first (not since avoided for
-    their pace or failed), then the others, each group in random order; at most `RACE_MAX`. `slower_than_s`: a decode
-    step over `blocks` (of one row and token) that no racer may be known to deliver at or above: a server this client
-    saw deliver that slowly is left out (a race takes the first trial's answer, which a server crawling on its decode
-    steps gives at once: it would win the race of every move off a slow span, decision 0201); and those it saw deliver
-    under it go first, before the servers seen answering on time (decision 0214: such a race lets them run a round
-    alone, `first_round_width`)."""
+    of exactly `blocks`, in the module's order, at most `RACE_MAX`. `slower_than_s`: after a move for delivery, a
+    decode step over `blocks` (one row and token) no racer may be known to deliver at or above (it would win the race
+    with an at-once trial and crawl after, 0201): those seen that slow are left out, those seen under it go first."""
     start, end = blocks
     excluded = manager.excluded_peers() | {failed_peer}
     covering = [
@@ -132,11 +128,9 @@ def race_candidates(
 def first_round_width(
     manager: RemoteSequenceManager, candidates: Sequence[RemoteSpanInfo], step_s: float | None
 ) -> int:
-    """How many racers start a race (`race`'s `first_width`): after a move for delivery (`step_s`: the bar its
-    racers were chosen by, `race_candidates`' `slower_than_s`), the leading candidates this client measured
-    delivering under it (`race_candidates` puts them first) race alone for a round, where there are any (decision
-    0214: a fresh identity answers a trial at once and crawls after; a server measured to deliver is not outrun by
-    one); else `RACE_WIDTH`."""
+    """How many racers start a race (`race`'s `first_width`): after a move for delivery (`step_s`, as
+    `race_candidates`' `slower_than_s`), the leading candidates measured delivering under it race a round alone where
+    there are any (0214); else `RACE_WIDTH`."""
     if step_s is None:
         return RACE_WIDTH
     now_s = time.monotonic()

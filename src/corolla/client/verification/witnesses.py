@@ -88,12 +88,9 @@ def refuted(manager: RemoteSequenceManager, peer_id: str) -> None:
 
 
 async def recheck(outsiders: Outsiders, confirms: Callable[[Chain], Awaitable[bool | None]]) -> Rechecked:
-    """Asks every chain of `outsiders` (servers outside the dispute holding its blocks whole, and chains of them
-    holding the blocks together, decision 0234: `StretchReferees.outsiders`, which seats at most `OUTSIDERS_MAX` +
-    `RECORD_SEATS`, those with standing first, then those of the longest record, decision 0246) at once whether they
-    confirm the witnesses' outputs (`confirms(chain)`: the disputed request recomputed and compared; None where it
-    failed: a failed server is no liar, not counted): "confirmed" where every one that answered does, "refuted" where
-    none does, "split" where they differ (the attacker's own identities may be among them, on either side),
+    """Asks every chain of `outsiders` (`StretchReferees.outsiders`) at once whether it confirms the witnesses'
+    outputs (`confirms(chain)`: the disputed request recomputed and compared; None where it failed: no liar, not
+    counted): "confirmed" where every one that answered does, "refuted" where none does, "split" where they differ,
     "unchecked" where none answered; with the peers that confirmed."""
     asked = outsiders.chains
     try:
@@ -115,14 +112,8 @@ def outvote(
     manager: RemoteSequenceManager, accused: str, witnesses: Sequence[str], reason: str, *, rechecked: Rechecked
 ) -> bool:
     """`witnesses` (two servers that agree with each other) outvoted `accused`'s outputs: banned for good (and
-    dropped from the view) where a witness has standing and every outside server that answered confirmed them
-    (`rechecked`: "confirmed", or "unchecked" where none did), the witness's standing spent by the ban where it rests
-    on that one standing (no second witness nor confirming outsider with standing: decision 0226), and not banned at
-    all where it would rest on one standing and an outsider asked did not answer (decision 0232); else avoided and
-    the witnesses watched:
-    `DISPUTE_AVOID_S` doubled per dispute it lost before, as far as the witnesses accused before (decision 0225;
-    "split": not doubled); "refuted": the accused avoided `DISPUTE_AVOID_S`, its disputes lost forgotten, the witnesses avoided
-    for their own disputes lost and their standing lost. Returns whether it was banned."""
+    dropped from the view), avoided with the witnesses watched, or, "refuted", every party avoided, by the module's
+    rules on `rechecked` and the standings it would rest on. Returns whether it was banned."""
     standing = [peer for peer in witnesses if trusted(manager, peer)]
     # the standings a ban would rest on: the witnesses' and the confirming outsiders' (decision 0226); a chain's only
     # where every server of it has standing (one fresh hop may have made up what the chain answered)
