@@ -468,7 +468,7 @@ def test_mirrored_steps_reach_the_worker_as_one_queued_request_per_request() -> 
 def test_the_inputs_replayed_are_rebuilt_as_the_replica_holds_them() -> None:
     """`Shadow.replayed_inputs` (a finding's inputs [0, b)) after rollbacks and beam reorders equals the buffer
     that writes each replayed request as it goes (a rollback overwrites from its first position, a reorder reorders
-    the rows before it), also once the kept requests were folded into one (rollbacks past twice the positions)."""
+    the rows before it), also after its own buffer grew."""
     generator = torch.Generator().manual_seed(7)
     shadow = Shadow(span=None, replica=None, session=None)  # type: ignore[arg-type]
     expected = torch.zeros(3, 2048, HIDDEN)
@@ -485,5 +485,4 @@ def test_the_inputs_replayed_are_rebuilt_as_the_replica_holds_them() -> None:
         end = first + length
         shadow.record(step)
         assert shadow.sent_length == end
-    assert len(shadow.replayed) < 120  # folded at least once
     assert torch.equal(shadow.replayed_inputs(), expected[:, :end])

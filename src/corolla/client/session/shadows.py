@@ -111,8 +111,7 @@ class Shadow:
     positions_compared: int = 0
     max_error: float = 0.0
     task: concurrent.futures.Future[None] | None = None
-    replayed: list[Mirrored] = field(default_factory=list)  # the requests replayed, in order (`replayed_inputs`)
-    replayed_positions: int = 0  # their positions summed
+    replayed: torch.Tensor | None = None  # [B, capacity, H]: the inputs replayed, as the replica's cache holds them
     sent_length: int = 0  # positions [0, sent_length) in the replica's cache
     prompts: torch.Tensor | None = None  # [blocks, B|1, P, H]: the deep prompts in the caches (sent at position 0)
 
@@ -163,33 +162,29 @@ class Shadow:
         background_loop.get_loop().call_soon_threadsafe(self.queue.put_nowait, item)
 
     def record(self, step: Mirrored) -> None:
-        """Keeps the replayed `step` (its inputs are its request's own: no copy; `replayed_inputs` builds the
-        positions from them only where a disagreement needs them) and the deep prompts in effect (a beam reorder
-        reorders per-row prompts, as the servers' caches; a step from position 0 brings them). Where rollbacks made
-        the kept requests twice the positions in the cache, they are folded into one."""
+        """Writes the replayed `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`, a
+        beam reorder reorders the rows before it, as the servers' caches; the buffer grows by doubling) and keeps the
+        deep prompts in effect (a reorder reorders per-row prompts; a step from position 0 brings them)."""
         if step.hypo_ids is not None and self.prompts is not None and self.prompts.shape[1] > 1:
             self.prompts = self.prompts[:, step.hypo_ids]  # row i now holds row hypo_ids[i]'s prompted states
         if step.first == 0:
             self.prompts = step.prompts
-        self.replayed.append(Mirrored(step.inputs, NO_PROMPTS, step.first, step.hypo_ids))  # (not its outputs)
-        self.replayed_positions += step.inputs.shape[1]
-        self.sent_length = step.first + step.inputs.shape[1]
-        if self.replayed_positions > 2 * self.sent_length + SHADOW_CHUNK_TOKENS:
-            self.replayed = [Mirrored(self.replayed_inputs(), NO_PROMPTS, 0)]
-            self.replayed_positions = self.sent_length
+        inputs, buf = step.inputs, self.replayed
+        end = step.first + inputs.shape[1]
+        if buf is None or buf.shape[1] < end or buf.shape[0] != inputs.shape[0]:
+            grown = inputs.new_empty(inputs.shape[0], max(2 * end, SHADOW_CHUNK_TOKENS), inputs.shape[2])
+            if buf is not None:
+                grown[:, : step.first] = buf[:, : step.first]
+            self.replayed = buf = grown
+        if step.hypo_ids is not None:
+            buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
+        buf[:, step.first : end] = inputs
+        self.sent_length = end
 
     def replayed_inputs(self) -> torch.Tensor:
-        """The inputs replayed for positions [0, sent_length) [B, sent_length, H] (a new tensor): each request's
-        as positions [first, first + T), in order (a rollback overwrote from `first`; a beam reorder reordered the
-        rows before `first`, as the servers' caches)."""
-        first_step = self.replayed[0].inputs
-        capacity = max(step.first + step.inputs.shape[1] for step in self.replayed)
-        buf = first_step.new_empty(first_step.shape[0], capacity, first_step.shape[2])
-        for step in self.replayed:
-            if step.hypo_ids is not None:
-                buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
-            buf[:, step.first : step.first + step.inputs.shape[1]] = step.inputs
-        return buf[:, : self.sent_length].contiguous()
+        """The inputs replayed for positions [0, sent_length) [B, sent_length, H] (a new tensor)."""
+        assert self.replayed is not None, "recorded before the comparison"
+        return self.replayed[:, : self.sent_length].clone()
 
 
 class ShadowVerifier:
@@ -368,7 +363,6 @@ class ShadowVerifier:
 
     async def _disagreement(self, shadow: Shadow, step: Mirrored, recomputed: torch.Tensor, error: float) -> None:
         """The replica's answer differs from the server's: a third replica decides on the stretch [0, b)."""
-        assert shadow.replayed, "recorded before the comparison"
         span = shadow.span
         inputs = shadow.replayed_inputs()  # [B, b, H]: every input replayed, this step's last
         finding = Finding(
