@@ -15,7 +15,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol import channel_frames as wire
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.executor import SessionCache, SessionSpec
+from corolla.server.core.executor import SessionCache, SessionOpen, SessionSpec
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
@@ -51,7 +51,7 @@ async def remote_session(
     core: RemoteCore, spec: SessionSpec, alloc_timeout_s: float = 0
 ) -> AsyncIterator[SessionCache]:
     """A session of one peer opened through `core`; yields its cache."""
-    async with core.open_session("peer-a", spec, alloc_timeout_s, None, None) as (_, cache):
+    async with core.open_session(SessionOpen("peer-a", spec, alloc_timeout_s)) as (_, cache):
         assert cache is not None
         yield cache
 

@@ -27,6 +27,7 @@ from corolla.server.core.engine_executor import EngineExecutor, build_engine_exe
 from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
+    SessionOpen,
     SessionSpec,
     StepInputs,
 )
@@ -123,7 +124,7 @@ class _ThroughCore:
 
     @contextlib.asynccontextmanager
     async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[object]:
-        async with self.core.open_session("peer-a", spec, alloc_timeout_s, None, None) as (_, cache):
+        async with self.core.open_session(SessionOpen("peer-a", spec, alloc_timeout_s)) as (_, cache):
             yield cache
 
     async def forward(self, blocks: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int) -> torch.Tensor:
@@ -373,10 +374,10 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
         device_admission = core.admission
         async with proxied_executor(real, core) as first, proxied_executor(real, core) as second:
             spec = SessionSpec(SPAN, 1, 16)
-            async with RemoteCore(first).open_session("peer-a", spec, 0, None, None) as (ticket, cache):
+            async with RemoteCore(first).open_session(SessionOpen("peer-a", spec, 0)) as (ticket, cache):
                 assert cache is not None and device_admission.num_open == 1
                 with pytest.raises(PeerLimitExceeded) as refused:  # the same peer through another process
-                    async with RemoteCore(second).open_session("peer-a", spec, 0, None, None):
+                    async with RemoteCore(second).open_session(SessionOpen("peer-a", spec, 0)):
                         pass
                 assert refused.value.reason == "peer_sessions"
                 await asyncio.sleep(0.05)  # idle past session_idle_evict_s
@@ -396,8 +397,9 @@ async def test_the_device_admission_learns_what_an_opening_request_brings(backen
         device_admission = core.admission
         async with proxied_executor(real, core) as proxy:
             for opening in (0, 7, None):
-                async with RemoteCore(proxy).open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, None, None,
-                                                          opening_tokens=opening):  # fmt: skip
+                async with RemoteCore(proxy).open_session(
+                    SessionOpen("peer-a", SessionSpec(SPAN, 1, 16), 0, None, opening)
+                ):
                     (ticket,) = device_admission._tickets
                     assert ticket.opening_tokens == opening
 
@@ -490,7 +492,7 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
             holding, receiving = RemoteCore(holder), RemoteCore(other)
             inbox = PushInbox("session-1", SessionPushGuard(upstream="upstream"))
             queue = inbox.queue
-            async with holding.open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, "session-1", inbox):
+            async with holding.open_session(SessionOpen("peer-a", SessionSpec(SPAN, 1, 16), 0, "session-1"), inbox):
                 request = runtime_pb2.ExpertRequest(uid="x", metadata=b"step")
                 assert receiving.push("session-1", request, sender="upstream")  # routed by the core to the holder
                 got = await asyncio.wait_for(queue.get(), 5)

@@ -22,7 +22,7 @@ from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.admission import SessionAdmission, SessionTicket
 from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
-from corolla.server.core.executor import SessionSpec
+from corolla.server.core.executor import SessionOpen, SessionSpec
 from corolla.server.core.limits import PeerLimits, SessionEvicted
 from corolla.server.core.runtime import Runtime
 from corolla.utils.errors import AllocationFailed
@@ -80,8 +80,8 @@ class Held:
 
     async def _run(self) -> None:
         spec = SessionSpec(SPAN, 1, self.max_length, shadow=self.shadow)
-        reservation = self.admission.reserve(self.peer, self.executor, spec, self.alloc_timeout_s,
-                                             opening_tokens=None if self.probe else self.first_tokens)  # fmt: skip
+        opening = SessionOpen(self.peer, spec, self.alloc_timeout_s, None, None if self.probe else self.first_tokens)
+        reservation = self.admission.reserve(self.executor, opening)
         async with reservation as (ticket, cache):
             assert isinstance(cache, EngineSessionCache)
             self.ticket, self.cache = ticket, cache

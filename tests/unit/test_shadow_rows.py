@@ -25,7 +25,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
 from corolla.server.core import engine_executor
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.executor import SessionOpen, SessionSpec, StepInputs
 from corolla.server.core.runtime import (
     KIND_GENERIC,
     PRIORITY_FORWARD,
@@ -282,7 +282,7 @@ async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> Non
         async with proxied_executor(real) as link:
             core = RemoteCore(link)
             for shadow in (True, False):
-                async with core.open_session("peer", SessionSpec(SPAN, 1, 16, shadow=shadow), None, None, None):
+                async with core.open_session(SessionOpen("peer", SessionSpec(SPAN, 1, 16, shadow=shadow))):
                     pass
     assert [spec.shadow for spec in opened] == [True, False]
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
-from corolla.server.core.executor import SessionCache, SessionSpec
+from corolla.server.core.executor import SessionCache, SessionOpen
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
 from corolla.utils.logging import get_logger
 
@@ -177,24 +177,17 @@ class SessionAdmission:
 
     @contextlib.asynccontextmanager
     async def reserve(
-        self,
-        peer: str,
-        executor: EngineExecutor,
-        spec: SessionSpec,
-        alloc_timeout_s: float | None,
-        *,
-        opening_tokens: int | None = None,
+        self, executor: EngineExecutor, opening: SessionOpen
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
         """Admits a session and opens its KV cache (none for a `max_length=0` probe); yields its ticket and cache.
-        Everything is given back on exit. `opening_tokens`: the tokens its opening request brings (its prefill, or
-        the positions of an imported cache; None: unknown); an open that brings none does not wait in line for
+        Everything is given back on exit. An open that brings no token (`opening_tokens` 0) does not wait in line for
         memory (a place in line would be a hold bought with no work)."""
+        peer, spec, opening_tokens = opening.peer, opening.spec, opening.opening_tokens
         if spec.max_length_tokens == 0:  # a probe: only zero-token steps fit, nothing to reserve
             async with self.admit(peer, 0) as ticket:
                 yield ticket, None
             return
-        if opening_tokens == 0:
-            alloc_timeout_s = 0.0
+        alloc_timeout_s = 0.0 if opening_tokens == 0 else opening.alloc_timeout_s
         async with self.admit(
             peer, executor.session_bytes(spec), opening_tokens=opening_tokens, granting=True, shadow=spec.shadow
         ) as ticket:

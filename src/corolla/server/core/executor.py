@@ -33,6 +33,19 @@ class SessionSpec:
         return len(self.block_indices)
 
 
+@dataclass(frozen=True)
+class SessionOpen:
+    """A front's request to open a session (`span_core.CoreClient.open_session`): `spec` for `peer`, waiting up to
+    `alloc_timeout_s` for cache; pushes for `session_id` reach the session while it is open; `opening_tokens`: what
+    its opening request brings (its prefill or an imported cache's positions; None unknown, 0 none: no wait in line)."""
+
+    peer: str
+    spec: SessionSpec
+    alloc_timeout_s: float | None = None
+    session_id: str | None = None
+    opening_tokens: int | None = None
+
+
 class StepInputs(NamedTuple):
     """One validated inference step of one session (immutable; a NamedTuple rather than a frozen dataclass: it is
     built per decode step in the handler and the device process, where a frozen dataclass's init costs ~1.7 us

@@ -23,6 +23,7 @@ from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     SessionCache,
+    SessionOpen,
     SessionSpec,
     StepInputs,
 )
@@ -112,17 +113,10 @@ class CoreClient(Protocol):
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int: ...
 
     def open_session(
-        self,
-        peer: str,
-        spec: SessionSpec,
-        alloc_timeout_s: float | None,
-        session_id: str | None,
-        sink: PushSink | None,
-        *,
-        opening_tokens: int | None = None,
+        self, opening: SessionOpen, sink: PushSink | None = None
     ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
-        """`SessionAdmission.reserve`, counted in the server's metrics while open; pushes for `session_id` reach
-        `sink` from before the admission until the exit. ValueError if `session_id` is open already."""
+        """`SessionAdmission.reserve`, counted in the server's metrics while open; pushes for its `session_id` reach
+        `sink` from before the admission until the exit. ValueError if that session id is open already."""
         ...
 
     def step(
@@ -218,21 +212,11 @@ class SpanCore:
 
     @contextlib.asynccontextmanager
     async def open_session(
-        self,
-        peer: str,
-        spec: SessionSpec,
-        alloc_timeout_s: float | None,
-        session_id: str | None,
-        sink: PushSink | None,
-        *,
-        opening_tokens: int | None = None,
+        self, opening: SessionOpen, sink: PushSink | None = None
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
         try:
-            with self.pushes.routing(session_id, sink):
-                reservation = self.admission.reserve(
-                    peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
-                )
-                async with reservation as opened:
+            with self.pushes.routing(opening.session_id, sink):
+                async with self.admission.reserve(self.executor, opening) as opened:
                     self.report_cache()
                     with self.metrics.session() if self.metrics is not None else contextlib.nullcontext():
                         yield opened

@@ -33,7 +33,7 @@ from corolla.protocol.shadow import parse_shadow
 from corolla.protocol.uids import make_chain
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.admission import SessionTicket
-from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
+from corolla.server.core.executor import SessionCache, SessionOpen, SessionSpec, StepInputs
 from corolla.server.core.limits import DuplicateStep, SessionEvicted, SessionTimeouts, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply, screen_step
 from corolla.server.core.refusals import Draining, RequestTimeout, rejection_reason
@@ -769,13 +769,12 @@ class InferenceStreams:
         inbox = PushInbox(metadata.session_id, push_guard) if metadata.session_id is not None else None
         try:
             spec = SessionSpec(tuple(block_indices), batch_size, max_length, shadow=shadow)
-            opening: int | None = kv_import.position if kv_import is not None else _opening_tokens(first)
-            if opening == 0 and probe_keys(first, metadata) is not None:
-                opening = None  # a prefix probe: its tokens follow once the cached part is known
-            reservation = self.core.open_session(
-                peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, inbox, opening_tokens=opening
-            )  # per-peer caps, what yields under pressure, then the KV cache itself (none for a max_length=0 probe)
-            async with reservation as (ticket, cache):
+            tokens: int | None = kv_import.position if kv_import is not None else _opening_tokens(first)
+            if tokens == 0 and probe_keys(first, metadata) is not None:
+                tokens = None  # a prefix probe: its tokens follow once the cached part is known
+            opening = SessionOpen(peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, tokens)
+            # per-peer caps, what yields under pressure, then the KV cache itself (none for a max_length=0 probe)
+            async with self.core.open_session(opening, inbox) as (ticket, cache):
                 session = SessionState(
                     session_id=metadata.session_id,
                     block_indices=block_indices,

@@ -38,6 +38,7 @@ from corolla.server.core.executor import (
     ForwardInputs,
     HandoffUnsupported,
     SessionCache,
+    SessionOpen,
     SessionSpec,
     StepInputs,
 )
@@ -998,31 +999,19 @@ class DeviceChannel:
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
-        held.task = asyncio.create_task(
-            self._hold(handle, held, peer, alloc_timeout_s, session_id, opening_tokens, opened)
-        )
+        opening = SessionOpen(peer, spec, alloc_timeout_s, session_id, opening_tokens)
+        held.task = asyncio.create_task(self._hold(handle, held, opening, opened))
         await opened  # raises the admission's or the allocation's refusal
         self.sessions[handle] = held
         self.num_sessions_opened += 1
         self.on_sessions_changed()
         return handle, held.cache is not None
 
-    async def _hold(
-        self,
-        handle: int,
-        held: _Held,
-        peer: str,
-        alloc_timeout_s: float | None,
-        session_id: str | None,
-        opening_tokens: int | None,
-        opened: asyncio.Future[None],
-    ) -> None:
+    async def _hold(self, handle: int, held: _Held, opening: SessionOpen, opened: asyncio.Future[None]) -> None:
         try:
+            session_id = opening.session_id
             sink = partial(self._push_out, session_id) if session_id is not None else None
-            reservation = self.core.open_session(
-                peer, held.spec, alloc_timeout_s, session_id, sink, opening_tokens=opening_tokens
-            )
-            async with reservation as (ticket, cache):
+            async with self.core.open_session(opening, sink) as (ticket, cache):
                 held.ticket, held.cache = ticket, cache
                 opened.set_result(None)
                 evicted = asyncio.ensure_future(ticket.evicted.wait())

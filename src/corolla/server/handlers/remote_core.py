@@ -26,6 +26,7 @@ from corolla.server.core.executor import (
     ForwardInputs,
     HandoffUnsupported,
     SessionCache,
+    SessionOpen,
     SessionSpec,
     StepInputs,
 )
@@ -239,25 +240,18 @@ class RemoteCore:
 
     @contextlib.asynccontextmanager
     async def open_session(
-        self,
-        peer: str,
-        spec: SessionSpec,
-        alloc_timeout_s: float | None,
-        session_id: str | None,
-        sink: PushSink | None,
-        *,
-        opening_tokens: int | None = None,
+        self, opening: SessionOpen, sink: PushSink | None = None
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        """Admitted by the device's core as `peer` ("open" carries the session id, routed here while open, and what
-        its opening request brings: None unknown); yields this process's ticket (an "evict" note sets it) and the cache
-        (None for a max_length=0 probe)."""
-        routed = session_id if sink is not None else None
+        """Admitted by the device's core ("open" carries the session id, routed here while open); yields this
+        process's ticket (an "evict" note sets it) and the cache (None for a max_length=0 probe)."""
+        spec, routed = opening.spec, opening.session_id if sink is not None else None
         with self.pushes.routing(routed, sink):
             blocks = (spec.block_indices[0], spec.block_indices[-1] + 1)
-            opened = await self.link.request("open", blocks, spec.batch_size, spec.max_length_tokens, alloc_timeout_s,
-                                             peer, routed, opening_tokens, spec.shadow)  # fmt: skip
+            opened = await self.link.request("open", blocks, spec.batch_size, spec.max_length_tokens,
+                                             opening.alloc_timeout_s, opening.peer, routed, opening.opening_tokens,
+                                             spec.shadow)  # fmt: skip
             handle, has_cache = _typed(opened, tuple[int, bool])
-            ticket = SessionTicket(peer=peer, reserved_bytes=0)  # (the core's ticket holds the figures)
+            ticket = SessionTicket(peer=opening.peer, reserved_bytes=0)  # (the core's ticket holds the figures)
             self.link.tickets[handle] = ticket
             try:
                 yield ticket, (RemoteSessionCache(spec, self.link, handle) if has_cache else None)
