@@ -199,10 +199,12 @@ class Announcer:
     async def _announce_once(self, state: ServerState, *, ping: bool = True) -> None:
         self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
         self._cache_capacity = max(self._cache_capacity, self.server_info.cache_tokens_left)
-        if self.load is not None:
-            self._apply_load(self.load())
-        if self.rates is not None:
-            self._apply_rates(self.rates())
+        if self.load is not None:  # (the load fields given; a missing one stays as it was)
+            load = self.load()
+            self._apply({name: load[name] for name in LOAD_FIELDS if name in load}, {})
+        if self.rates is not None:  # (a missing or bad rate: the start-up figure, or none)
+            rates, start = self.rates(), self._startup_rates
+            self._apply({n: start[n] if (r := rates.get(n)) is None else float(r) for n in RATE_FIELDS}, start)
         if state != ServerState.OFFLINE:
             if ping:
                 await self._ping_next_servers()
@@ -228,29 +230,16 @@ class Announcer:
                 records_io.declare_model_info, self.dht, self.dht_prefix, self.model_info, expiration_time
             )
 
-    def _apply_load(self, load: Mapping[str, Any]) -> None:
-        """Puts the load fields on the record, each checked as readers check it (a bad one is left out)."""
-        for name in LOAD_FIELDS:
-            if name not in load:
-                continue
-            previous = getattr(self.server_info, name)
-            setattr(self.server_info, name, load[name])
+    def _apply(self, fields: Mapping[str, Any], fallback: Mapping[str, Any]) -> None:
+        """Puts each field on the record, checked as readers check it (a bad one: its `fallback`, else what stood)."""
+        for name, value in fields.items():
+            kept = fallback.get(name, getattr(self.server_info, name))
+            setattr(self.server_info, name, value)
             try:
                 self.server_info.__post_init__()
             except (TypeError, ValueError) as e:
-                logger.warning(f"announcer.bad_load_field(name={name}): {e}")
-                setattr(self.server_info, name, previous)
-
-    def _apply_rates(self, rates: Mapping[str, float | None]) -> None:
-        """Puts each measured rate on the record (a missing or bad one: the start-up figure, or none)."""
-        for name in RATE_FIELDS:
-            value = rates.get(name)
-            setattr(self.server_info, name, self._startup_rates[name] if value is None else float(value))
-            try:
-                self.server_info.__post_init__()
-            except (TypeError, ValueError) as e:
-                logger.warning(f"announcer.bad_rate(name={name}): {e}")
-                setattr(self.server_info, name, self._startup_rates[name])
+                logger.warning(f"announcer.bad_field(name={name}): {e}")
+                setattr(self.server_info, name, kept)
 
     async def _ping_next_servers(self) -> None:
         if self.p2p is None or not self.next_uids:
