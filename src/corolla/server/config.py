@@ -21,26 +21,10 @@ THROUGHPUT_MODES = ("auto", "eval", "dry_run")
 LOOPBACK_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 WILDCARD_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
 
-# reference flag name -> ServerConfig field name (flags not listed map to the field of the same name)
-FLAG_TO_FIELD: dict[str, str] = {
-    "converted_model_name_or_path": "model_name_or_path",
-    "model": "model_name_or_path",
-    "daemon_startup_timeout": "daemon_startup_timeout_s",
-    "inference_max_length": "inference_max_length_tokens",
-    "min_batch_size": "min_batch_size_tokens",
-    "max_batch_size": "max_batch_size_tokens",
-    "attn_cache_tokens": "attn_cache_tokens",
-    "max_disk_space": "max_disk_space_bytes",
-    "max_alloc_timeout": "max_alloc_timeout_s",
-    "update_period": "update_period_s",
-    "expiration": "expiration_s",
-    "request_timeout": "request_timeout_s",
-    "session_timeout": "session_timeout_s",
-    "step_timeout": "step_timeout_s",
-    "stats_report_interval": "stats_report_interval_s",
-    "mean_balance_check_period": "mean_balance_check_period_s",
-    "mean_block_selection_delay": "mean_block_selection_delay_s",
-}
+# a reference flag names the field of its name, or with its unit added (`--update_period` -> `update_period_s`); these
+# name another
+FLAG_ALIASES: dict[str, str] = {"converted_model_name_or_path": "model_name_or_path", "model": "model_name_or_path"}
+UNIT_SUFFIXES = ("_s", "_tokens", "_bytes")
 
 
 def parse_block_indices(text: str) -> tuple[int, int]:
@@ -305,8 +289,9 @@ class ServerConfig:
             if flag in limit_names:
                 limits[flag] = value
                 continue
-            name = FLAG_TO_FIELD.get(flag, flag)
-            if name not in known:
+            name = FLAG_ALIASES.get(flag, flag)
+            name = next((n for n in (name, *(name + unit for unit in UNIT_SUFFIXES)) if n in known), "")
+            if not name:
                 raise ValueError(f"unknown server setting {flag!r}")
             kwargs[name] = value
         if limits:
