@@ -470,16 +470,6 @@ class ChannelIntake:
 StepReply = tuple[int, torch.Tensor | TensorBytes | BaseException, memoryview | None]
 
 
-@dataclass(eq=False, slots=True)
-class _Entry:
-    """A prepared step waiting for its result: what its reply and its accounting need."""
-
-    request_id: int
-    ticket: SessionTicket | None
-    request: StepRequest  # the engine's request (its `output_bytes` once a launched forward collected them)
-    shadow: bool = False  # a shadow session's step (`EngineExecutor.step_task`): queued last, never grouped
-
-
 class _FrameSteps:
     """A frame's decode steps, as columns (no record per step): request ids, tickets, the engine's requests, and
     their tokens in all."""
@@ -559,11 +549,11 @@ class FrameIntake:
                 if not alone and not shadow and request.is_decode:
                     frame.add(step.request_id, ticket, request)
                     continue
-                entry = _Entry(step.request_id, ticket, request, shadow)
+                task = self._task(step.request_id, ticket, request, shadow)
                 if alone:  # a lone session: may run right here on an idle runtime
-                    runtime.queue(self._task(entry), inline=True)
+                    runtime.queue(task, inline=True)
                 else:
-                    tasks.append(self._task(entry))
+                    tasks.append(task)
             except Exception as e:
                 refused.append((step.request_id, e, None))
         if frame.request_ids:
@@ -602,24 +592,27 @@ class FrameIntake:
         tasks.append(self._group_task(frame.part(start, len(frame.requests))))
         return tasks
 
-    def _task(self, entry: _Entry) -> Task:
-        """One runtime task for one step: its own payload and callback."""
-        return self.executor.step_task(
-            entry.request, shadow=entry.shadow, on_done=partial(self._step_done, entry), flush=self._flush
-        )
+    def _task(self, request_id: int, ticket: SessionTicket | None, request: StepRequest, shadow: bool = False) -> Task:
+        """One runtime task for one step: its own payload and callback (a shadow session's step is queued last,
+        never grouped: `EngineExecutor.step_task`)."""
+        done = partial(self._step_done, request_id, ticket, request)
+        return self.executor.step_task(request, shadow=shadow, on_done=done, flush=self._flush)
 
     def _group_task(self, frame: _FrameSteps) -> Task:
         """One runtime task for a frame's steps: a `StepGroup` (one step alone: its own task)."""
         if len(frame.requests) == 1:
-            return self._task(_Entry(frame.request_ids[0], frame.tickets[0], frame.requests[0]))
+            return self._task(frame.request_ids[0], frame.tickets[0], frame.requests[0])
         self.num_frame_tasks += 1
         return self.executor.step_task(
             StepGroup(frame.requests), on_done=partial(self._frame_done, frame), flush=self._flush
         )
 
-    def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
+    def _step_done(
+        self, request_id: int, ticket: SessionTicket | None, request: StepRequest, output: torch.Tensor | None,
+        error: BaseException | None,
+    ) -> None:  # fmt: skip
         """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
-        self._queue_replies([_step_reply(entry.request_id, entry.ticket, entry.request, error or output)])
+        self._queue_replies([_step_reply(request_id, ticket, request, error or output)])
 
     def _frame_done(self, frame: _FrameSteps, outputs: list[StepResult] | None, error: BaseException | None) -> None:
         """A frame task's results (one per step; `error`: the whole batch failed), queued under one lock."""
@@ -777,18 +770,13 @@ class DeviceChannel:
             self._outbox.extend(results)
 
     def _flush(self) -> None:
-        """Sends every queued step reply (the runtime thread after a merged forward, the intake thread after
-        refusing steps)."""
+        """Sends every queued step reply (the runtime thread after a merged forward, the intake thread after refusing
+        steps) in as few REPLY_BATCH frames as the bound allows, with the state once each."""
         with self._outbox_lock:
             results, self._outbox = self._outbox, []
-        self._send_results(results)
-
-    def _send_results(self, results: list[StepReply]) -> None:
-        """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
-        if not results or self.io.closed:
-            return
-        head = self._state_bytes()
-        self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes, encode_error))  # [B, T, H] each
+        if results and not self.io.closed:
+            head = self._state_bytes()
+            self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes, encode_error))  # [B, T, H] each
 
     def send_state(self) -> None:
         self._reply(wire.STATE, 0, wire.Writer())
