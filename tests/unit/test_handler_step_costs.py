@@ -22,6 +22,7 @@ from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
+from corolla.server.core.executor import SessionSpec
 from corolla.server.front import block_functions as bf
 from corolla.server.front.direct_endpoint import SealedFrames
 from corolla.server.front.inference_stream import SessionState
@@ -300,7 +301,7 @@ def test_record_frame_gives_the_serialized_response(dtype: torch.dtype) -> None:
         head, tail, offset = frame
         wire = b"".join((head, output.data, tail))
         assert wire == response.SerializeToString(), (dtype, shape)
-        session = SessionState("s", [0], 1, 8, None, "", None)
+        session = SessionState("s", SessionSpec((0,), 1, 8), None, "", None)
         session.record_output(InferenceRequestMetadata(step_id="a"), memoryview(wire)[offset:])
         assert session.resend_output("a") == response.tensors[0]
 

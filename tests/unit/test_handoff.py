@@ -121,9 +121,7 @@ class _Session:
 
     def __init__(self, server: SimpleNamespace, cache: SessionCache):
         self.session_id = "s"
-        self.block_indices = [0, 1, 2, 3]
-        self.batch_size = 1
-        self.max_length = MAX_LENGTH
+        self.spec = SessionSpec((0, 1, 2, 3), 1, MAX_LENGTH)
         self.cache = cache
         self.prefix_length = 0
         self.ticket = None  # not admitted through admission

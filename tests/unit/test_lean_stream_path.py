@@ -19,6 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.admission import SessionTicket
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
 from corolla.server.core.peer_bytes import StreamBudget, StreamLease
 from corolla.server.core.push_guard import SessionPushGuard
@@ -126,7 +127,7 @@ def _step(step_id: str) -> runtime_pb2.ExpertRequest:
 
 def _session(ticket: SessionTicket | None = None) -> SessionState:
     return SessionState(
-        session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
+        session_id="s", spec=SessionSpec((0,), 1, 8), cache=None, active_adapter="",
         args_structure=None, push_guard=SessionPushGuard(), ticket=ticket,
     )  # fmt: skip
 

@@ -17,6 +17,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.kv.page_queue import PageQueue
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.forward_chunks import plan_token_chunks, run_forward_chunked
 from corolla.server.core.limits import (
     DuplicateStep,
@@ -333,7 +334,7 @@ async def _drive(requests: list[runtime_pb2.ExpertRequest], session: SessionStat
 
 def _session() -> SessionState:
     return SessionState(
-        session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
+        session_id="s", spec=SessionSpec((0,), 1, 8), cache=None, active_adapter="",
         args_structure=None,
     )  # fmt: skip
 

@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol import local_stream as ls
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.limits import SessionTimeouts, StreamStalled
 from corolla.server.front.inference_stream import SessionState, StepOrder
 from corolla.server.front.stream_endpoint import FrameConnection, PlainFrames, SocketPort
@@ -38,7 +39,7 @@ async def _serve(send, *, idle_s: float | None = None, reply_bytes: int = 0) -> 
     loop = asyncio.get_running_loop()
     _, conn = await loop.connect_accepted_socket(FrameConnection, ours)
     port = SocketPort(conn, PlainFrames(), 1 << 20, lease=None, idle_s=idle_s, timeline=None)
-    session = SessionState("s", [0], 1, 8, None, "", None)
+    session = SessionState("s", SessionSpec((0,), 1, 8), None, "", None)
     timeouts = SessionTimeouts(step_timeout_s=BOUND_S, session_timeout_s=BOUND_S, request_timeout_s=BOUND_S)
     seen: list[str] = []
     ended: asyncio.Future = loop.create_future()

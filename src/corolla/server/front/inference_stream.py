@@ -61,9 +61,7 @@ class SessionState:
     """Server-side state of one open `rpc_inference` stream."""
 
     session_id: str | None
-    block_indices: list[int]
-    batch_size: int
-    max_length: int
+    spec: SessionSpec  # its blocks, batch size and max_length (0: a probe)
     cache: SessionCache | None  # the executor's cache of this session (None: a max_length=0 probe)
     active_adapter: str
     args_structure: object
@@ -432,9 +430,9 @@ class SessionHandoff:
         messages = hw.pack_messages(serialize_tensor(t) for t in tensors)
         header = hw.KvHeader(
             position=position,
-            batch_size=session.batch_size,
-            start_block=session.block_indices[0],
-            end_block=session.block_indices[-1] + 1,
+            batch_size=session.spec.batch_size,
+            start_block=session.spec.block_indices[0],
+            end_block=session.spec.block_indices[-1] + 1,
             num_messages=len(messages),
             total_bytes=sum(hw.message_bytes(m) for m in messages),
         )
@@ -457,15 +455,15 @@ class SessionHandoff:
         `LimitExceeded` before any part is read where `peer`'s imports in flight on the server, or all, would pass
         their bytes (`CoreClient.hold_import`: the core counts every front's)."""
         started = time.perf_counter()
-        blocks = session.block_indices
-        if (header.batch_size, header.start_block, header.end_block) != (session.batch_size, blocks[0], blocks[-1] + 1):
+        spec, blocks = session.spec, session.spec.block_indices
+        if (header.batch_size, header.start_block, header.end_block) != (spec.batch_size, blocks[0], blocks[-1] + 1):
             raise ValueError(
                 f"KV import is for batch {header.batch_size}, blocks {header.start_block}:{header.end_block}; "
-                f"this session has batch {session.batch_size}, blocks {blocks[0]}:{blocks[-1] + 1}"
+                f"this session has batch {spec.batch_size}, blocks {blocks[0]}:{blocks[-1] + 1}"
             )
-        if header.position > session.max_length:
+        if header.position > spec.max_length_tokens:
             raise ValueError(
-                f"KV import of {header.position} tokens exceeds the session's max_length {session.max_length}"
+                f"KV import of {header.position} tokens exceeds the session's max_length {spec.max_length_tokens}"
             )
         if session.cache is None:
             raise ValueError("a KV import needs a session with max_length > 0")
@@ -482,7 +480,7 @@ class SessionHandoff:
             del tensors
         session.prefix_length = header.position
         if session.ticket is not None:  # the imported positions are real work (done on the old server)
-            session.ticket.touch(header.position * session.batch_size)
+            session.ticket.touch(header.position * spec.batch_size)
         self.num_imported += 1
         logger.info(
             f"handoff.imported(session_id={session.session_id!r:.40}, blocks={blocks[0]}:{blocks[-1] + 1}, "
@@ -777,9 +775,7 @@ class InferenceStreams:
             async with self.core.open_session(opening, inbox) as (ticket, cache):
                 session = SessionState(
                     session_id=metadata.session_id,
-                    block_indices=block_indices,
-                    batch_size=batch_size,
-                    max_length=max_length,
+                    spec=spec,
                     cache=cache,
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
@@ -823,7 +819,7 @@ class InferenceStreams:
         hit = 0 if session.cache is None else await self.core.attach_prefix(session.cache, namespace, keys)
         session.prefix_length = hit
         if hit and session.ticket is not None:  # cached positions it starts with: real work, done before
-            session.ticket.touch(hit * session.batch_size)
+            session.ticket.touch(hit * session.spec.batch_size)
         self.metrics.prefix_probe(keyed_tokens=keys.end_position, hit_tokens=hit)
         logger.debug(f"rpc_inference.prefix_hit(session_id={session.session_id!r:.40}, tokens={hit})")
         return hit
@@ -844,11 +840,11 @@ class InferenceStreams:
             request.tensors,
             structure,
             self.limits,
-            num_blocks=len(session.block_indices),
-            batch_size=session.batch_size,
+            num_blocks=len(session.spec.block_indices),
+            batch_size=session.spec.batch_size,
             current_length=session.prefix_length,
             start_from_position=metadata.start_from_position,
-            max_length_tokens=session.max_length,
+            max_length_tokens=session.spec.max_length_tokens,
             adapter=session.active_adapter,
             lone_session=self.sessions.num_open == 1,  # (a handler process's: the device checks its own count)
         )  # the session changes only once the step is valid
