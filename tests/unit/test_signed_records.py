@@ -236,7 +236,7 @@ def test_a_signer_verified_before_is_looked_up_first_past_a_flood():
     raw = {"m.0": {**{f"QmJunk{i}": None for i in range(2000)}, "QmHonest": None}}
     pairs, skipped = candidate_pairs(["m.0"], raw, 1024)
     assert ("m", "QmHonest") not in pairs and skipped == 977  # a reader that never verified it
-    RECENT_SIGNERS.note([("m", "QmHonest")])
+    RECENT_SIGNERS.put(("m", "QmHonest"), True)
     pairs, skipped = candidate_pairs(["m.0"], raw, 1024)
     assert pairs[0] == ("m", "QmHonest") and len(pairs) == 1024 and skipped == 977
     RECENT_SIGNERS.clear()

@@ -10,11 +10,12 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+
+from corolla.utils.lru import Lru
 
 ROUTE_ID_HEADER = "x-corolla-route-id"
 DEFAULT_ROUTE_LOG_ENTRIES = 256
@@ -130,31 +131,21 @@ def current_trace() -> GenerationTrace | NoTrace:
     return _current.get() or NO_TRACE
 
 
-class RouteLog:
-    """The last `max_entries` traces (oldest dropped first), thread-safe; `max_entries=0` records nothing."""
+class RouteLog(Lru[str, "GenerationTrace"]):
+    """The last `max_entries` traces (oldest dropped first, reads change no order); `max_entries=0` records
+    nothing."""
 
     def __init__(self, max_entries: int = DEFAULT_ROUTE_LOG_ENTRIES):
         if max_entries < 0:
             raise ValueError(f"route_log_entries must be >= 0, got {max_entries}")
-        self.max_entries = max_entries
-        self._lock = threading.Lock()
-        self._traces: OrderedDict[str, GenerationTrace] = OrderedDict()
+        super().__init__(max_entries, reads_refresh=False)
 
     def add(self, trace: GenerationTrace) -> None:
-        with self._lock:
-            self._traces[trace.id] = trace
-            while len(self._traces) > self.max_entries:
-                self._traces.popitem(last=False)
-
-    def get(self, trace_id: str) -> GenerationTrace | None:
-        with self._lock:
-            return self._traces.get(trace_id)
+        self.put(trace.id, trace)
 
     def latest(self, limit: int) -> list[GenerationTrace]:
         """Up to `limit` traces, the most recent first."""
-        with self._lock:
-            traces = list(self._traces.values())
-        return traces[::-1][: max(0, limit)]
+        return self.values()[::-1][: max(0, limit)]
 
 
 class RouteTraceMiddleware:

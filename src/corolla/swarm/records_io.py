@@ -177,7 +177,8 @@ async def _lookup_signed(
             continue
         if record is not None:
             records[pair] = record
-    RECENT_SIGNERS.note(records)
+    for pair in records:
+        RECENT_SIGNERS.put(pair, True)
     return records
 
 

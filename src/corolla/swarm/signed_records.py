@@ -8,9 +8,8 @@ and `apply_signed_records` lets a peer's signed record replace every unsigned re
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +25,7 @@ from corolla.protocol.records import MAX_EXPIRATION_AHEAD_S, ModelInfo, RemoteMo
 from corolla.protocol.uids import parse_uid, validate_dht_prefix
 from corolla.swarm.identity import RecordSigner, load_public_key, peer_id_from_public_key, verify_signature
 from corolla.utils.logging import get_logger
+from corolla.utils.lru import Lru
 
 logger = get_logger(__name__)
 
@@ -116,40 +116,8 @@ def sign_server_record(
 # ---------------------------------------------------------------------------------------------- verification
 
 
-class _VerifyCache:
-    """LRU of verification outcomes keyed by everything the signature covers (so a hit is the same record)."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple, SignedServerRecord | str] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: tuple) -> SignedServerRecord | str | None:
-        with self._lock:
-            outcome = self._entries.get(key)
-            if outcome is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return outcome
-
-    def put(self, key: tuple, outcome: SignedServerRecord | str) -> None:
-        with self._lock:
-            self._entries[key] = outcome
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.hits = self.misses = 0
-
-
-VERIFY_CACHE = _VerifyCache(VERIFY_CACHE_ENTRIES)
+# verification outcomes keyed by everything the signature covers (so a hit is the same record)
+VERIFY_CACHE: Lru[tuple, SignedServerRecord | str] = Lru(VERIFY_CACHE_ENTRIES)
 
 
 def verify_signed_entry(key_id: bytes, subkey: Any, value: Any, expiration_time: Any) -> SignedServerRecord:
@@ -266,35 +234,11 @@ def default_record_validators() -> list[RecordValidatorBase]:
 SignedRecords = dict[tuple[str, str], SignedServerRecord]
 
 
-class _RecentSigners:
-    """`(prefix, peer)` pairs whose signed record verified lately (LRU, `RECENT_SIGNERS_ENTRIES`): their lookups go
-    first, so that made-up subkeys flooding a block key past `max_lookups` do not push a known corolla server's
-    signed record out of a read (its unsigned record, which anyone can overwrite, would then stand alone)."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._pairs: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def note(self, pairs: Iterable[tuple[str, str]]) -> None:
-        with self._lock:
-            for pair in pairs:
-                self._pairs[pair] = None
-                self._pairs.move_to_end(pair)
-            while len(self._pairs) > self.max_entries:
-                self._pairs.popitem(last=False)
-
-    def __contains__(self, pair: object) -> bool:
-        with self._lock:
-            return pair in self._pairs
-
-    def clear(self) -> None:
-        with self._lock:
-            self._pairs.clear()
-
-
+# `(prefix, peer)` pairs whose signed record verified lately: their lookups go first, so that made-up subkeys flooding
+# a block key past `max_lookups` do not push a known corolla server's signed record out of a read (its unsigned
+# record, which anyone can overwrite, would then stand alone)
 RECENT_SIGNERS_ENTRIES = 4096
-RECENT_SIGNERS = _RecentSigners(RECENT_SIGNERS_ENTRIES)
+RECENT_SIGNERS: Lru[tuple[str, str], bool] = Lru(RECENT_SIGNERS_ENTRIES)
 
 
 def candidate_pairs(uids: Iterable[str], raw: Mapping[str, Any], max_lookups: int) -> tuple[list[tuple[str, str]], int]:
