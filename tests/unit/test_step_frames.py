@@ -232,7 +232,7 @@ def test_parsed_steps_carry_bytes_and_build_no_tensor_until_asked(count: int, mo
 @pytest.mark.parametrize("max_frame_bytes", [1 << 20, 400, 260, 100])
 @pytest.mark.parametrize("with_bytes", [False, True])
 def test_one_shape_replies_equal_the_reference_at_every_frame_bound(max_frame_bytes: int, with_bytes: bool) -> None:
-    # a frame task's usual outputs (one dtype and shape, all CPU tensors) take the per-item pack path: the same bytes
+    # a frame task's usual outputs (one dtype and shape, all CPU tensors): the same bytes
     # as the reference, split where it splits (a last frame of one item included), bytes known or read in place
     torch.manual_seed(3)
     out = torch.randn(7, 16)

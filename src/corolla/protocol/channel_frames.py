@@ -554,24 +554,25 @@ def reply_frames(
     for a refusal, its body written by `encode_error`: the refusals are the server's), with `head` (the device's
     state) once per frame. A tensor's bytes, where given (C order, flat:
     what the tensor views, e.g. `StepRequest.output_bytes`), are sent as they are (no torch call for that reply)."""
-    uniform = _uniform_frames(results, head, max_frame_bytes) if results else None
-    if uniform is not None:
-        return uniform
     encoded: list[tuple[int, int, list[bytes | memoryview], int]] = []  # kind, request id, body parts, body bytes
     groups: dict[tuple[torch.dtype, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
+    last: tuple[torch.dtype | None, tuple[int, ...]] = (None, ())  # a merged forward's replies share one record
+    prefix, nbytes = b"", 0
     for request_id, result, raw in results:
         if isinstance(result, BaseException):
             body = encode_error(result)
             encoded.append((REPLY_ERROR, request_id, body.parts, body.nbytes()))
             continue
         dims: tuple[int, ...] = result.shape  # a torch.Size: a tuple, no copy
-        if result.is_cpu and result.dtype in _DTYPE_CODES and 0 < len(dims) <= MAX_TENSOR_DIMS:
+        dtype = result.dtype
+        if result.is_cpu and dtype in _DTYPE_CODES and 0 < len(dims) <= MAX_TENSOR_DIMS:
             if raw is not None:
-                prefix, nbytes = _reply_record(result.dtype, dims)
+                if last[0] is not dtype or last[1] != dims:
+                    last, (prefix, nbytes) = (dtype, dims), _reply_record(dtype, dims)
                 if raw.nbytes == nbytes:
                     encoded.append((REPLY_TENSORS, request_id, [prefix, raw], len(prefix) + nbytes))
                     continue
-            groups.setdefault((result.dtype, dims), []).append((len(encoded), as_tensor(result)))
+            groups.setdefault((dtype, dims), []).append((len(encoded), as_tensor(result)))
         else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
             body = Writer().u8(1).tensor(as_tensor(result))
             encoded.append((REPLY_TENSORS, request_id, body.parts, body.nbytes()))
@@ -585,63 +586,6 @@ def reply_frames(
             parts: list[bytes | memoryview] = [prefix] if data is None else [prefix, data[i]]
             encoded[index] = (kind, request_id, parts, len(prefix) + nbytes)
     return _frames(encoded, head, max_frame_bytes, REPLY_BATCH)
-
-
-def _uniform_frames(
-    results: list[tuple[int, torch.Tensor | TensorBytes | BaseException, memoryview | None]],
-    head: bytes,
-    max_frame_bytes: int,
-) -> list[bytes] | None:
-    """`reply_frames` of a merged forward's usual replies: every result a CPU tensor of one dtype and shape (not
-    empty), as one frame task's outputs are. The same bytes, with one pack per item (its header and record prefix)
-    and the frames' item counts computed once; None (nothing done) for any other list."""
-    first = results[0][1]
-    if isinstance(first, BaseException) or not first.is_cpu:
-        return None
-    dtype, dims = first.dtype, first.shape
-    if dtype not in _DTYPE_CODES or not 0 < len(dims) <= MAX_TENSOR_DIMS:
-        return None
-    prefix, nbytes = _reply_record(dtype, dims)
-    if nbytes == 0:
-        return None
-    data: list[bytes | memoryview] = []
-    loose: list[int] = []  # results without their bytes: read from their tensors
-    tensors: list[torch.Tensor] = []
-    for _, result, raw in results:
-        if isinstance(result, BaseException) or result.dtype is not dtype or result.shape != dims or not result.is_cpu:
-            return None
-        if raw is None or raw.nbytes != nbytes:
-            loose.append(len(data))
-            tensors.append(as_tensor(result))
-            data.append(b"")  # filled in below
-        else:
-            data.append(raw)
-    if loose:
-        for index, read in zip(loose, _group_bytes(dtype, tensors, nbytes), strict=True):
-            data[index] = read
-    body_bytes = len(prefix) + nbytes
-    item_head = _item_heads.get(len(prefix))
-    if item_head is None:
-        item_head = _item_heads[len(prefix)] = struct.Struct(f">BII{len(prefix)}s")  # an item's header + prefix
-    # items per frame: as many as fit the bound after the state and count (at least one), as `reply_frames` groups
-    per_frame = max(1, min(MAX_BATCH_ITEMS, (max_frame_bytes - len(head) - _U16.size) // (_ITEM.size + body_bytes)))
-    frames: list[bytes] = []
-    for start in range(0, len(results), per_frame):
-        end = min(start + per_frame, len(results))
-        if end - start == 1:  # alone: its own frame, the state before its body
-            frames.append(b"".join([HEADER.pack(len(head) + body_bytes, REPLY_TENSORS, results[start][0]),
-                                    head, prefix, data[start]]))  # fmt: skip
-            continue
-        total = len(head) + _U16.size + (end - start) * (_ITEM.size + body_bytes)
-        joined: list[bytes | memoryview] = [HEADER.pack(total, REPLY_BATCH, 0), head, _U16.pack(end - start)]
-        for i in range(start, end):
-            joined.append(item_head.pack(REPLY_TENSORS, results[i][0], body_bytes, prefix))
-            joined.append(data[i])
-        frames.append(b"".join(joined))
-    return frames
-
-
-_item_heads: dict[int, struct.Struct] = {}  # by record prefix length: a REPLY_BATCH item's header and prefix
 
 
 def _frames(
