@@ -35,8 +35,7 @@ from corolla.protocol.records import RemoteSpanInfo
 NO_HOP = -1  # where the hop before a chain's first started: before every block
 
 # hop forwards a recheck may ask per chain it seats (`HopBudget`): every chain of at most this many hops in the
-# per-server seats is asked whatever the others are; single-block identities made a chain one forward per block (960
-# forwards per recheck on 80 blocks, decision 0250)
+# per-server seats is asked whatever the others are (single-block identities make a chain one forward per block, 0250)
 HOPS_PER_SEAT = 4
 
 T = TypeVar("T")
@@ -181,8 +180,7 @@ class HopBudget:
         most `limit`; default `limit`), taken by `first` (lowest first), fewest hops first among equals: spent
         fewest hops first, every chain of at most n hops fits a budget of n per chain whatever the others are
         (those before it cost no more each); an attacker's identities on single blocks make chains of one hop per
-        block, and these get only what is left (decision 0250: 12 chains over 80 single-block identities were 960
-        forwards of the stretch per recheck)."""
+        block, and these get only what is left (decision 0250)."""
         ceiling = self.limit if up_to is None else min(up_to, self.limit)
         kept: set[int] = set()
         for index in sorted(range(len(chains)), key=lambda index: (first(chains[index]), len(chains[index].hops))):

@@ -223,8 +223,7 @@ class StretchReferees:
         self, replica: RemoteSpanInfo, finding: Finding, known: Mapping[str, torch.Tensor | None] | None
     ) -> torch.Tensor | None:
         """`recompute`, or the answer `replica` already gave to `finding`'s stretch (`known`: by peer id, None where
-        it failed): each replica is asked a stretch once (decision 0232: a range dispute's replicas, asked at once,
-        were asked again by `decide` and by the recheck of the ban, nearly twice the work per lie of a free identity)."""
+        it failed): each replica is asked a stretch once, by `decide` and by the recheck of a ban too (decision 0232)."""
         if known is not None and replica.peer_id in known:
             return known[replica.peer_id]
         return await self.recompute(replica, finding)
