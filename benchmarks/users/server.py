@@ -214,8 +214,10 @@ class BenchServer:
     def _serving(self, keep_runtime: bool) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
+        from corolla.protocol.local_stream import socket_dir
         from corolla.server.core.limits import PeerLimits, SessionTimeouts
         from corolla.server.front.direct_endpoint import DirectListen
+        from corolla.server.front.front_settings import FrontSettings
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
 
@@ -232,14 +234,18 @@ class BenchServer:
         p2p = service = None
         try:
             p2p = on_loop(P2P.create(host_maddrs=_LOOPBACK, **_P2P_FLAGS))
+            settings = FrontSettings(
+                self.limits,
+                SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
+                local_socket_dir=str(socket_dir()),
+                direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
+                poll_linger_s=self.handler_poll_s,
+            )
             service = SpanService(
-                executor=self.executor,
-                limits=self.limits,
-                timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
+                self.executor,
+                settings,
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
-                handler_poll_s=self.handler_poll_s,
-                direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
             # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default

@@ -490,6 +490,7 @@ def test_eager_engine_through_the_handler(server, blocks):
     from corolla.server.core.limits import SessionTimeouts
     from corolla.server.core.runtime import Runtime
     from corolla.server.front.block_functions import ServingLimits
+    from corolla.server.front.front_settings import FrontSettings
     from corolla.server.server import SpanService
 
     backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")
@@ -508,7 +509,7 @@ def test_eager_engine_through_the_handler(server, blocks):
         dht_prefix="fast", start_block=0, end_block=NUM_BLOCKS, hidden_size=HIDDEN, dtype=torch.float32,
         inference_max_length_tokens=128, max_batch_size_tokens=1024,
     )  # fmt: skip
-    service = SpanService(executor=executor, limits=limits, timeouts=SessionTimeouts(10, 60, 10))
+    service = SpanService(executor, FrontSettings(limits, SessionTimeouts(10, 60, 10)))
     on_loop(service.start(p2p))
     client = ClientThread([str(m) for m in on_loop(p2p.get_visible_maddrs())], p2p.peer_id.to_base58())
     try:

@@ -20,6 +20,7 @@ from corolla.engine.serving import SpanTraits
 from corolla.models.config import is_local_path, load_config
 from corolla.models.registry import get_family
 from corolla.protocol.codecs import compression_from_name
+from corolla.protocol.local_stream import socket_dir
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.server import startup_checks
@@ -32,6 +33,7 @@ from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.front_settings import FrontSettings
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
@@ -384,16 +386,16 @@ class Server:
                 max_batch_size_tokens=s.max_batch_size_tokens, adapters=tuple(c.adapters),
             )  # fmt: skip
             poll_s = busy_poll_s(c.busy_poll_ms, s.device.type)  # 0 on a CPU server
-            service = SpanService(
-                executor=executor, limits=limits, timeouts=self.timeouts, compression=self.compression,
-                dht_client_mode=self.using_relay, metrics=self.metrics, local_socket=c.local_socket,
-                busy_poll=self.selector if poll_s > 0 else None, busy_poll_s=poll_s,
-                num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
-                direct=c.resolved_direct(),
-                handler_poll_s=poll_s,
-                kv_handoff=c.kv_handoff, prefix_cache_shared=c.prefix_cache_shared,
+            settings = FrontSettings(
+                limits, self.timeouts, c.peer_limits, self.compression, dht_client_mode=self.using_relay,
+                swarm_key_file=c.swarm_key_file, kv_handoff=c.kv_handoff, prefix_cache_shared=c.prefix_cache_shared,
+                local_socket_dir=str(socket_dir()) if c.local_socket else None, direct=c.resolved_direct(),
+                poll_linger_s=poll_s,  # handler processes poll this long after each message
             )  # fmt: skip
-            service.configure_limits(c.peer_limits)
+            service = SpanService(
+                executor, settings, metrics=self.metrics, num_handlers=c.num_handlers,  # N > 1: handler processes
+                busy_poll=self.selector if poll_s > 0 else None, busy_poll_s=poll_s,
+            )  # fmt: skip
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
                 await asyncio.to_thread(validate_reachability, self.peer_id or "")

@@ -11,13 +11,11 @@ from dataclasses import replace
 from typing import Any
 
 from corolla.protocol import local_stream as ls
-from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.limits import PeerLimits, SessionTimeouts
+from corolla.server.core.limits import PeerLimits
 from corolla.server.core.span_core import SpanCore
-from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import BalanceDirectory
-from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.direct_endpoint import DirectEndpoint
 from corolla.server.front.front_service import FrontService
 from corolla.server.front.front_service import main as handler_main
 from corolla.server.front.front_settings import FrontSettings
@@ -36,22 +34,13 @@ class SpanService:
 
     def __init__(
         self,
-        *,
         executor: EngineExecutor,
-        limits: ServingLimits,
-        timeouts: SessionTimeouts,
-        compression: int = 0,
-        dht_client_mode: bool = False,
+        settings: FrontSettings,
+        *,
         metrics: ServerMetrics | None = None,
-        local_socket: bool = True,
+        num_handlers: int = 1,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
-        num_handlers: int = 1,
-        swarm_key_file: str | None = None,
-        direct: DirectListen | None = None,
-        handler_poll_s: float = 0.0,
-        kv_handoff: bool = True,
-        prefix_cache_shared: bool = False,
     ):
         if num_handlers < 1:
             raise ValueError(f"num_handlers must be >= 1, got {num_handlers}")
@@ -59,14 +48,9 @@ class SpanService:
         self.runtime = executor.runtime  # started and stopped here
         self.num_handlers = num_handlers  # fronts: 1 in this process; N > 1 in N handler processes
         self.metrics = metrics if metrics is not None else ServerMetrics()  # the server's one set (every front's)
-        self.core = SpanCore(executor, metrics=self.metrics)  # all session state, every front's (sessions counted here)
-        self.settings = FrontSettings(
-            limits=limits, timeouts=timeouts, compression=compression, dht_client_mode=dht_client_mode,
-            swarm_key_file=swarm_key_file, kv_handoff=kv_handoff, prefix_cache_shared=prefix_cache_shared,
-            local_socket_dir=str(ls.socket_dir()) if local_socket else None, direct=direct,
-            direct_secret=TicketSecret().secret,  # every front checks the tickets any of them issued
-            poll_linger_s=handler_poll_s,  # handler processes poll this long after each message
-        )  # fmt: skip
+        # all session state, every front's (sessions counted here), under the settings' fair-use limits
+        self.core = SpanCore(executor, settings.peer_limits, self.metrics)
+        self.settings = settings
         if busy_poll is not None and num_handlers == 1:  # after a lone session's inline step, its next one is due
             self.runtime.after_inline = functools.partial(busy_poll.keep_hot, busy_poll_s)
         self.front: FrontService | None = None  # N = 1: the front of this process

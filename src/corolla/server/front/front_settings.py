@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectListen
@@ -25,7 +26,8 @@ class FrontSettings:
     prefix_cache_shared: bool = False  # every client's cached prefixes are everyone's (`PrefixTrust.shared`)
     local_socket_dir: str | None = None  # serve same-host clients on a unix socket there (None: not)
     direct: DirectListen | None = None  # the direct TCP port (handler processes share one, SO_REUSEPORT)
-    direct_secret: bytes | None = None  # the server's ticket secret (any front checks any front's tickets)
+    # the server's ticket secret, made once with the settings: any front checks the tickets any of them issued
+    direct_secret: bytes = field(default_factory=lambda: TicketSecret().secret)
     direct_balance_dir: str | None = None  # handler processes' direct-port load table and hand-off sockets (0700)
     # a handler process's loop polls instead of sleeping for this long after each message (0: it sleeps at once); its
     # loop is its only Python thread, so polling starves no other (`utils.busy_poll`)
