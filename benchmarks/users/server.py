@@ -237,6 +237,9 @@ class BenchServer:
             settings = FrontSettings(
                 self.limits,
                 SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
+                # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
+                # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
+                PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0),
                 local_socket_dir=str(socket_dir()),
                 direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
                 poll_linger_s=self.handler_poll_s,
@@ -247,9 +250,6 @@ class BenchServer:
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
             )
-            # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
-            # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
-            service.configure_limits(PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
             on_loop(service.start(p2p))
             self.service = service
             if self.cpus is not None and self.cpus.runtime:  # the runtime thread and handler processes exist now

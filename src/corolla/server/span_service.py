@@ -12,7 +12,6 @@ from typing import Any
 
 from corolla.protocol import local_stream as ls
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.limits import PeerLimits
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.connection_balance import BalanceDirectory
 from corolla.server.front.direct_endpoint import DirectEndpoint
@@ -56,12 +55,6 @@ class SpanService:
         self.front: FrontService | None = None  # N = 1: the front of this process
         self.pool: HandlerPool | None = None  # N > 1
         self._balance: BalanceDirectory | None = None  # with a pool and a direct port
-
-    def configure_limits(self, peer_limits: PeerLimits) -> None:
-        """Sets the fair-use limits (before serving): the core's (sessions, KV cache and forwards per peer, for every
-        front) and every front's (stream bytes)."""
-        self.core.configure(peer_limits)
-        self.settings = replace(self.settings, peer_limits=peer_limits)
 
     @property
     def handler(self) -> TransformerConnectionHandler:
