@@ -114,8 +114,8 @@ GENERAL_ONLY = ("prompts", "hypo ids", "prompts with grad", "requires grad")
 def _general(tensors, structure, limits, batch, current, start, max_length) -> StepInputs | BaseException:
     try:
         return bf.parse_step_inputs(
-            bf.step_args(tensors, structure), limits, num_blocks=2, batch_size=batch, current_length=current,
-            start_from_position=start, max_length_tokens=max_length, adapter="", lone_session=False,
+            bf.step_args(tensors, structure), limits, SessionSpec((0, 1), batch, max_length), current_length=current,
+            start_from_position=start, adapter="", lone_session=False,
         )  # fmt: skip
     except Exception as e:
         return e
@@ -124,8 +124,8 @@ def _general(tensors, structure, limits, batch, current, start, max_length) -> S
 def _decoded(tensors, structure, limits, batch, current, start, max_length) -> StepInputs | BaseException:
     try:
         return bf.decode_step(
-            tensors, structure, limits, num_blocks=2, batch_size=batch, current_length=current,
-            start_from_position=start, max_length_tokens=max_length, adapter="", lone_session=False,
+            tensors, structure, limits, SessionSpec((0, 1), batch, max_length), current_length=current,
+            start_from_position=start, adapter="", lone_session=False,
         )  # fmt: skip
     except Exception as e:
         return e
@@ -165,14 +165,14 @@ def test_bytes_taken_only_where_the_general_path_accepts_with_the_same_result(
 def test_other_structures_take_the_general_path() -> None:
     limits = _limits(torch.float32)
     tensors, _ = _petals_step(torch.randn(1, 1, H))
-    kwargs = dict(num_blocks=2, batch_size=1, current_length=0, start_from_position=None, max_length_tokens=8,
-                  adapter="", lone_session=False)  # fmt: skip
-    assert bf.decode_step(tensors, bf.PETALS_STEP_STRUCTURE, limits, **kwargs).hidden_states is None  # type: ignore[arg-type]
-    assert bf.decode_step(tensors, None, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
+    spec = SessionSpec((0, 1), 1, 8)
+    kwargs = dict(current_length=0, start_from_position=None, adapter="", lone_session=False)
+    assert bf.decode_step(tensors, bf.PETALS_STEP_STRUCTURE, limits, spec, **kwargs).hidden_states is None  # type: ignore[arg-type]
+    assert bf.decode_step(tensors, None, limits, spec, **kwargs).hidden_states is not None  # type: ignore[arg-type]
     two = ((b"__T0", b"__T1"), {})
-    assert bf.decode_step(tensors[:2], two, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
+    assert bf.decode_step(tensors[:2], two, limits, spec, **kwargs).hidden_states is not None  # type: ignore[arg-type]
     other: object = ((b"__T0", b"__T2", b"__T1"), {})
-    assert bf.decode_step(tensors, other, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
+    assert bf.decode_step(tensors, other, limits, spec, **kwargs).hidden_states is not None  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

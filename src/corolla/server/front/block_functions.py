@@ -16,7 +16,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import check_castable, deserialize_tensor, is_plain_empty, plain_record
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
-from corolla.server.core.executor import BackwardInputs, ForwardInputs, StepInputs
+from corolla.server.core.executor import BackwardInputs, ForwardInputs, SessionSpec, StepInputs
 from corolla.server.core.refusals import BadRequest, TooLong
 from corolla.utils.finite import all_finite, bytes_finite
 
@@ -237,12 +237,10 @@ def decode_step(
     tensors: Sequence[runtime_pb2.Tensor],
     structure: Any,
     limits: ServingLimits,
+    spec: SessionSpec,
     *,
-    num_blocks: int,
-    batch_size: int,
     current_length: int,
     start_from_position: int | None,
-    max_length_tokens: int,
     adapter: str,
     lone_session: bool,
 ) -> StepInputs:
@@ -252,16 +250,15 @@ def decode_step(
     executor needs one); every other step is decoded to tensors and checked by `parse_step_inputs`. The bytes
     case accepts only what `parse_step_inputs` accepts, with the same result, and leaves everything else, a
     refusal included, to it, so both give the same answer and the same error."""
-    usual = _usual_step(tensors, structure, limits, batch_size, current_length, start_from_position, max_length_tokens)
+    usual = _usual_step(tensors, structure, limits, spec, current_length, start_from_position)
     if usual is not None:
         prefix_length, dtype, shape, data = usual
         # (by position: hidden_bytes, hidden_meta; built per decode step)
         return StepInputs(None, prefix_length, None, None, adapter, lone_session, memoryview(bytearray(data)),
                           (dtype, shape))  # fmt: skip
     return parse_step_inputs(
-        step_args(tensors, structure), limits, num_blocks=num_blocks, batch_size=batch_size,
-        current_length=current_length, start_from_position=start_from_position, max_length_tokens=max_length_tokens,
-        adapter=adapter, lone_session=lone_session,
+        step_args(tensors, structure), limits, spec, current_length=current_length,
+        start_from_position=start_from_position, adapter=adapter, lone_session=lone_session,
     )  # fmt: skip
 
 
@@ -269,10 +266,9 @@ def _usual_step(
     tensors: Sequence[runtime_pb2.Tensor],
     structure: Any,
     limits: ServingLimits,
-    batch_size: int,
+    spec: SessionSpec,
     current_length: int,
     start_from_position: int | None,
-    max_length_tokens: int,
 ) -> tuple[int, torch.dtype, tuple[int, int, int], bytes] | None:
     """(prefix length, dtype, [B, T, H], values) of a usual decode step that `parse_step_inputs` accepts as it is
     (no cast, T >= 1, finite, within every limit); None for anything else."""
@@ -288,12 +284,12 @@ def _usual_step(
     if dtype != limits.dtype or dtype not in FLOAT_DTYPES or len(shape) != 3:  # the general path casts or refuses
         return None
     step_batch, length, hidden_size = shape
-    if hidden_size != limits.hidden_size or step_batch != batch_size or length < 1 or step_batch < 1:
+    if hidden_size != limits.hidden_size or step_batch != spec.batch_size or length < 1 or step_batch < 1:
         return None
     if step_batch * length > limits.max_batch_size_tokens:
         return None
     prefix_length = current_length if start_from_position is None else start_from_position
-    if not 0 <= prefix_length <= current_length or prefix_length + length > max_length_tokens:
+    if not 0 <= prefix_length <= current_length or prefix_length + length > spec.max_length_tokens:
         return None
     if not bytes_finite(data, dtype):
         return None
@@ -303,20 +299,19 @@ def _usual_step(
 def parse_step_inputs(
     args: Sequence[Any],
     limits: ServingLimits,
+    spec: SessionSpec,
     *,
-    num_blocks: int,
-    batch_size: int,
     current_length: int,
     start_from_position: int | None,
-    max_length_tokens: int,
     adapter: str,
     lone_session: bool,
 ) -> StepInputs:
-    """One inference step of a session that holds `current_length` tokens of at most `max_length_tokens`:
+    """One inference step of a session of `spec` that holds `current_length` tokens of at most its max_length:
     hidden states `[B, T, H]` (T may be 0: a keep-alive), optional deep prompts and `hypo_ids`; the step starts at
     `start_from_position` (rollback) or at the session's current length."""
     hidden = validate_hidden_states(_arg(args, 0), limits, allow_empty_seq=True)
     step_batch, length, _ = hidden.shape
+    batch_size, max_length_tokens = spec.batch_size, spec.max_length_tokens
     if step_batch != batch_size:
         raise BadRequest(f"step batch size {step_batch} differs from the session's batch size {batch_size}")
     prefix_length = current_length
@@ -334,6 +329,7 @@ def parse_step_inputs(
             value=prefix_length + length,
             limit=max_length_tokens,
         )
+    num_blocks = len(spec.block_indices)
     prompts = validate_prompts(_arg(args, 1), limits, num_blocks=num_blocks, batch_size=batch_size, length=None)
     hypo_ids = validate_hypo_ids(_arg(args, 2), batch_size=batch_size)
     return StepInputs(hidden, prefix_length, prompts, hypo_ids, adapter, lone_session)

@@ -840,11 +840,9 @@ class InferenceStreams:
             request.tensors,
             structure,
             self.limits,
-            num_blocks=len(session.spec.block_indices),
-            batch_size=session.spec.batch_size,
+            session.spec,
             current_length=session.prefix_length,
             start_from_position=metadata.start_from_position,
-            max_length_tokens=session.spec.max_length_tokens,
             adapter=session.active_adapter,
             lone_session=self.sessions.num_open == 1,  # (a handler process's: the device checks its own count)
         )  # the session changes only once the step is valid
