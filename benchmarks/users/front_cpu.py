@@ -22,7 +22,7 @@ per step (and the runtime's per merged forward), forwards per step, the wall tim
 `--profile FILE`: cProfile of the serving loop thread (thread CPU clock) over the last run, its top functions
 printed. `--split`: one more run whose loop CPU is split by what the loop ran (each handle's callback timed with the
 thread's CPU clock: a task woken by its step's output, another wake-up of a task, a socket's read (with callback-driven
-steps: the step's intake), the runtime's delivery of a batch's outputs (`resolve_all`: the steps' replies written in
+steps: the step's intake), the runtime's delivery of a batch's outputs (`settle`: the steps' replies written in
 it), the rest)
 and timed in a few functions on a step's way (`SPLIT_FUNCTIONS`); the timers add ~1 us a call, so that run is
 reported apart. Compare two trees by running this file from each (`PYTHONPATH=<tree>/src`), alternated.
