@@ -23,9 +23,13 @@ H = 64  # tiny_config hidden size
 MAX_LEN = 96
 
 
-def make_blocks(family: str = "llama", num_layers: int = 3, seed: int = 0) -> list[torch.nn.Module]:
+def make_blocks(
+    family: str = "llama", num_layers: int = 3, seed: int = 0, rope: dict | None = None
+) -> list[torch.nn.Module]:
     torch.manual_seed(seed)
     config = tiny_config(family, num_layers)
+    if rope is not None:
+        config.rope_parameters = rope
     blocks = [get_family(config).build_block(config, i) for i in range(num_layers)]
     for block in blocks:
         for p in block.parameters():  # norms away from 1 and biases away from 0, so every tensor matters
@@ -59,6 +63,23 @@ def test_prefill_then_decode_matches_blocks(family: str) -> None:
         assert session.length_tokens == 30
     for out, ref in zip(got, expected, strict=True):
         assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_yarn_rope_steps_match_blocks(family: str) -> None:
+    """YaRN (Qwen's long-context rope) multiplies cos and sin by its attention factor (1.14 at factor 4), which the
+    fused span's rotary tables leave out: such a span's steps are the blocks' own (main: the fused span served
+    them without the factor, 1.3 off)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
+    blocks = make_blocks(family, rope=yarn)
+    assert blocks[0].attn.rotary.attention_scaling > 1.1
+    engine = make_engine(blocks)
+    steps = [(torch.randn(2, 21, H), 0)] + [(torch.randn(2, 1, H), 21 + i) for i in range(3)]
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
+    with engine.open_session(2, MAX_LEN) as session:
+        got = run_steps(engine, session, steps)
+    for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 

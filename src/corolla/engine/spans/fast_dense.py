@@ -31,7 +31,7 @@ from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
 from corolla.models.layers import DenseMLP
 from corolla.models.lora import LoraLinear
-from corolla.models.positions import RotaryEmbedding, alibi_slopes
+from corolla.models.positions import alibi_slopes
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -227,9 +227,7 @@ class FastDenseSpan(SpanModel):
             else:
                 mode = {torch.bfloat16: ALIBI_BF16, torch.float16: ALIBI_FP16}.get(dtype, ALIBI_FP32)
             return cls(spec, layers, max_positions=max_positions, alibi=Alibi(slopes, attn.alibi_scale, mode), **kwargs)
-        inv_freq = static_inv_freq(attn.rotary, max_positions, layers[0].ln1_w.device)
-        if isinstance(attn.rotary, RotaryEmbedding) and attn.rotary.attention_scaling != 1.0:
-            raise ValueError("The fast path does not scale rotary tables (YaRN's attention factor)")
+        inv_freq = static_inv_freq(attn.rotary, max_positions, layers[0].ln1_w.device)  # (refuses YaRN's scaling)
         return cls(spec, layers, max_positions=max_positions, inv_freq=inv_freq, **kwargs)
 
     # ------------------------------------------------------------------------------------------ compute

@@ -47,9 +47,12 @@ def rotary_tables(
 
 def static_inv_freq(rotary: object, max_positions: int, device: torch.device) -> torch.Tensor:
     """The rotary frequencies [D/2] fp32 of a block's `rotary` for tables of `max_positions` positions (ValueError
-    for no rotary embedding, or a dynamic rope whose frequencies change inside that range)."""
+    for no rotary embedding, a dynamic rope whose frequencies change inside that range, or one whose cos and sin
+    carry an attention factor, YaRN's: the tables are the frequencies' own)."""
     if not isinstance(rotary, RotaryEmbedding):
         raise ValueError("The fast path needs rotary position embeddings")
+    if rotary.attention_scaling != 1.0:
+        raise ValueError("The fast path does not scale rotary tables (YaRN's attention factor)")
     if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
         raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
     return rotary.inv_freq(device, 0)
