@@ -13,7 +13,7 @@ from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.registry import get_family
 from helpers.hf_equivalence import check_grads_match
-from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model
+from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, tiny_config
 
 SEQ = 20  # > the tiny window (6) and > the ring (window + slack 2 = 8)
 STEPS = (10, 1, 1, 1, 3, 1)  # first step longer than the ring: only its last 8 keys stay
@@ -76,3 +76,15 @@ def test_forward_cached_steps_rollback_and_grads(tiny):
                 out = block(x2[:, far_back : far_back + 1], cache=cache, position=far_back)
                 torch.testing.assert_close(out, ref2[:, far_back : far_back + 1], atol=1e-4, rtol=0)
         check_grads_match(block, hf_layers(hf)[layer], x, ref, ref_kwargs)
+
+
+@pytest.mark.parametrize("family", fam_b.FAM_B_FAMILIES)
+@pytest.mark.parametrize("window", [0, -3])
+def test_a_sliding_window_below_one_token_is_refused(family, window):
+    """A sliding layer's ring needs a window of one token at least: a config with less is refused as the block is
+    built (main: a window of 0 built a ring that lets no key in, every output NaN)."""
+    config = tiny_config(family, 2)
+    config.sliding_window = window
+    assert config.layer_types[0] == "sliding_attention"
+    with pytest.raises(ValueError, match="window >= 1"):
+        get_family(config).build_block(config, 0)

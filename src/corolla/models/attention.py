@@ -63,7 +63,8 @@ class Attention(BlockAttention):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-        if ring_slack_tokens is not None and (ring_slack_tokens < 0 or (sliding_window or 1) < 1):
+        window_ok = sliding_window is None or sliding_window >= 1  # (None: a full layer, which keeps no ring)
+        if ring_slack_tokens is not None and (ring_slack_tokens < 0 or not window_ok):
             raise ValueError(f"a ring needs a window >= 1 and slack >= 0, got {sliding_window}, {ring_slack_tokens}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
