@@ -23,13 +23,11 @@ H = 64  # tiny_config hidden size
 MAX_LEN = 96
 
 
-def make_blocks(
-    family: str = "llama", num_layers: int = 3, seed: int = 0, rope: dict | None = None
-) -> list[torch.nn.Module]:
+def make_blocks(family: str = "llama", num_layers: int = 3, seed: int = 0, **config_fields) -> list[torch.nn.Module]:
     torch.manual_seed(seed)
     config = tiny_config(family, num_layers)
-    if rope is not None:
-        config.rope_parameters = rope
+    for name, value in config_fields.items():  # set after the config's own defaults
+        setattr(config, name, value)
     blocks = [get_family(config).build_block(config, i) for i in range(num_layers)]
     for block in blocks:
         for p in block.parameters():  # norms away from 1 and biases away from 0, so every tensor matters
@@ -72,12 +70,27 @@ def test_yarn_rope_steps_match_blocks(family: str) -> None:
     fused span's rotary tables leave out: such a span's steps are the blocks' own (main: the fused span served
     them without the factor, 1.3 off)."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
-    blocks = make_blocks(family, rope=yarn)
+    blocks = make_blocks(family, rope_parameters=yarn)
     assert blocks[0].attn.rotary.attention_scaling > 1.1
     engine = make_engine(blocks)
     steps = [(torch.randn(2, 21, H), 0)] + [(torch.randn(2, 1, H), 21 + i) for i in range(3)]
     expected = cached_block_steps(blocks, MAX_LEN, steps)
     with engine.open_session(2, MAX_LEN) as session:
+        got = run_steps(engine, session, steps)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_qwen2_sliding_window_steps_match_blocks() -> None:
+    """Qwen2 with `use_sliding_window` slides its layers (`layer_types`) and the fused span has no window for them:
+    steps past the window are the blocks' own (main: the fused span attended to every key, 5.6 off)."""
+    sliding = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2)
+    blocks = make_blocks("qwen2", num_layers=2, **sliding)
+    assert [block.attn.sliding_window for block in blocks] == [8, 8]
+    engine = make_engine(blocks)
+    steps = [(torch.randn(1, 20, H), 0)] + [(torch.randn(1, 1, H), 20 + i) for i in range(3)]
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
+    with engine.open_session(1, MAX_LEN) as session:
         got = run_steps(engine, session, steps)
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)

@@ -68,8 +68,8 @@ class LlamaSpec:
         model_type = getattr(config, "model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
             raise ValueError(f"The fast path supports llama-family and Mixtral/Qwen3-MoE blocks, not {model_type!r}")
-        if model_type in ("qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
-            raise ValueError("The fast path does not implement Qwen3's sliding-window layers")
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
+            raise ValueError("The fast path does not implement Qwen2's and Qwen3's sliding-window layers")
         num_heads = int(config.num_attention_heads)
         num_kv_heads, head_dim = int(num_kv_heads_of(config)), int(head_dim_of(config))
         if num_heads % num_kv_heads:
