@@ -14,6 +14,7 @@ from benchmarks.sim.client_book import UNMEASURED_RULES
 from benchmarks.sim.helix import reproduction
 from benchmarks.sim.policies import POLICY_NAMES
 from benchmarks.sim.scenarios import SCENARIOS, scenario
+from benchmarks.sim.shadow_rows import ROW_COSTS
 from benchmarks.sim.simulation import DELIVERY_RULES, Simulation
 from benchmarks.sim.workload import WorkloadConfig
 
@@ -57,6 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
         "default: the scenario's",
     )
     run.add_argument("--lorises", type=float, default=None, help="the share of servers that are lorises (0-1)")
+    run.add_argument(
+        "--shadow_fraction",
+        type=float,
+        nargs="+",
+        default=None,
+        help="shares of span sessions mirrored by shadow sessions on a replica (issue 37, decision 0268), one row each "
+        "on the same seed (0: none, the default; the client's own is 0.75)",
+    )
+    run.add_argument(
+        "--shadow_kv",
+        choices=("held", "none"),
+        default="held",
+        help="whether shadows hold their KV on the replica (none: their rows' cost alone)",
+    )
+    run.add_argument(
+        "--shadow_rows",
+        choices=ROW_COSTS,
+        default="calibrated",
+        help="a shadow row's cost to the replica's step: fitted to decision 0260's measurement, or the roofline's",
+    )
     run.add_argument("--json", type=Path, default=None, help="write the full reports here")
     helix = sub.add_parser("helix", help="reproduce Helix's 24-node max-flow figures under its capacity model")
     helix.add_argument("--time_limit_s", type=float, default=60.0, help="MILP seconds for the best-known search")
@@ -83,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         if value is not None
     }
-    base = scenario(args.scenario, seed=args.seed, **overrides)
+    base = scenario(
+        args.scenario, seed=args.seed, shadow_kv=args.shadow_kv == "held", shadow_rows=args.shadow_rows, **overrides
+    )
     if args.trace is not None:
         base = dataclasses.replace(base, workload=WorkloadConfig(trace_path=args.trace))
     elif args.clients is not None or args.sessions_per_client is not None:
@@ -96,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     reports = []
     for policy in args.policy:
         for rule in args.delivery_rule or [base.delivery_rule]:
-            report = Simulation(dataclasses.replace(base, policy=policy, delivery_rule=rule)).run()
-            reports.append(report)
-            print(report.table(), flush=True)
+            for fraction in args.shadow_fraction or [base.shadow_fraction]:
+                config = dataclasses.replace(base, policy=policy, delivery_rule=rule, shadow_fraction=fraction)
+                report = Simulation(config).run()
+                reports.append(report)
+                print(report.table(), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps([json.loads(r.to_json()) for r in reports], indent=2))
 

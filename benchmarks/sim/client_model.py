@@ -17,6 +17,7 @@ from benchmarks.sim.clock import Event, EventLoop
 from benchmarks.sim.delivery_judge import DeliveryJudge, SessionDelivery
 from benchmarks.sim.metrics import Metrics
 from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.shadows import ShadowBook, SimShadow
 from benchmarks.sim.view import SwarmView
 from benchmarks.sim.workload import Conversation
 from corolla.client.session.delivery import MOVE_PERIOD_S, Outpaced
@@ -67,6 +68,9 @@ class SimSession:
     loris_since_s: float | None = None  # since when its chain holds a loris
     on_loris: bool = False  # its chain held a loris
     stuck: bool = False  # its chain held a loris over LORIS_STUCK_S in a row
+    shadows: list[SimShadow | None] = field(default_factory=list)  # by hop of `route`: its shadow (`shadows`)
+    prefill_positions: int = 0  # positions its chain's last prefill sent (its shadows mirror them too)
+    shadow_positions: float = 1.0  # positions its shadows replay per decode token this turn (the prefill's spread)
 
 
 class ClientDriver:
@@ -86,6 +90,7 @@ class ClientDriver:
         on_cache_refusal: Callable[[SimSession, str], bool] | None = None,
         on_failure: Callable[[SimSession, str], None] | None = None,
         delivery: DeliveryJudge | None = None,
+        shadows: ShadowBook[SimSession] | None = None,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
@@ -98,6 +103,7 @@ class ClientDriver:
         self.on_cache_refusal = on_cache_refusal
         self.on_failure = on_failure  # a server failed a session's call (gone, or made up): its client's book learns
         self.delivery = delivery  # sessions time their hops' steps (and judge them: `delivery_judge`)
+        self.shadows = shadows  # hops mirrored on replicas (`shadows`); None: no verification
         self._next_sid = 0
 
     def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
@@ -131,6 +137,7 @@ class ClientDriver:
             return
         assert session.route is not None
         tokens = session.context - session.kv_on_route + new_tokens
+        session.prefill_positions = tokens
         duration = session.net_s
         for server, start, end in session.route:
             _, step_s, busy = server.batch()
@@ -145,6 +152,7 @@ class ClientDriver:
         session.context += new_tokens + (1 if session.record_ttft else 0)
         session.kv_on_route = session.context
         session.phase = "decode"
+        session.shadow_positions = 1.0 + session.prefill_positions / max(session.remaining, 1)
         assert session.route is not None
         for server, _, _ in session.route:
             server.rows += 1
@@ -166,6 +174,8 @@ class ClientDriver:
         for server, _, _ in session.route:
             server.visit_rate += rate - own
         session.visit_rate = rate
+        if self.shadows is not None:
+            self.shadows.pace(session)
         tokens = min(CHUNK_TOKENS, session.remaining, max(1, int(CHUNK_MAX_S / tpot)) if tpot > 0 else CHUNK_TOKENS)
         if self.delivery is not None:  # what the client times at each hop: its step there and the RTT to it
             session.hop_steps_s = [hop_s + rtt_s for hop_s, rtt_s in zip(hops_s, session.hop_rtts_s, strict=True)]
@@ -194,6 +204,8 @@ class ClientDriver:
                     self.metrics.new_server_tokens += tokens
             server.tokens_served += tokens
             server.context_tokens += tokens
+        if self.shadows is not None:
+            self.shadows.credit(session, tokens, now)
         session.context += tokens
         session.kv_on_route = session.context
         session.remaining -= tokens
@@ -237,8 +249,13 @@ class ClientDriver:
             server.reserve(a, b, need)
         region = session.conversation.region
         rtts = [self.view.client_rtts_s[region][server.peer_id] for server, _, _ in hops]
+        if self.shadows is not None:  # the hop's span session ends; the new hops' are drawn as new ones
+            self.shadows.end(session, index)
+            session.shadows[index : index + 1] = [None] * len(hops)
         session.route[index : index + 1] = hops
         session.hop_rtts_s[index : index + 1] = rtts
+        if self.shadows is not None:
+            self.shadows.draw(session, index, len(hops))
         session.delivery.new_hops(index, len(hops))
         session.net_s = self._net_s(region, session.route)
         self._route_changed(session)
@@ -247,6 +264,7 @@ class ClientDriver:
             self._count(session, "delivery_moves_back")
         self._count(session, "delivery_moves")
         # the history replayed on the new hops (a stream opened there: one RTT each), then decoding goes on
+        session.prefill_positions = session.context
         replay_s = sum(rtts)
         for server, a, b in hops:
             _, step_s, busy = server.batch()
@@ -313,6 +331,8 @@ class ClientDriver:
             server.context_tokens -= session.context
             server.visit_rate = max(server.visit_rate - session.visit_rate, 0.0) if server.rows else 0.0
         session.visit_rate = 0.0
+        if self.shadows is not None:
+            self.shadows.pace(session)
 
     def _end_turn(self, session: SimSession) -> None:
         self._leave_batches(session)
@@ -348,6 +368,8 @@ class ClientDriver:
                 server.reserve(start, end, -need)
         for server, _, _ in route:
             server.sessions.discard(session.sid)
+        if self.shadows is not None:
+            self.shadows.end_all(session)
         session.route, session.kv_on_route = None, 0
         self._route_changed(session)
 
@@ -395,6 +417,9 @@ class ClientDriver:
         session.delivery.new_hops(0, len(hops), len(session.delivery.clocks))
         session.attempts, session.wait_start_s = 0, None
         self._route_changed(session)
+        if self.shadows is not None:
+            session.shadows = [None] * len(hops)
+            self.shadows.draw(session, 0, len(hops))
         return True
 
     def _net_s(self, region: str, hops: list[tuple[SimServer, int, int]]) -> float:
@@ -430,7 +455,10 @@ class ClientDriver:
         session.event = self.loop.after(delay, retry)
 
     def on_server_lost(self, server: SimServer, detect_s: float) -> None:
-        """`server` stopped serving: every session holding KV there notices after `detect_s`, re-routes, replays."""
+        """`server` stopped serving: every session holding KV there notices after `detect_s`, re-routes, replays;
+        the shadows it ran end."""
+        if self.shadows is not None:
+            self.shadows.replica_lost(server)
         for sid in sorted(server.sessions):
             session = self.sessions[sid]
             phase = session.phase

@@ -24,6 +24,7 @@ class FlowSample:
     waiting: int = 0  # sessions without a chain, backing off after a refusal or failure
     kv_reserved: float = 0.0  # share of the ONLINE servers' KV cache that sessions reserved
     fetching: int = 0  # ONLINE servers fetching a move's new span while they serve their own
+    shadow_kv_reserved: float = 0.0  # of the ONLINE servers' KV cache, the share shadow sessions reserved
 
     @property
     def efficiency(self) -> float:
@@ -70,6 +71,16 @@ class Metrics:
     server_tokens: int = 0  # decode tokens times the servers of their chain (each server's share of the work)
     new_server_tokens: int = 0  # of those, the ones of servers in their first NEW_SERVER_S online after the warm-up
     new_server_s: float = 0.0  # the seconds those servers were in their first NEW_SERVER_S (the run's end cuts it)
+    # shadow sessions (`shadows`): hops drawn to be mirrored, and of those opened on a replica, without one, refused
+    # for KV, failed (the replica gone or moved since the client's records), ended by their replica leaving
+    shadows_drawn: int = 0
+    shadows_opened: int = 0
+    shadows_no_replica: int = 0
+    shadows_refused: int = 0
+    shadows_failed: int = 0
+    shadows_lost: int = 0
+    token_blocks: int = 0  # decode tokens x the blocks of each hop (counted where shadows run)
+    shadow_position_blocks: float = 0.0  # the positions shadows replayed for them x their blocks
     calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
@@ -122,11 +133,13 @@ class Report:
     cpu_s: float  # process time: on a loaded shared machine, what an idle core would have taken
     calls_wall_s: dict[str, float]
     events: int
+    # shadow verification (`shadows`): its options, counters, replayed work over the real, KV share; {} without
+    shadows: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(cls, metrics: Metrics, *, scenario: str, policy: str, seed: int, servers_start: int,
               duration_s: float, wall_s: float, cpu_s: float, events: int, delivery_rule: str = "announced",
-              lorises: int = 0) -> Report:  # fmt: skip
+              lorises: int = 0, shadows: dict[str, Any] | None = None) -> Report:  # fmt: skip
         measured = max(duration_s - metrics.measure_from_s, 1e-9)
         ttft = _weighted_percentiles(metrics.ttft_s, [1] * len(metrics.ttft_s))
         samples = [s for s in metrics.flow if s.time_s >= metrics.measure_from_s] or metrics.flow
@@ -200,6 +213,22 @@ class Report:
             cpu_s=cpu_s,
             calls_wall_s=dict(metrics.calls_s),
             events=events,
+            shadows={}
+            if shadows is None
+            else {
+                **shadows,
+                "drawn": metrics.shadows_drawn,
+                "opened": metrics.shadows_opened,
+                "no_replica": metrics.shadows_no_replica,
+                "refused_for_kv": metrics.shadows_refused,
+                "failed": metrics.shadows_failed,
+                "lost_replica": metrics.shadows_lost,
+                "replayed_over_served": metrics.shadow_position_blocks / metrics.token_blocks
+                if metrics.token_blocks
+                else 0.0,
+                "kv_share_mean": float(np.mean([s.shadow_kv_reserved for s in samples])) if samples else 0.0,
+                "kv_reserved_mean": float(np.mean([s.kv_reserved for s in samples])) if samples else 0.0,
+            },
         )
 
     def to_json(self) -> str:
@@ -233,7 +262,7 @@ class Report:
             "wall_s": round(self.wall_s, 1),
             "cpu_s": round(self.cpu_s, 1),
             "calls_wall_s": round(sum(self.calls_wall_s.values()), 1),
-        }
+        } | {f"shadows_{k}": round(v, 4) if isinstance(v, float) else v for k, v in self.shadows.items()}
 
     def table(self) -> str:
         rows = self.summary()

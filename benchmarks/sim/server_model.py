@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from benchmarks.sim.catalogue import STEP_OVERHEAD_S, ServerPerf
+from benchmarks.sim.shadow_rows import ShadowLoad, expected_step_s
 from corolla.protocol.records import ServerInfo, ServerState
 from corolla.server.throughput import derive_throughput
 from corolla.swarm.policy import ServerCapacity
@@ -52,6 +53,11 @@ class SimServer:
     # bytes, so a request takes its blocks' share from the whole span's (`pooled_kv`)
     pooled_kv: bool = False
     sessions: set[int] = field(default_factory=set)  # ids of sessions holding KV here
+    # shadow sessions it runs as a replica (`benchmarks.sim.shadows`): their KV is reserved with `reserve` as a real
+    # session's, their requests (per second, as rows and KV tokens read: span-equivalent) ride its steps
+    shadows: set[object] = field(default_factory=set)
+    shadow_load: ShadowLoad = field(default_factory=ShadowLoad)
+    shadow_row_s: float = 0.0  # a shadow row's added time through one block (`shadow_rows.row_s`)
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
     info: ServerInfo | None = None
@@ -139,7 +145,10 @@ class SimServer:
         and Petals' runtimes do), not every session it holds: tokens of the others arrive at `visit_rate` less
         `own_rate` per second, so a step takes 1 + (the others' rate x its time) rows, at most all its sessions
         (saturated: every session in every step). Fixed point of rows = 1 + rate x step(rows), by a few iterations
-        from the saturated end (the step time grows with rows, so the iterates fall towards it)."""
+        from the saturated end (the step time grows with rows, so the iterates fall towards it). Shadow requests
+        (`shadow_load`) ride the steps (`_step_s`), and where no real step runs they make steps of their own."""
+        if self.shadow_load.requests_per_s > 0:
+            return self._shadowed_batch(own_rate)
         if self.rows <= 1:
             step_s = self.perf.decode_step_s(self.num_blocks, 1, self.context_tokens)
             return 1.0, step_s, 0.0
@@ -151,6 +160,34 @@ class SimServer:
             rows = min(float(self.rows), 1.0 + others * step_s)
         step_s = self.perf.decode_step_s(self.num_blocks, rows, rows * per_row)
         return rows, step_s, min(1.0, others * step_s / rows)
+
+    def _shadowed_batch(self, own_rate: float) -> tuple[float, float, float]:
+        """`batch` with shadow requests in the steps: the real rows' fixed point as there, each step's time the
+        expectation over the requests that arrived during the last one (`_step_s`); the server also steps for
+        requests arriving while no real step runs."""
+        load = self.shadow_load
+        if self.rows <= 1:
+            step_s = self._step_s(1.0, self.context_tokens)
+            return 1.0, step_s, min(1.0, load.requests_per_s * step_s)
+        others = max(self.visit_rate - own_rate, 0.0)
+        per_row = self.context_tokens / self.rows
+        rows = float(self.rows)
+        for _ in range(BATCH_ITERATIONS):
+            step_s = self._step_s(rows, rows * per_row)
+            rows = min(float(self.rows), 1.0 + others * step_s)
+        step_s = self._step_s(rows, rows * per_row)
+        real = min(1.0, others * step_s / rows)
+        return rows, step_s, min(1.0, real + (1.0 - real) * load.requests_per_s * step_s)
+
+    def _step_s(self, rows: float, context_tokens: float) -> float:
+        """A step's expected time with the shadow requests that arrive during a step (a fixed point: two rounds from
+        the step without them)."""
+        load = self.shadow_load
+        step_s = self.perf.decode_step_s(self.num_blocks, rows, context_tokens)
+        for _ in range(2):
+            step_s = expected_step_s(self.perf, self.num_blocks, rows, context_tokens, load.requests_per_s * step_s,
+                                     load, self.shadow_row_s)  # fmt: skip
+        return step_s
 
     def hop_s(self, blocks_used: int, own_rate: float = 0.0) -> float:
         """A decode token's time here: waiting for the step in progress (half a full-span step, when the others'
@@ -174,7 +211,7 @@ class SimServer:
             network_rps=float(self.perf.network_tps),
             cache_tokens_left=self.cache_tokens_left,
             next_pings=dict(self.next_pings) or None,
-            sessions_active=len(self.sessions),
+            sessions_active=len(self.sessions) + len(self.shadows),  # (the real server counts shadows: num_open)
             busy_fraction=float(min(max(self.busy_fraction, 0.0), 1.0)),
             tokens_served=self.tokens_served,
             num_moves=self.num_moves,

@@ -24,6 +24,8 @@ from benchmarks.sim.metrics import FlowSample, Metrics, Report
 from benchmarks.sim.policies import make_policy
 from benchmarks.sim.regions import REGIONS, RttModel
 from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.shadow_rows import ROW_COSTS, ROW_FLOPS_EFFICIENCY, row_s
+from benchmarks.sim.shadows import ShadowBook, held_kv
 from benchmarks.sim.view import SwarmView
 from benchmarks.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.protocol.records import RemoteSpanInfo, ServerState
@@ -76,6 +78,12 @@ class SimConfig:
     fake_servers: int = 0  # made-up records claiming every block at a great speed (`client_book.fake_records`)
     delivery_rule: str = "announced"  # `DELIVERY_RULES`
     loris_fraction: float = 0.0  # the share of servers that are lorises (`lorises`), drawn from their own stream
+    # verification by shadow sessions (`shadows`, decision 0268): the share of span sessions mirrored on a replica
+    # (0: none, every figure as before; the client's default is 0.75), whether shadows hold their KV there, and what
+    # a shadow row costs the replica's step (`shadow_rows.ROW_COSTS`: fitted to decision 0260, or the roofline alone)
+    shadow_fraction: float = 0.0
+    shadow_kv: bool = True
+    shadow_rows: str = "calibrated"
 
     def __post_init__(self) -> None:
         unknown = set(self.fleet) - set(GPUS)
@@ -85,6 +93,10 @@ class SimConfig:
             raise ValueError(f"delivery_rule must be one of {DELIVERY_RULES}, got {self.delivery_rule!r}")
         if not 0.0 <= self.loris_fraction <= 1.0:
             raise ValueError(f"loris_fraction must be within [0, 1], got {self.loris_fraction}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction must be within [0, 1], got {self.shadow_fraction}")
+        if self.shadow_rows not in ROW_COSTS:
+            raise ValueError(f"shadow_rows must be one of {ROW_COSTS}, got {self.shadow_rows!r}")
         if self.servers < 1 or self.duration_s <= 0:
             raise ValueError(f"need servers >= 1 and duration_s > 0, got {self.servers}, {self.duration_s}")
 
@@ -95,7 +107,7 @@ class Simulation:
         self.loop = EventLoop()
         self.rngs = {
             name: random.Random(f"{c.seed}/{name}")
-            for name in ("fleet", "churn", "policy", "route", "work", "pings", "books", "lorises")
+            for name in ("fleet", "churn", "policy", "route", "work", "pings", "books", "lorises", "shadows")
         }
         self.policy = make_policy(c.policy)
         # corolla's servers re-announce early on a large change of free cache and its clients re-read the records and
@@ -118,6 +130,18 @@ class Simulation:
             if c.delivery_rule == "judged"
             else None
         )
+        self.shadows: ShadowBook[SimSession] | None = (
+            ShadowBook(
+                c.shadow_fraction,
+                self.rngs["shadows"],
+                self._replica_candidates,
+                self.view.servers,
+                self.metrics,
+                hold_kv=c.shadow_kv,
+            )  # fmt: skip
+            if c.shadow_fraction > 0
+            else None
+        )
         self.clients = ClientDriver(
             self.loop,
             self.view,
@@ -131,6 +155,7 @@ class Simulation:
             on_cache_refusal=self._on_cache_refusal if self.corolla_peers else None,
             on_failure=self._on_failure,
             delivery=self.delivery,
+            shadows=self.shadows,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -201,6 +226,7 @@ class Simulation:
             curve=self.curves[gpu],
             cache_curve=self.cache_curves[gpu],
             pooled_kv=not self.corolla_peers,
+            shadow_row_s=row_s(perf, ROW_FLOPS_EFFICIENCY if c.shadow_rows == "calibrated" else 0.0),
         )
         if self.rngs["lorises"].random() < c.loris_fraction:
             make_loris(server)
@@ -467,6 +493,20 @@ class Simulation:
             self._route_memo[key] = chain
         return chain
 
+    def _replica_candidates(self, session: SimSession, start: int, end: int, server: str) -> list[str]:
+        """The servers of `session`'s client's view that may run the shadow of its hop over [start, end) on `server`
+        (`StretchReferees.replicas`: holding the blocks whole, not the hop's server, not banned by its client), once
+        each, in the view's order."""
+        spans, _ = self._client_view(session)
+        now = self.loop.now_s
+        peers = {
+            span.peer_id: None
+            for span in spans
+            if span.peer_id != server and span.start <= start and end <= span.end
+            and session.banned.get(span.peer_id, now) <= now
+        }  # fmt: skip
+        return list(peers)
+
     def _client(self, session: SimSession) -> RoutedLoad | None:
         """The closed-loop client that opened `session` (None for open arrivals: each is its own client)."""
         if session.slot is None:
@@ -518,8 +558,9 @@ class Simulation:
         reserved = sum(s.kv_reserved_token_blocks for s in online) / max(capacity, 1)
         best_tps = max(best.flow_tps, flow)
         fetching = sum(1 for s in online if s.fetching is not None)
+        shadow_kv = sum(held_kv(s) for s in online) / max(capacity, 1)
         self.metrics.flow.append(
-            FlowSample(self.loop.now_s, flow, best_tps, len(online), decoding, waiting, reserved, fetching)
+            FlowSample(self.loop.now_s, flow, best_tps, len(online), decoding, waiting, reserved, fetching, shadow_kv)
         )
         logger.info(f"sim.state(time_s={self.loop.now_s:.0f}, decoding={decoding}, waiting={waiting}, "
                     f"kv_reserved={reserved:.2f}, flow_tps={flow:.0f})")  # fmt: skip
@@ -577,4 +618,7 @@ class Simulation:
             events=self.loop.events_run,
             delivery_rule=c.delivery_rule,
             lorises=sum(1 for s in self.servers if s.hold_step_s),
+            shadows=None
+            if self.shadows is None
+            else {"fraction": c.shadow_fraction, "kv": c.shadow_kv, "rows": c.shadow_rows},
         )
