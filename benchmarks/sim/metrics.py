@@ -81,6 +81,8 @@ class Metrics:
     shadows_lost: int = 0
     token_blocks: int = 0  # decode tokens x the blocks of each hop (counted where shadows run)
     shadow_position_blocks: float = 0.0  # the positions shadows replayed for them x their blocks
+    # the servers' steps with their shadows' requests over without, less 1, weighted by real tokens/s, over time
+    shadow_step_costs: list[float] = field(default_factory=list)
     calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
@@ -226,6 +228,7 @@ class Report:
                 "replayed_over_served": metrics.shadow_position_blocks / metrics.token_blocks
                 if metrics.token_blocks
                 else 0.0,
+                "step_cost_mean": float(np.mean(metrics.shadow_step_costs)) if metrics.shadow_step_costs else 0.0,
                 "kv_share_mean": float(np.mean([s.shadow_kv_reserved for s in samples])) if samples else 0.0,
                 "kv_reserved_mean": float(np.mean([s.kv_reserved for s in samples])) if samples else 0.0,
             },

@@ -67,6 +67,18 @@ def held_kv(server: SimServer) -> int:
     return sum(x.need * (x.end - x.start) for x in server.shadows if isinstance(x, SimShadow))
 
 
+def step_cost(server: SimServer) -> float:
+    """How much longer `server`'s steps take with its shadows' requests than without (0: none ride them)."""
+    if server.shadow_load.requests_per_s <= 0:
+        return 0.0
+    with_shadows = server.batch()[1]
+    load, server.shadow_load = server.shadow_load, ShadowLoad()
+    try:
+        return with_shadows / server.batch()[1] - 1
+    finally:
+        server.shadow_load = load
+
+
 class ShadowBook(Generic[S]):
     """Every shadow of a run. `candidates(session, start, end, server)`: peer ids of the client's view that could be
     the replica of `session`'s hop over [start, end) on `server` (`Simulation._replica_candidates`)."""

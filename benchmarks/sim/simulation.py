@@ -25,7 +25,7 @@ from benchmarks.sim.policies import make_policy
 from benchmarks.sim.regions import REGIONS, RttModel
 from benchmarks.sim.server_model import SimServer
 from benchmarks.sim.shadow_rows import ROW_COSTS, ROW_FLOPS_EFFICIENCY, row_s
-from benchmarks.sim.shadows import ShadowBook, held_kv
+from benchmarks.sim.shadows import ShadowBook, held_kv, step_cost
 from benchmarks.sim.view import SwarmView
 from benchmarks.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.protocol.records import RemoteSpanInfo, ServerState
@@ -49,6 +49,7 @@ MAX_NEXT_PINGS = 10  # Petals pings <= 5 servers of its span's inner uids + <= 5
 # how clients weigh a span's server (decision 0195): "announced", by the records' figures alone (main before decision
 # 0189, the baseline), or "judged", by what it delivers too (0189: `delivery_judge`, what the client runs)
 DELIVERY_RULES = ("announced", "judged")
+SHADOW_PROBE_S = 30.0  # how often a run with shadows reads what their rows cost the servers' steps (`_shadow_probe`)
 
 
 @dataclass(frozen=True)
@@ -565,6 +566,16 @@ class Simulation:
         logger.info(f"sim.state(time_s={self.loop.now_s:.0f}, decoding={decoding}, waiting={waiting}, "
                     f"kv_reserved={reserved:.2f}, flow_tps={flow:.0f})")  # fmt: skip
 
+    def _shadow_probe(self) -> None:
+        """The shadows' rows' cost to the swarm's steps now: each ONLINE server's step with its shadows' requests
+        over without (`step_cost`), weighted by the real tokens/s through it; every `SHADOW_PROBE_S` (it reads the
+        servers, changes nothing)."""
+        online = [s for s in self.view.servers.values() if s.state == ServerState.ONLINE and s.visit_rate > 0]
+        weight = sum(s.visit_rate for s in online)
+        if weight > 0:
+            self.metrics.shadow_step_costs.append(sum(s.visit_rate * step_cost(s) for s in online) / weight)
+        self.loop.after(SHADOW_PROBE_S, self._shadow_probe)
+
     # --- the run ---
 
     def run(self, on_progress: Callable[[float, float], None] | None = None, progress_every_s: float = 300.0) -> Report:
@@ -587,6 +598,8 @@ class Simulation:
             self.loop.at(c.announce_period_s, self._early_announce_tick)
         self.loop.at(0.0, self._client_refresh)
         self.loop.at(c.warmup_s, self._snapshot)
+        if self.shadows is not None:
+            self.loop.at(c.warmup_s, self._shadow_probe)
         w = c.workload
         if w.concurrent_clients is not None:
             slots = w.concurrent_clients * w.sessions_per_client
