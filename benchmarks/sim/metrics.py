@@ -83,6 +83,7 @@ class Metrics:
     shadow_position_blocks: float = 0.0  # the positions shadows replayed for them x their blocks
     # the servers' steps with their shadows' requests over without, less 1, weighted by real tokens/s, over time
     shadow_step_costs: list[float] = field(default_factory=list)
+    shadow_hop_costs: list[float] = field(default_factory=list)  # and a decode token's time through their spans
     calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
@@ -229,6 +230,7 @@ class Report:
                 if metrics.token_blocks
                 else 0.0,
                 "step_cost_mean": float(np.mean(metrics.shadow_step_costs)) if metrics.shadow_step_costs else 0.0,
+                "hop_cost_mean": float(np.mean(metrics.shadow_hop_costs)) if metrics.shadow_hop_costs else 0.0,
                 "kv_share_mean": float(np.mean([s.shadow_kv_reserved for s in samples])) if samples else 0.0,
                 "kv_reserved_mean": float(np.mean([s.kv_reserved for s in samples])) if samples else 0.0,
             },

@@ -67,14 +67,15 @@ def held_kv(server: SimServer) -> int:
     return sum(x.need * (x.end - x.start) for x in server.shadows if isinstance(x, SimShadow))
 
 
-def step_cost(server: SimServer) -> float:
-    """How much longer `server`'s steps take with its shadows' requests than without (0: none ride them)."""
+def shadow_costs(server: SimServer) -> tuple[float, float]:
+    """How much longer `server`'s steps take with its shadows' requests than without, and a decode token's time
+    through its span (`SimServer.hop_s`: the step in progress waited for, shadow-only steps included); (0, 0): none."""
     if server.shadow_load.requests_per_s <= 0:
-        return 0.0
-    with_shadows = server.batch()[1]
+        return 0.0, 0.0
+    step_s, hop_s = server.batch()[1], server.hop_s(server.num_blocks)
     load, server.shadow_load = server.shadow_load, ShadowLoad()
     try:
-        return with_shadows / server.batch()[1] - 1
+        return step_s / server.batch()[1] - 1, hop_s / server.hop_s(server.num_blocks) - 1
     finally:
         server.shadow_load = load
 

@@ -25,7 +25,7 @@ from benchmarks.sim.policies import make_policy
 from benchmarks.sim.regions import REGIONS, RttModel
 from benchmarks.sim.server_model import SimServer
 from benchmarks.sim.shadow_rows import ROW_COSTS, ROW_FLOPS_EFFICIENCY, row_s
-from benchmarks.sim.shadows import ShadowBook, held_kv, step_cost
+from benchmarks.sim.shadows import ShadowBook, held_kv, shadow_costs
 from benchmarks.sim.view import SwarmView
 from benchmarks.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.protocol.records import RemoteSpanInfo, ServerState
@@ -567,13 +567,15 @@ class Simulation:
                     f"kv_reserved={reserved:.2f}, flow_tps={flow:.0f})")  # fmt: skip
 
     def _shadow_probe(self) -> None:
-        """The shadows' rows' cost to the swarm's steps now: each ONLINE server's step with its shadows' requests
-        over without (`step_cost`), weighted by the real tokens/s through it; every `SHADOW_PROBE_S` (it reads the
-        servers, changes nothing)."""
+        """The shadows' rows' cost to the swarm now: each ONLINE server's step and token time with its shadows'
+        requests over without (`shadow_costs`), weighted by the real tokens/s through it; every `SHADOW_PROBE_S` (it
+        reads the servers, changes nothing)."""
         online = [s for s in self.view.servers.values() if s.state == ServerState.ONLINE and s.visit_rate > 0]
         weight = sum(s.visit_rate for s in online)
         if weight > 0:
-            self.metrics.shadow_step_costs.append(sum(s.visit_rate * step_cost(s) for s in online) / weight)
+            costs = [(s.visit_rate, *shadow_costs(s)) for s in online]
+            self.metrics.shadow_step_costs.append(sum(w * step for w, step, _ in costs) / weight)
+            self.metrics.shadow_hop_costs.append(sum(w * hop for w, _, hop in costs) / weight)
         self.loop.after(SHADOW_PROBE_S, self._shadow_probe)
 
     # --- the run ---
