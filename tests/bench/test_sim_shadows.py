@@ -126,12 +126,14 @@ def test_shadows_hold_kv_and_rows_on_replicas_and_nothing_without_them(monkeypat
         shadows = report["shadows"]
         assert shadows["opened"] > 5 and shadows["drawn"] >= shadows["opened"] + shadows["no_replica"]
         assert 0 < shadows["kv_share_mean"] < shadows["kv_reserved_mean"]
+        assert shadows["step_cost_mean"] > 0 and shadows["hop_cost_mean"] > 0
         assert probe and all(0 < held <= reserved for held, reserved, _, _ in probe)
         assert any(with_s > without_s for _, _, with_s, without_s in probe)
         assert all(with_s >= without_s for _, _, with_s, without_s in probe)
     assert full["shadows"]["drawn"] > half["shadows"]["drawn"]
     assert full["shadows"]["replayed_over_served"] > half["shadows"]["replayed_over_served"] > 0
     assert full["shadows"]["kv_share_mean"] > half["shadows"]["kv_share_mean"]
+    assert full["shadows"]["step_cost_mean"] > half["shadows"]["step_cost_mean"]
 
     rows_only_probe: list[tuple[int, int, float, float]] = []
     rows_only = _run(1.0, kv=False, probe=rows_only_probe)
