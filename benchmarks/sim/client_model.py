@@ -69,8 +69,6 @@ class SimSession:
     on_loris: bool = False  # its chain held a loris
     stuck: bool = False  # its chain held a loris over LORIS_STUCK_S in a row
     shadows: list[SimShadow | None] = field(default_factory=list)  # by hop of `route`: its shadow (`shadows`)
-    prefill_positions: int = 0  # positions its chain's last prefill sent (its shadows mirror them too)
-    shadow_positions: float = 1.0  # positions its shadows replay per decode token this turn (the prefill's spread)
 
 
 class ClientDriver:
@@ -137,7 +135,6 @@ class ClientDriver:
             return
         assert session.route is not None
         tokens = session.context - session.kv_on_route + new_tokens
-        session.prefill_positions = tokens
         duration = session.net_s
         for server, start, end in session.route:
             _, step_s, busy = server.batch()
@@ -152,7 +149,6 @@ class ClientDriver:
         session.context += new_tokens + (1 if session.record_ttft else 0)
         session.kv_on_route = session.context
         session.phase = "decode"
-        session.shadow_positions = 1.0 + session.prefill_positions / max(session.remaining, 1)
         assert session.route is not None
         for server, _, _ in session.route:
             server.rows += 1
@@ -233,7 +229,7 @@ class ClientDriver:
         session.banned[old.peer_id] = max(before or now, now + MOVE_PERIOD_S)
         chain, trial_s = self._replacement(session, start, end, verdict)
         hops = [(self.view.servers[peer], a, b) for peer, a, b in chain if self._serves(peer, a, b)]
-        if not chain or len(hops) < len(chain) or any(server.kv_free_tokens(a, b) < need for server, a, b in hops):
+        if not chain or len(hops) < len(chain) or not all(self._room(server, a, b, need) for server, a, b in hops):
             if before is None:
                 del session.banned[old.peer_id]
             else:
@@ -246,7 +242,7 @@ class ClientDriver:
             old.sessions.discard(session.sid)
         for server, a, b in hops:
             server.sessions.add(session.sid)
-            server.reserve(a, b, need)
+            self._admit(server, a, b, need)
         region = session.conversation.region
         rtts = [self.view.client_rtts_s[region][server.peer_id] for server, _, _ in hops]
         if self.shadows is not None:  # the hop's span session ends; the new hops' are drawn as new ones
@@ -264,7 +260,6 @@ class ClientDriver:
             self._count(session, "delivery_moves_back")
         self._count(session, "delivery_moves")
         # the history replayed on the new hops (a stream opened there: one RTT each), then decoding goes on
-        session.prefill_positions = session.context
         replay_s = sum(rtts)
         for server, a, b in hops:
             _, step_s, busy = server.batch()
@@ -287,7 +282,7 @@ class ClientDriver:
         fits = [
             self.view.servers[peer]
             for peer in racers
-            if self._serves(peer, start, end) and self.view.servers[peer].kv_free_tokens(start, end) >= need
+            if self._serves(peer, start, end) and self._room(self.view.servers[peer], start, end, need)
         ]
         if not fits:
             return [], None
@@ -396,7 +391,7 @@ class ClientDriver:
                 self.on_failure(session, gone)
             return False
         hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
-        refusing = next((server for server, start, end in hops if server.kv_free_tokens(start, end) < need), None)
+        refusing = next((server for server, start, end in hops if not self._room(server, start, end, need)), None)
         if refusing is not None:
             self._count(session, "refusals")  # out of cache
             session.full = True  # for this whole wait: a user who gives up after it was turned away by a full swarm
@@ -410,7 +405,7 @@ class ClientDriver:
         session.full, session.cache_refusals = False, 0
         for server, start, end in hops:
             server.sessions.add(session.sid)
-            server.reserve(start, end, need)
+            self._admit(server, start, end, need)
         region = session.conversation.region
         session.route, session.net_s, session.kv_on_route = hops, self._net_s(region, hops), 0
         session.hop_rtts_s = [self.view.client_rtts_s[region][server.peer_id] for server, _, _ in hops]
@@ -421,6 +416,18 @@ class ClientDriver:
             session.shadows = [None] * len(hops)
             self.shadows.draw(session, 0, len(hops))
         return True
+
+    def _room(self, server: SimServer, start: int, end: int, need: int) -> bool:
+        """Whether a session's `need` tokens fit on blocks [start, end) of `server`, its shadows yielding."""
+        if self.shadows is None:
+            return server.kv_free_tokens(start, end) >= need
+        return self.shadows.room(server, start, end, need)
+
+    def _admit(self, server: SimServer, start: int, end: int, need: int) -> None:
+        """Reserves a session's `need` tokens on blocks [start, end) of `server`, ending the shadows that yield them."""
+        if self.shadows is not None:
+            self.shadows.make_room(server, start, end, need)
+        server.reserve(start, end, need)
 
     def _net_s(self, region: str, hops: list[tuple[SimServer, int, int]]) -> float:
         """A token's time on the wire through `hops` from and back to a client in `region`: servers push hidden

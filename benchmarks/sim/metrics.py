@@ -79,6 +79,7 @@ class Metrics:
     shadows_refused: int = 0
     shadows_failed: int = 0
     shadows_lost: int = 0
+    shadows_evicted: int = 0  # ended by the replica for a real session's KV (`server.core.admission`)
     token_blocks: int = 0  # decode tokens x the blocks of each hop (counted where shadows run)
     shadow_position_blocks: float = 0.0  # the positions shadows replayed for them x their blocks
     # the servers' steps with their shadows' requests over without, less 1, weighted by real tokens/s, over time
@@ -226,6 +227,7 @@ class Report:
                 "refused_for_kv": metrics.shadows_refused,
                 "failed": metrics.shadows_failed,
                 "lost_replica": metrics.shadows_lost,
+                "evicted": metrics.shadows_evicted,
                 "replayed_over_served": metrics.shadow_position_blocks / metrics.token_blocks
                 if metrics.token_blocks
                 else 0.0,

@@ -4,12 +4,14 @@ each time a chain is made or a hop moved) is mirrored with probability `fraction
 the servers of the client's view that hold the hop's blocks whole, the hop's server and those its client bans left
 out (`StretchReferees.replicas`, then its first; the sim has no disputes, so no co-witness goes last); with none,
 the hop is not verified. The shadow opens a session of the span session's length on the replica: it reserves the
-same KV there (a replica without room refuses it, and the hop goes unverified, as the real shadow's failed open), and
-holds it until the hop ends. Its positions (the prefill's and every decode token's, as the client mirrors them) reach
-the replica `SHADOW_BATCH_ROWS` at a time as rows of its merged steps (`shadow_rows`), at the hop's own pace: the
-session's tokens/s x positions per decode token this turn (the prefill's spread over the turn's decode). A replica
-that leaves or moves ends its shadows (the hop goes on unverified). `hold_kv=False` keeps the rows and drops the KV:
-the two costs apart."""
+same KV there (a replica without room refuses it, and the hop goes unverified, as the real shadow's failed open) and
+holds it until the hop ends, or until a real session needs that room: a corolla replica's admission ends shadows,
+youngest first, for a real newcomer (`server.core.admission`; a stock Petals replica does not). Its decode positions
+reach the replica `SHADOW_BATCH_ROWS` at a time as rows of its merged steps (`shadow_rows`), at the hop's own pace
+(the session's tokens/s). Its prefill positions are not charged, as no prefill (a real session's prompt, a replayed
+history) is charged to any server's steps in the simulator: the shadows add to the steps what they add to the decode
+rows, the fraction that 0260 measured. A replica that leaves or moves ends its shadows (the hop goes on unverified).
+`hold_kv=False` keeps the rows and drops the KV: the two costs apart."""
 
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ class MirroredSession(Protocol):
     route: list[tuple[SimServer, int, int]] | None
     shadows: list[SimShadow | None]  # by hop of `route`
     visit_rate: float  # its decode tokens/s now
-    shadow_positions: float  # positions mirrored per decode token this turn
     context: int
 
 
@@ -54,6 +55,7 @@ class SimShadow:
     start: int
     end: int
     need: int
+    opened_s: float
     load: ShadowLoad = field(default_factory=ShadowLoad)
 
     @property
@@ -91,17 +93,12 @@ class ShadowBook(Generic[S]):
         candidates: Callable[[S, int, int, str], list[str]],
         servers: Mapping[str, SimServer],
         metrics: Metrics,
+        now_s: Callable[[], float],
         *,
         hold_kv: bool = True,
     ):
-        self.fraction, self.rng, self.candidates, self.servers, self.metrics = (
-            fraction,
-            rng,
-            candidates,
-            servers,
-            metrics,
-        )
-        self.hold_kv = hold_kv
+        self.fraction, self.rng, self.candidates = fraction, rng, candidates
+        self.servers, self.metrics, self.now_s, self.hold_kv = servers, metrics, now_s, hold_kv
 
     def draw(self, session: S, first: int, count: int) -> None:
         """Draws the shadows of `session`'s hops [first, first + count), new span sessions (`session.shadows` holds
@@ -130,15 +127,39 @@ class ShadowBook(Generic[S]):
                 continue
             if need:
                 replica.reserve(start, end, need)
-            shadow = SimShadow(session, replica, start, end, need)
+            shadow = SimShadow(session, replica, start, end, need, self.now_s())
             replica.shadows.add(shadow)
             session.shadows[index] = shadow
             self._count(session, "shadows_opened")
 
+    def room(self, server: SimServer, start: int, end: int, need: int) -> bool:
+        """Whether a real session's `need` tokens fit on blocks [start, end) of `server` once its shadows there yield
+        (`server.core.admission`: a shadow yields whole to a real newcomer, youngest first)."""
+        if server.kv_free_tokens(start, end) >= need:
+            return True
+        if server.pooled_kv:  # a stock Petals replica: its shadows are sessions like any other
+            return False
+        yielding = [x for x in self._holding(server) if x.start < end and start < x.end]
+        if not yielding:
+            return False
+        freed = {block: sum(x.need for x in yielding if x.start <= block < x.end) for block in range(start, end)}
+        reserved = max(server.kv_reserved.get(block, 0) - freed[block] for block in range(start, end))
+        return server.kv_capacity_tokens - reserved >= need
+
+    def make_room(self, server: SimServer, start: int, end: int, need: int) -> None:
+        """Ends `server`'s shadows on blocks [start, end), youngest first, until a real session's `need` tokens fit
+        there (`room` said they would)."""
+        yielding = [x for x in self._holding(server) if x.start < end and start < x.end]
+        for shadow in sorted(yielding, key=lambda x: (-x.opened_s, x.session.sid, x.start)):
+            if server.kv_free_tokens(start, end) >= need:
+                return
+            self._end_shadow(shadow)
+            self._count(shadow.session, "shadows_evicted")
+
     def pace(self, session: MirroredSession) -> None:
-        """Sets what each of `session`'s shadows sends its replica from now: its positions at the session's pace
-        (`visit_rate` tokens/s x `shadow_positions` positions a token), each request reading the session's KV."""
-        positions_s = session.visit_rate * session.shadow_positions
+        """Sets what each of `session`'s shadows sends its replica from now: its decode positions at the session's
+        pace (`visit_rate` tokens/s), each request reading the session's KV."""
+        positions_s = session.visit_rate
         for shadow in session.shadows:
             if shadow is None:
                 continue
@@ -164,9 +185,17 @@ class ShadowBook(Generic[S]):
             (x for x in server.shadows if isinstance(x, SimShadow)), key=lambda x: (x.session.sid, x.start)
         )
         for shadow in shadows:
-            index = next(i for i, s in enumerate(shadow.session.shadows) if s is shadow)
-            self.end(shadow.session, index)
+            self._end_shadow(shadow)
             self._count(shadow.session, "shadows_lost")
+
+    @staticmethod
+    def _holding(server: SimServer) -> list[SimShadow]:
+        """`server`'s shadows that hold KV there."""
+        return [x for x in server.shadows if isinstance(x, SimShadow) and x.need]
+
+    def _end_shadow(self, shadow: SimShadow) -> None:
+        index = next(i for i, s in enumerate(shadow.session.shadows) if s is shadow)
+        self.end(shadow.session, index)
 
     def credit(self, session: MirroredSession, tokens: int, now_s: float) -> None:
         """`tokens` decoded through `session`'s chain: the positions its shadows replay for them and the real work,
@@ -176,7 +205,7 @@ class ShadowBook(Generic[S]):
         for (_, start, end), shadow in zip(session.route, session.shadows, strict=True):
             self.metrics.token_blocks += tokens * (end - start)
             if shadow is not None:
-                self.metrics.shadow_position_blocks += tokens * session.shadow_positions * (end - start)
+                self.metrics.shadow_position_blocks += tokens * (end - start)
 
     def _set(self, shadow: SimShadow, load: ShadowLoad) -> None:
         total = shadow.replica.shadow_load

@@ -138,6 +138,7 @@ class Simulation:
                 self._replica_candidates,
                 self.view.servers,
                 self.metrics,
+                lambda: self.loop.now_s,
                 hold_kv=c.shadow_kv,
             )  # fmt: skip
             if c.shadow_fraction > 0
