@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import pytest
 
 from benchmarks.sim.catalogue import GPUS, LLAMA2_70B, ServerPerf
+from benchmarks.sim.client_model import SimSession
+from benchmarks.sim.metrics import Metrics
 from benchmarks.sim.scenarios import scenario
 from benchmarks.sim.server_model import SimServer
 from benchmarks.sim.shadow_rows import (
@@ -21,8 +24,10 @@ from benchmarks.sim.shadow_rows import (
     expected_block_s,
     row_s,
 )
-from benchmarks.sim.shadows import held_kv
+from benchmarks.sim.shadows import ShadowBook, held_kv
 from benchmarks.sim.simulation import Simulation
+from benchmarks.sim.workload import Conversation
+from corolla.protocol.records import ServerState
 
 DURATION_S = 1100.0  # the tiny swarm: 10 minutes of warm-up, then 500 s measured
 
@@ -141,3 +146,35 @@ def test_shadows_hold_kv_and_rows_on_replicas_and_nothing_without_them(monkeypat
     assert rows_only["shadows"]["replayed_over_served"] > 0
     assert rows_only_probe and all(held == 0 for held, _, _, _ in rows_only_probe)
     assert any(with_s > without_s for _, _, with_s, without_s in rows_only_probe)
+
+
+def test_a_real_session_ends_the_youngest_shadows_for_its_room_on_a_corolla_replica() -> None:
+    """A corolla replica full of shadows admits a real session by ending shadows, youngest first, no more than it
+    needs (`server.core.admission`); a stock Petals replica (pooled KV) ends none; a shadow never ends another."""
+    perf = ServerPerf(GPUS["RTX-3090"], LLAMA2_70B, "nf4")
+    replica = SimServer("r", "us-east", perf, 10, 0.0, start=0, end=10, state=ServerState.ONLINE)
+    hop = SimServer("h", "us-east", perf, 10, 0.0, start=0, end=10, state=ServerState.ONLINE)
+    clock = [0.0]
+    metrics = Metrics()
+    book: ShadowBook[SimSession] = ShadowBook(
+        1.0, random.Random(0), lambda *_: ["r"], {"r": replica, "h": hop}, metrics, lambda: clock[0]
+    )
+    need = replica.kv_capacity_tokens // 4
+    sessions = []
+    for sid in range(5):  # four fill the replica, the fifth is refused
+        clock[0] = float(sid)
+        session = SimSession(sid, Conversation(0.0, "us-east", ((need // 2, need - need // 2),)), None)
+        session.route, session.shadows = [(hop, 0, 10)], [None]
+        book.draw(session, 0, 1)
+        sessions.append(session)
+    assert [s.shadows[0] is not None for s in sessions] == [True] * 4 + [False]
+    assert metrics.shadows_refused == 1 and replica.kv_free_tokens(0, 10) < need
+    assert not book.room(replica, 0, 10, replica.kv_capacity_tokens + 1)
+    assert book.room(replica, 0, 10, 2 * need)
+    book.make_room(replica, 0, 10, 2 * need)
+    assert [s.shadows[0] is not None for s in sessions[:4]] == [True, True, False, False]  # the two youngest
+    assert metrics.shadows_evicted == 2 and 2 * need <= replica.kv_free_tokens(0, 10) < 3 * need
+    assert len(replica.shadows) == 2 and held_kv(replica) == 2 * need * 10
+
+    replica.pooled_kv = True
+    assert replica.kv_free_tokens(0, 10) >= 2 * need and not book.room(replica, 0, 10, 3 * need)
