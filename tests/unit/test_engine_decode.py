@@ -49,6 +49,19 @@ def run_steps(engine, session, steps):
     return [engine.step(session, x, position) for x, position in steps]
 
 
+def assert_decode_matches_blocks(blocks, *, batch: int, prefix_tokens: int) -> None:
+    """A prefill of `prefix_tokens` then 3 one-token steps of `batch` rows through the engine equal the blocks' own
+    cached steps (atol 1e-4)."""
+    engine = make_engine(blocks)
+    steps = [(torch.randn(batch, prefix_tokens, H), 0)]
+    steps += [(torch.randn(batch, 1, H), prefix_tokens + i) for i in range(3)]
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
+    with engine.open_session(batch, MAX_LEN) as session:
+        got = run_steps(engine, session, steps)
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_prefill_then_decode_matches_blocks(family: str) -> None:
     blocks = make_blocks(family)
@@ -72,13 +85,7 @@ def test_yarn_rope_steps_match_blocks(family: str) -> None:
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
     blocks = make_blocks(family, rope_parameters=yarn)
     assert blocks[0].attn.rotary.attention_scaling > 1.1
-    engine = make_engine(blocks)
-    steps = [(torch.randn(2, 21, H), 0)] + [(torch.randn(2, 1, H), 21 + i) for i in range(3)]
-    expected = cached_block_steps(blocks, MAX_LEN, steps)
-    with engine.open_session(2, MAX_LEN) as session:
-        got = run_steps(engine, session, steps)
-    for out, ref in zip(got, expected, strict=True):
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    assert_decode_matches_blocks(blocks, batch=2, prefix_tokens=21)
 
 
 def test_qwen2_sliding_window_steps_match_blocks() -> None:
@@ -87,13 +94,7 @@ def test_qwen2_sliding_window_steps_match_blocks() -> None:
     sliding = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2)
     blocks = make_blocks("qwen2", num_layers=2, **sliding)
     assert [block.attn.sliding_window for block in blocks] == [8, 8]
-    engine = make_engine(blocks)
-    steps = [(torch.randn(1, 20, H), 0)] + [(torch.randn(1, 1, H), 20 + i) for i in range(3)]
-    expected = cached_block_steps(blocks, MAX_LEN, steps)
-    with engine.open_session(1, MAX_LEN) as session:
-        got = run_steps(engine, session, steps)
-    for out, ref in zip(got, expected, strict=True):
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    assert_decode_matches_blocks(blocks, batch=1, prefix_tokens=20)
 
 
 def test_batched_ragged_decode_equals_each_session_alone() -> None:
