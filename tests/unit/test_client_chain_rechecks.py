@@ -35,6 +35,18 @@ from helpers.fake_chain import HIDDEN, FakeManager, record_of, reference, vouch
 from helpers.framed_session import framed_client, run_framed
 
 
+def _framers(span: int = 4) -> dict[str, Server]:
+    """H (honest, the best figures: routed first) on blocks 0:`span`; SA and SB, one attacker's identities on the same
+    blocks, referee H's first step with the same made-up outputs (then answer honestly)."""
+    return {"H": Server(0, span, inference_rps=1e6), "SA": OneShot(0, span, lies=1), "SB": OneShot(0, span, lies=1)}
+
+
+def _outvoted_liar() -> dict[str, Server]:
+    """L lies at once (finite garbage, the best figures: routed first) on blocks 0:4; H1 and H2, honest, outvote it."""
+    liar = Server(0, 4, "garbage", inference_rps=1e6)
+    return {"L": liar, "H1": Server(0, 4, inference_rps=1e4), "H2": Server(0, 4, inference_rps=1e4)}
+
+
 @pytest.mark.parametrize("third_identity", [False, True], ids=["honest_chains", "a_third_identity_on_a_hop"])
 def test_two_identities_with_standing_cannot_frame_a_server_nobody_else_holds_whole(third_identity):
     """Decision 0232's gap (c). H (honest, routed first) serves 0:4; SA and SB, one attacker's identities that both have
@@ -45,15 +57,7 @@ def test_two_identities_with_standing_cannot_frame_a_server_nobody_else_holds_wh
     framers: nobody banned, H avoided, the framers lose their standing; with the attacker's third identity S3 on a hop
     of one chain (confirming them), the chains split: nobody banned, H avoided and the framers watched."""
     torch.manual_seed(6)
-    servers = {
-        "H": Server(0, 4, inference_rps=1e6),
-        "SA": OneShot(0, 4, lies=1),
-        "SB": OneShot(0, 4, lies=1),
-        "X1": Server(0, 2),
-        "X1b": Server(0, 2),
-        "X2": Server(2, 4),
-        "X2b": Server(2, 4),
-    }
+    servers = {**_framers(), "X1": Server(0, 2), "X1b": Server(0, 2), "X2": Server(2, 4), "X2b": Server(2, 4)}
     if third_identity:
         servers["S3"] = OneShot(2, 4, lies=1)  # (6 chains, each asked: 2 through S3)
     manager = framed_client(servers, "SA", "SB")
@@ -79,20 +83,10 @@ def test_a_chain_through_a_party_is_never_asked(held_by):
       clear L; there is none, and two standings ban (decision 0226): L banned for good (as on main)."""
     torch.manual_seed(6)
     if held_by == "the_framers":
-        servers = {
-            "H": Server(0, 4, inference_rps=1e6),
-            "SA": OneShot(0, 4, lies=1),
-            "SB": OneShot(0, 4, lies=1),
-            "X1": Server(0, 2),
-        }
+        servers = {**_framers(), "X1": Server(0, 2)}
         manager = framed_client(servers, "SA")
     else:
-        servers = {
-            "L": Server(0, 4, "garbage", inference_rps=1e6),
-            "H1": Server(0, 4, inference_rps=1e4),
-            "H2": Server(0, 4, inference_rps=1e4),
-            "X1": Server(0, 2),
-        }
+        servers = {**_outvoted_liar(), "X1": Server(0, 2)}
         manager = framed_client(servers, "H1", "H2")
     run_framed(manager, torch.randn(1, 6, HIDDEN), FramersFirst())
     assert servers["X1"].forward_calls == 0
@@ -108,13 +102,7 @@ def test_a_liar_is_still_banned_where_only_chains_recheck():
     0:4 whole, X1 (0:2) and X2 (2:4) together do: their chain confirms H1 and H2, and L is banned for good on H1's
     standing (spent: the ban rests on it alone, the chain being fresh)."""
     torch.manual_seed(7)
-    servers = {
-        "L": Server(0, 4, "garbage", inference_rps=1e6),
-        "H1": Server(0, 4, inference_rps=1e4),
-        "H2": Server(0, 4, inference_rps=1e4),
-        "X1": Server(0, 2),
-        "X2": Server(2, 4),
-    }
+    servers = {**_outvoted_liar(), "X1": Server(0, 2), "X2": Server(2, 4)}
     manager = framed_client(servers, "H1")
     run_framed(manager, torch.randn(1, 4, HIDDEN))
     assert manager.bans.is_liar("L") and servers["X1"].forward_calls == servers["X2"].forward_calls == 1
@@ -143,13 +131,7 @@ def test_a_chain_with_a_bfloat16_hop_is_compared_at_bfloat16s_tolerance():
     the honest witnesses, L was not banned and H1 and H2 lost their standing. Now a chain's answer is compared in the
     coarsest dtype any hop sent (as one server computing in bfloat16 is): it confirms them, L banned for good."""
     torch.manual_seed(7)
-    servers = {
-        "L": Server(0, 4, "garbage", inference_rps=1e6),
-        "H1": Server(0, 4, inference_rps=1e4),
-        "H2": Server(0, 4, inference_rps=1e4),
-        "X1": InDtype(0, 2, torch.bfloat16),
-        "X2": InDtype(2, 4, torch.float32),
-    }
+    servers = {**_outvoted_liar(), "X1": InDtype(0, 2, torch.bfloat16), "X2": InDtype(2, 4, torch.float32)}
     manager = framed_client(servers, "H1")
     run_framed(manager, torch.randn(1, 4, HIDDEN))
     assert servers["X1"].forward_calls == servers["X2"].forward_calls == 1
@@ -187,14 +169,7 @@ def test_chains_that_start_alike_ask_their_first_hop_once():
     ban on H1's one standing is none (decision 0232): L only avoided. Now a recheck's chains ask a hop the same
     request once (`chains.HopAnswers`): X1 answers both, they confirm, L banned for good."""
     torch.manual_seed(7)
-    servers = {
-        "L": Server(0, 4, "garbage", inference_rps=1e6),
-        "H1": Server(0, 4, inference_rps=1e4),
-        "H2": Server(0, 4, inference_rps=1e4),
-        "X1": OneAtATime(0, 2),
-        "X2a": Server(2, 4),
-        "X2b": Server(2, 4),
-    }
+    servers = {**_outvoted_liar(), "X1": OneAtATime(0, 2), "X2a": Server(2, 4), "X2b": Server(2, 4)}
     manager = framed_client(servers, "H1")
     run_framed(manager, torch.randn(1, 4, HIDDEN))
     assert servers["X1"].forward_calls == 1 and servers["X1"].refused == 0
@@ -382,15 +357,7 @@ def test_cheap_identities_on_single_blocks_cannot_crowd_the_honest_chains_out_of
     identity there), and each share is split among the servers at block 2 (X2, X2b and one identity): honest chains
     refute the framers in every draw, nobody is banned, H avoided, SA and SB lose their standing."""
     torch.manual_seed(6)
-    servers = {
-        "H": Server(0, 4, inference_rps=1e6),
-        "SA": OneShot(0, 4, lies=1),
-        "SB": OneShot(0, 4, lies=1),
-        "X1": Server(0, 2),
-        "X1b": Server(0, 2),
-        "X2": Server(2, 4),
-        "X2b": Server(2, 4),
-    }
+    servers = {**_framers(), "X1": Server(0, 2), "X1b": Server(0, 2), "X2": Server(2, 4), "X2b": Server(2, 4)}
     for block, count in ((0, 1), (1, 20), (2, 1), (3, 20)):
         servers |= {f"F{block}.{i}": Unanswering(block, block + 1, inference_rps=1.0) for i in range(count)}
     manager = framed_client(servers, "SA", "SB")
@@ -424,13 +391,7 @@ def test_cheap_identities_on_the_honest_servers_own_blocks_cannot_frame_a_server
     not seated per server get `RECORD_SEATS` more: X1 > X2 refutes the framers in every draw, nobody banned, SA and
     SB lose their standing."""
     torch.manual_seed(6)
-    servers = {
-        "H": Server(0, 4, inference_rps=1e6),
-        "SA": OneShot(0, 4, lies=1),
-        "SB": OneShot(0, 4, lies=1),
-        "X1": Server(0, 2),
-        "X2": Server(2, 4),
-    }
+    servers = {**_framers(), "X1": Server(0, 2), "X2": Server(2, 4)}
     servers |= _mirror(32)
     manager = framed_client(servers, "SA", "SB")  # (X1 > X2 of a record: always asked, beside 8 per server)
     _record(manager, 2, "X1", "X2")
@@ -510,13 +471,7 @@ def test_identities_with_standing_outside_cannot_push_a_recorded_chain_past_its_
     a record of 2. Main banned H for good on these seeds (9 of 20 overall): X1 > X2 drawn by the second tier past the
     8th seat got no record seat either. Now it does: refuted, nobody banned."""
     torch.manual_seed(6)
-    servers = {
-        "H": Server(0, 4, inference_rps=1e6),
-        "SA": OneShot(0, 4, lies=1),
-        "SB": OneShot(0, 4, lies=1),
-        "X1": Server(0, 2),
-        "X2": Server(2, 4),
-    }
+    servers = {**_framers(), "X1": Server(0, 2), "X2": Server(2, 4)}
     servers |= {f"C{i}": OnceFramer(0, 4) for i in range(7)}
     servers |= {f"M{i}": Unanswering(0, 4, inference_rps=1.0) for i in range(7)}
     manager = framed_client(servers, "SA", "SB", *(f"C{i}" for i in range(7)))
@@ -627,12 +582,7 @@ def test_shorter_attacker_chains_cannot_cut_an_honest_long_chain_out_of_a_framin
     X1 > ... > Xh refutes the framers: nobody banned, SA and SB lose their standing."""
     torch.manual_seed(6)
     span = 2 * hops
-    servers = {
-        "H": Server(0, span, inference_rps=1e6),
-        "SA": OneShot(0, span, lies=1),
-        "SB": OneShot(0, span, lies=1),
-        **_long_chain(hops, identities, layout),
-    }
+    servers = {**_framers(span), **_long_chain(hops, identities, layout)}
     servers |= {f"X{i + 1}b": Server(2 * i, 2 * i + 2) for i in range(hops)}
     manager = framed_client(servers, "SA", "SB", num_blocks=span)
     honest_chain = [f"X{i + 1}" for i in range(hops)]

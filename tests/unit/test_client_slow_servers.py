@@ -973,6 +973,37 @@ class SilentLieEchoingRacer(LieEchoingRacer):
         raise ConnectionError("the server is full, retry later")
 
 
+def _honest_pair_loses_to_the_liars_identity(
+    vouched: tuple[str, ...], h3: FakeServer
+) -> tuple[FakeManager, dict[str, FakeServer], RaceWatch]:
+    """0248's race (`test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not_refuted`): L (the
+    best figures) lied at the span's first 8 positions and holds every step from token 12; H1 and H2 honest (50 ms a
+    step, `vouched` with a witness's standing) are seated as a pair; W, L's second identity, answers its trial as L
+    lied within the pair's round (it wins the tie) and never answers as a referee; H3 (`h3`), the pair's honest outside
+    referee, answers its trial once W won; C on 2:4. Returns the manager, the servers and the race's events, the
+    session closed."""
+    torch.manual_seed(10)
+    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
+    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), h3
+    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
+    servers["W"] = SilentLieEchoingRacer(0, 2)
+    servers["C"] = FakeServer(2, 4)
+    manager = _manager(servers)
+    vouch(manager, *vouched)
+    watch = RaceWatch()
+
+    def turn() -> None:
+        _hold(servers, FirstPositionsLoris)()
+        servers["W"].after = watch.seated  # type: ignore[attr-defined]
+        servers["H3"].after = watch.won  # type: ignore[attr-defined]
+        if isinstance(h3, BusyForARound):
+            h3.free = watch.judged
+
+    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
+    assert [e.peer_id for e in events if e.action == "moved"] == ["L"] and route[0] == "W", (events, route)
+    return manager, servers, watch
+
+
 @pytest.mark.parametrize("vouched", [("H1", "H2"), ("H1",)], ids=["two_standings", "one_standing_lent"])
 def test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not_refuted(
     small_long_step_floor, vouched: tuple[str, ...]
@@ -985,24 +1016,7 @@ def test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not
     300 s (race after race, L and W could drain every honest server of the span). Now no referee heard is "unheard":
     nobody avoided or banned; a pair's own two standings kept; where H1 lent its standing to a fresh H2, it is spent
     (as a ban on one standing spends it: a liar pair may not keep it by losing) and the pair watched."""
-    torch.manual_seed(10)
-    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
-    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), BusyOutsider(0, 2)
-    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
-    servers["W"] = SilentLieEchoingRacer(0, 2)
-    servers["C"] = FakeServer(2, 4)
-    manager = _manager(servers)
-    vouch(manager, *vouched)
-    watch = RaceWatch()
-
-    def turn() -> None:
-        _hold(servers, FirstPositionsLoris)()
-        servers["W"].after = watch.seated  # type: ignore[attr-defined]
-        servers["H3"].after = watch.won  # type: ignore[attr-defined]
-
-    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
-    assert [e.peer_id for e in events if e.action == "moved"] == ["L"], events
-    assert route[0] == "W", route
+    manager, servers, watch = _honest_pair_loses_to_the_liars_identity(vouched, BusyOutsider(0, 2))
     waited = time.monotonic()  # (the lost pair is judged in the background)
     while not [e for e in watch if e.action == "judged"] and time.monotonic() - waited < 5:
         time.sleep(0.05)
@@ -1068,37 +1082,6 @@ def _rejudged_and_ended(manager: FakeManager, watch: RaceWatch, timeout_s: float
     while retries.running and time.monotonic() - waited < timeout_s:
         time.sleep(0.02)
     return retries.running == 0
-
-
-def _honest_pair_loses_to_the_liars_identity(
-    vouched: tuple[str, ...], h3: FakeServer
-) -> tuple[FakeManager, dict[str, FakeServer], RaceWatch]:
-    """0248's race (`test_honest_racers_losing_to_the_liars_identity_with_silent_referees_are_not_refuted`): L (the
-    best figures) lied at the span's first 8 positions and holds every step from token 12; H1 and H2 honest (50 ms a
-    step, `vouched` with a witness's standing) are seated as a pair; W, L's second identity, answers its trial as L
-    lied within the pair's round (it wins the tie) and never answers as a referee; H3 (`h3`), the pair's honest outside
-    referee, answers its trial once W won; C on 2:4. Returns the manager, the servers and the race's events, the
-    session closed."""
-    torch.manual_seed(10)
-    servers: dict[str, FakeServer] = {"L": FirstPositionsLoris(0, 2, inference_rps=1000.0)}
-    servers["H1"], servers["H2"], servers["H3"] = Referee(0, 2), Referee(0, 2), h3
-    servers["H1"].delay_s = servers["H2"].delay_s = HONEST_STEP_S
-    servers["W"] = SilentLieEchoingRacer(0, 2)
-    servers["C"] = FakeServer(2, 4)
-    manager = _manager(servers)
-    vouch(manager, *vouched)
-    watch = RaceWatch()
-
-    def turn() -> None:
-        _hold(servers, FirstPositionsLoris)()
-        servers["W"].after = watch.seated  # type: ignore[attr-defined]
-        servers["H3"].after = watch.won  # type: ignore[attr-defined]
-        if isinstance(h3, BusyForARound):
-            h3.free = watch.judged
-
-    _, _, route, events = _sixteen_steps(manager, turn, race_events=watch)
-    assert [e.peer_id for e in events if e.action == "moved"] == ["L"] and route[0] == "W", (events, route)
-    return manager, servers, watch
 
 
 @pytest.mark.parametrize("vouched", [("H1",), ("H1", "H2")], ids=["one_standing_lent", "two_standings"])
