@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from corolla.api.app import create_app
 from corolla.api.backend import SwarmBackend
 from corolla.api.serving import serve_in_thread
-from helpers.swarm import Swarm, inprocess_servers
+from helpers.swarm import Swarm, bootstrapped, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 CHAT_TIMEOUT_S = 60
@@ -47,9 +47,7 @@ def served_families(
         tokenizer = AutoTokenizer.from_pretrained(path)
         tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(path)
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap(timeout_s=bootstrap_timeout_s)
+    with bootstrapped(tmp_path_factory.mktemp("swarm"), timeout_s=bootstrap_timeout_s) as swarm:
         servers = [
             swarm.start_server(paths[family], "--block_indices", "0:2", "--throughput", "1.0", wait=False)
             for family in families
@@ -62,8 +60,6 @@ def served_families(
             for server in servers:
                 server.wait_ready(ready_timeout_s)
             yield swarm, paths
-    finally:
-        swarm.close()
 
 
 @functools.cache

@@ -102,6 +102,17 @@ class Swarm(LocalSwarm):
         super().close(grace_s)
 
 
+@contextmanager
+def bootstrapped(workdir: Path, timeout_s: float = 60.0) -> Iterator[Swarm]:
+    """A `Swarm` in `workdir` with its bootstrap node started; every process it started is stopped on exit."""
+    swarm = Swarm(workdir)
+    try:
+        swarm.start_bootstrap(timeout_s)
+        yield swarm
+    finally:
+        swarm.close()
+
+
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
     """A fresh loopback swarm manager; every process it started is killed (whole group) at teardown."""

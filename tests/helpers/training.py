@@ -19,7 +19,7 @@ from corolla.cli.demo import wait_for_coverage
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from helpers.swarm import Swarm, inprocess_servers
+from helpers.swarm import Swarm, bootstrapped, inprocess_servers
 from helpers.tiny_models import hf_layers, make_tiny_model, tiny_config
 
 PRE_SEQ_LEN = 3
@@ -54,9 +54,7 @@ def split_swarm(
     blocks, not another split."""
     models_dir = tmp_path_factory.mktemp("models")
     paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in families}
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap(timeout_s=180)
+    with bootstrapped(tmp_path_factory.mktemp("swarm"), timeout_s=180) as swarm:
         spans = [
             (path, blocks)
             for i, path in enumerate(paths.values())
@@ -64,8 +62,6 @@ def split_swarm(
         ]
         with inprocess_servers(spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers):
             yield swarm, paths
-    finally:
-        swarm.close()
 
 
 def reference_loss_and_grads(

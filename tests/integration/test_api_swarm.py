@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corolla.api.backend import plain_chat_prompt
 from helpers.ports import free_port
-from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
+from helpers.swarm import ManagedProcess, Swarm, bootstrapped, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -74,16 +74,12 @@ def gateway(tmp_path_factory):
     config = json.loads((model_path / "generation_config.json").read_text())
     config.update(GENERATION_DEFAULTS)
     (model_path / "generation_config.json").write_text(json.dumps(config))
-    swarm = Swarm(workdir)
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(workdir) as swarm:
         # the servers run in this process (what they serve is under test, not their process: two interpreter
         # start-ups less); the gateway stays a process (its CLI is under test)
         spans = [(model_path, blocks, {"metrics_port": free_port()}) for blocks in ("0:2", "2:4")]
         with inprocess_servers(spans, workdir / "cache", swarm.initial_peers) as servers:
             yield Gateway(swarm, model_path, servers)
-    finally:
-        swarm.close()
 
 
 def prompt_ids(gateway: Gateway) -> list[int]:

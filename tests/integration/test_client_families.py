@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -21,14 +21,10 @@ FAMILIES = ["mistral", "qwen2", "mixtral", "falcon", "falcon_mq", "bloom"]  # ll
 def swarm_with_models(tmp_path_factory: pytest.TempPathFactory):
     models_dir = tmp_path_factory.mktemp("models")
     paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in FAMILIES}
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         cache_dir = tmp_path_factory.mktemp("cache")
         with inprocess_servers([(path, "0:2") for path in paths.values()], cache_dir, swarm.initial_peers):
             yield swarm, paths
-    finally:
-        swarm.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

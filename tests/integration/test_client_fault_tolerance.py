@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import Swarm, bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -29,9 +29,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
     """Blocks 0:2 by a server in this process (never killed); 2:4 by three server processes (SIGKILL needs a
     process), all started at once: one for each SIGKILL of the fail-over cases, and the last for the outage."""
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         servers = [
             swarm.start_server(model_path, "--block_indices", "2:4", "--throughput", "1.0", wait=False)
             for _ in range(3)
@@ -41,8 +39,6 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
             for server in servers:
                 server.wait_ready(120)
             yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

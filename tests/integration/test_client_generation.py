@@ -10,7 +10,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import bootstrapped, inprocess_servers
 from transformers import AutoTokenizer, pipeline
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, RemoteSequential
@@ -24,15 +24,11 @@ pytestmark = pytest.mark.timeout(240)
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
     """A bootstrap node and two servers in this process (what they compute is under test, not their process: two
     interpreter start-ups less)."""
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         spans = [(model_path, blocks) for blocks in ("0:2", "2:4")]
         cache_dir = tmp_path_factory.mktemp("cache")
         with inprocess_servers(spans, cache_dir, swarm.initial_peers):
             yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from tests.helpers.hostile_server import start_hostile_server
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.cli.findings import main as findings_main
@@ -54,9 +54,7 @@ RECORD_TTL_S = 60.0
 def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
     """The liar is a process (its handler is patched); the honest servers run in this process (what they answer is
     under test, not their process: four interpreter start-ups less)."""
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         liar = start_hostile_server(
             swarm, model_path, "honest", "--block_indices", "0:2", "--expiration", str(RECORD_TTL_S),
             attract=True, mode_file=mode_file, wait=False,
@@ -70,8 +68,6 @@ def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
             liar.wait_ready(150)
             swarm.liar, swarm.honest = liar, honest
             yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

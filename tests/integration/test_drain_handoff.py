@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import Swarm, bootstrapped
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
@@ -34,9 +34,7 @@ def prompt() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         # one of them serves through handler processes: its sessions move to, or from, the device process's core
         servers = [
             swarm.start_server(DEMO, *SERVER_FLAGS, *extra, wait=False) for extra in (("--num_handlers", "2"), ())
@@ -44,8 +42,6 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
         for server in servers:
             server.wait_ready(120)
         yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

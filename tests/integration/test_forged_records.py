@@ -12,7 +12,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.dht.storage import DHTLocalStorage
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import Swarm, bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -42,16 +42,12 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
     """A bootstrap node and two honest servers in this process (their records are under test, not their
     process: two interpreter start-ups less); `swarm.honest` holds the servers."""
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         spans = [(model_path, blocks) for blocks in ("0:2", "2:4")]
         cache_dir = tmp_path_factory.mktemp("cache")
         with inprocess_servers(spans, cache_dir, swarm.initial_peers) as servers:
             swarm.honest = servers
             yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

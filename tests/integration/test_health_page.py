@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from helpers.browser import ARTIFACTS, headless_page
-from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
+from helpers.swarm import ManagedProcess, bootstrapped, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 HEALTH_BANNER = "corolla-health: serving at "
@@ -66,9 +66,7 @@ def assert_page_matches_api(page, url: str, timeout_s: float = 15.0) -> dict:
 def monitored_swarm(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("health-swarm")
     model_path = make_tiny_model("llama", workdir / "models", num_layers=6)
-    swarm = Swarm(workdir)
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(workdir) as swarm:
         # the monitor starts alongside the servers (it refreshes every second), which saves start-up time
         health = ManagedProcess(
             [
@@ -84,8 +82,6 @@ def monitored_swarm(tmp_path_factory):
         with inprocess_servers(spans, workdir / "cache", swarm.initial_peers) as servers:
             line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
             yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
-    finally:
-        swarm.close()
 
 
 def test_page_shows_servers_then_gap(monitored_swarm):

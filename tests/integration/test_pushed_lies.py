@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 from tests.helpers.hostile_server import start_hostile_server
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -33,9 +33,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         flags = ("--expiration", str(RECORD_TTL_S))
         upstream, liar = (
             start_hostile_server(swarm, model_path, mode, "--block_indices", blocks, *flags, attract=True, wait=False)
@@ -49,8 +47,6 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
             liar.wait_ready(150)
             swarm.upstream, swarm.liar = upstream, liar
             yield swarm
-    finally:
-        swarm.close()
 
 
 def test_a_liar_flagging_its_lies_as_push_answers_lies_once_to_a_client(swarm, model_path, caplog):

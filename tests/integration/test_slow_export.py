@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 from tests.helpers.hostile_server import start_hostile_server
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import bootstrapped
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -34,12 +34,8 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         yield swarm
-    finally:
-        swarm.close()
 
 
 def test_a_draining_server_holding_its_export_is_left_for_a_replay_on_the_replica(

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from tests.helpers.hostile_server import start_hostile_server
-from tests.helpers.swarm import Swarm, inprocess_servers
+from tests.helpers.swarm import bootstrapped, inprocess_servers
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -43,9 +43,7 @@ def mode_file(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         loris = start_hostile_server(
             swarm, model_path, "honest", "--block_indices", "0:2", "--expiration", str(RECORD_TTL_S),
             attract=True, mode_file=mode_file, wait=False,
@@ -57,8 +55,6 @@ def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
             loris.wait_ready(150)
             swarm.loris, swarm.honest = loris, honest
             yield swarm
-    finally:
-        swarm.close()
 
 
 @pytest.fixture(scope="module")

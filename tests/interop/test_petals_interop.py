@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from corolla.client.session.shadows import ShadowVerifier
-from helpers.swarm import ManagedProcess, ServerProcess, Swarm
+from helpers.swarm import ManagedProcess, ServerProcess, Swarm, bootstrapped
 from helpers.tiny_models import make_tiny_model, torch_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -247,9 +247,7 @@ def read_petals_records(initial_peers: list[str], server: PetalsServer) -> dict:
 def interop_swarm(tmp_path_factory: pytest.TempPathFactory, petals_py: Path, model_dir: Path) -> Iterator[InteropSwarm]:
     """The module's swarm: the servers that hold fixed blocks start together, then (once their records are out) the
     two that choose their blocks from the other stack's records."""
-    swarm = Swarm(tmp_path_factory.mktemp("interop-swarm"))
-    try:
-        swarm.start_bootstrap()
+    with bootstrapped(tmp_path_factory.mktemp("interop-swarm")) as swarm:
         peers = swarm.initial_peers
         corolla_first = start_corolla_server(swarm, model_dir, DHT_PREFIX, ["--block_indices", "0:2"])
         petals_first = start_petals_server(
@@ -268,8 +266,6 @@ def interop_swarm(tmp_path_factory: pytest.TempPathFactory, petals_py: Path, mod
         yield InteropSwarm(
             swarm, corolla_first, petals_second, petals_first, corolla_second, corolla_f16, petals_records
         )
-    finally:
-        swarm.close()
 
 
 PTUNE_PRE_SEQ_LEN = 2
