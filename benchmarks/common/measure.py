@@ -1,11 +1,15 @@
-"""Timing helpers for the benchmark: medians of host-timed synchronous calls, CUDA-event timing, and the
-device's measured copy bandwidth (bytes read plus bytes written)."""
+"""Timing helpers for the benchmark: medians of host-timed synchronous calls, CUDA-event timing, the device's
+measured copy bandwidth (bytes read plus bytes written), and threads' CPU time (a thread's, a function's)."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,6 +21,33 @@ def sync(device: torch.device | None = None) -> None:
             torch.cuda.synchronize()
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def thread_cpu_s(thread: threading.Thread | None) -> float:
+    """CPU seconds `thread` (alive) used so far (its own clock: host work, not its waits)."""
+    assert thread is not None and thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def cpu_timed(
+    original: Any, label: str, counter: Callable[[], collections.Counter[str]], on: Callable[[], bool]
+) -> Any:
+    """`original` (a function or a classmethod) wrapped to add the calling thread's CPU nanoseconds in each call
+    (inclusive) to `counter()[label]` while `on()`."""
+    is_class = isinstance(original, classmethod)
+    function = original.__func__ if is_class else original
+
+    @functools.wraps(function)
+    def timed(*args: object, **kwargs: object) -> object:
+        if not on():
+            return function(*args, **kwargs)
+        began = time.thread_time_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            counter()[label] += time.thread_time_ns() - began
+
+    return classmethod(timed) if is_class else timed
 
 
 def host_times_ms(

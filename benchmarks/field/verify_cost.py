@@ -49,7 +49,6 @@ import gc
 import json
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +56,7 @@ from unittest import mock
 
 import torch
 
+from benchmarks.common.measure import thread_cpu_s
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over, standin_backend
 from benchmarks.users.device_cpu import SPEC as SIMULATED_SPEC
@@ -168,12 +168,6 @@ def _totals(runtime: Runtime) -> tuple[float, float, int]:
     return sum(s.busy_s for s in stats), sum(s.device_s for s in stats), sum(s.batches for s in stats)
 
 
-def _thread_cpu_s(thread: threading.Thread | None) -> float:
-    """CPU seconds `thread` (alive) used so far (its own clock: host work, not its waits)."""
-    assert thread is not None and thread.ident is not None
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-
-
 def _spread(values: list[float]) -> dict:
     """Median, quartiles and extremes of per-pair costs."""
     values = sorted(values)
@@ -243,7 +237,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             decode["waiting"] -= 1
             if decode["waiting"] == 0:
                 decode["totals"], decode["rows"] = _totals(runtime), executor.inference_tokens
-                decode["cpu"] = time.thread_time(), _thread_cpu_s(runtime.thread)
+                decode["cpu"] = time.thread_time(), thread_cpu_s(runtime.thread)
 
         # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
         # evenly over the steps, as sessions starting at different times would send them)
@@ -256,7 +250,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         ]  # fmt: skip
         await asyncio.gather(*clients)
         cpu_before = decode["cpu"]
-        loop_cpu_s, runtime_cpu_s = time.thread_time() - cpu_before[0], _thread_cpu_s(runtime.thread) - cpu_before[1]
+        loop_cpu_s, runtime_cpu_s = time.thread_time() - cpu_before[0], thread_cpu_s(runtime.thread) - cpu_before[1]
         totals = zip(_totals(runtime), decode["totals"], strict=True)
         busy_s, device_s, batches = (after - earlier for after, earlier in totals)
         for context in opened:

@@ -25,7 +25,6 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import importlib
 import json
 import multiprocessing
@@ -40,6 +39,7 @@ from unittest import mock
 
 import torch
 
+from benchmarks.common.measure import cpu_timed
 from benchmarks.field.verify_cost import standin_backend
 from benchmarks.users.device_cpu import SPEC, simulated_engine
 from benchmarks.users.server import BenchServer
@@ -93,7 +93,8 @@ class Split:
                 module = importlib.import_module(module_name)
                 owner: Any = getattr(module, owner_name, None) if owner_name else module
                 if owner is not None and name in vars(owner):
-                    setattr(owner, name, self._timed(vars(owner)[name], f"{owner_name or module_name}.{name}"))
+                    label = f"{owner_name or module_name}.{name}"
+                    setattr(owner, name, cpu_timed(vars(owner)[name], label, self._counter, lambda: self.on))
 
     def _counter(self) -> collections.Counter[str]:
         counter = getattr(self._local, "counter", None)
@@ -102,23 +103,6 @@ class Split:
             with self._lock:
                 self._all.append(counter)
         return counter
-
-    def _timed(self, function: Any, label: str) -> Any:  # (a function or a classmethod)
-        is_class = isinstance(function, classmethod)
-        inner = function.__func__ if is_class else function
-        split = self
-
-        @functools.wraps(inner)
-        def timed(*args: object, **kwargs: object) -> object:
-            if not split.on:
-                return inner(*args, **kwargs)
-            began = time.thread_time_ns()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                split._counter()[label] += time.thread_time_ns() - began
-
-        return classmethod(timed) if is_class else timed
 
     on = False
 

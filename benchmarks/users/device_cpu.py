@@ -26,13 +26,13 @@ import dataclasses
 import gc
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
+from benchmarks.common.measure import thread_cpu_s
 from benchmarks.engine.quant import LLAMA3_8B, random_layer
 from benchmarks.field.verify_tolerance import engine_over, standin_backend
 from benchmarks.users.thread_sections import Sections, watched
@@ -131,11 +131,6 @@ def simulated_engine(rows: int, tokens: int, forward_s: float, row_s: float = 0.
     return engine
 
 
-def _thread_cpu_s(thread: threading.Thread | None) -> float:
-    assert thread is not None and thread.ident is not None
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-
-
 async def _client(executor: EngineExecutor, cache, raw: memoryview, prompt: int, steps: int, done: list) -> None:
     row = SPEC.hidden_size * 2  # bf16
 
@@ -175,9 +170,9 @@ def run_once(engine: SpanEngine, args: argparse.Namespace, sections: Sections | 
             if sections is not None:  # (in the runtime thread: nothing of the prefills counted)
                 await runtime.submit(sections.clear, priority=0, size_tokens=0)
             tokens, batches = executor.inference_tokens, sum(s.batches for s in runtime.stats().values())
-            loop0, rt0, wall0 = time.thread_time(), _thread_cpu_s(runtime.thread), time.perf_counter()
+            loop0, rt0, wall0 = time.thread_time(), thread_cpu_s(runtime.thread), time.perf_counter()
             await asyncio.gather(*clients)
-            loop_s, rt_s = time.thread_time() - loop0, _thread_cpu_s(runtime.thread) - rt0
+            loop_s, rt_s = time.thread_time() - loop0, thread_cpu_s(runtime.thread) - rt0
             wall_s = time.perf_counter() - wall0
             forwards = sum(s.batches for s in runtime.stats().values()) - batches
             rows = executor.inference_tokens - tokens

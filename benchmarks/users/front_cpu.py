@@ -55,7 +55,6 @@ import selectors
 import socket
 import statistics
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -68,6 +67,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from benchmarks.common.measure import cpu_timed, thread_cpu_s
 from benchmarks.field.verify_cost import standin_backend
 from benchmarks.users.device_cpu import SPEC, simulated_engine
 from corolla.protocol import local_stream as ls
@@ -212,11 +212,6 @@ def client(path: str, sessions: int, prompt: int, steps: int, hidden: bytes, con
         s.sock.close()
 
 
-def _thread_cpu_s(thread: threading.Thread | None) -> float:
-    assert thread is not None and thread.ident is not None
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-
-
 class Split:
     """`--split`'s timers (the module docstring): thread CPU nanoseconds by handle kind and by function, counted
     while `on`. Installed by patching `asyncio.events.Handle._run` and the functions; `remove` puts them back."""
@@ -243,29 +238,12 @@ class Split:
             owner = importlib.import_module(module_name)
             owner = getattr(owner, owner_name) if owner_name else owner
             if name in vars(owner):
-                self._patch(owner, name, self._timed(owner, name, f"{owner_name or module_name}.{name}"))
+                label = f"{owner_name or module_name}.{name}"
+                self._patch(owner, name, cpu_timed(vars(owner)[name], label, lambda: self.functions, lambda: self.on))
 
     def _patch(self, owner: object, name: str, value: object) -> None:
         self._undo.append((owner, name, vars(owner)[name]))
         setattr(owner, name, value)
-
-    def _timed(self, owner: object, name: str, label: str) -> object:
-        original = vars(owner)[name]
-        is_class = isinstance(original, classmethod)
-        function = original.__func__ if is_class else original
-        split = self
-
-        @functools.wraps(function)
-        def timed(*args: object, **kwargs: object) -> object:
-            if not split.on:
-                return function(*args, **kwargs)
-            began = time.thread_time_ns()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                split.functions[label] += time.thread_time_ns() - began
-
-        return classmethod(timed) if is_class else timed
 
     def remove(self) -> None:
         for owner, name, value in reversed(self._undo):
@@ -532,7 +510,7 @@ def run_once(args: argparse.Namespace, profile: cProfile.Profile | Split | None)
                 if mark == b"E" and profile is not None:
                     profile.disable()
                 batches = sum(s.batches for s in runtime.stats().values())
-                marks[mark] = (time.thread_time(), _thread_cpu_s(runtime.thread), time.perf_counter(),
+                marks[mark] = (time.thread_time(), thread_cpu_s(runtime.thread), time.perf_counter(),
                                batches, executor.inference_tokens)  # fmt: skip
                 if mark in (b"E", b"") and not ended.done():
                     ended.set_result(None)
