@@ -3,15 +3,9 @@ ids on the host: the generation loop gets each step's logits on the ids' device 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from corolla.client.models.generation import GenerationLoop
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 
 class _HeadOnGpu:

@@ -15,11 +15,6 @@ from corolla.engine.batcher import launch_steps
 from corolla.engine.span_engine import StepRequest
 from corolla.utils.tensor_bytes import TensorBytes
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 
 def _opened(engine, prompts):
     sessions = [engine.open_session(p.shape[0], 256) for p in prompts]

@@ -20,11 +20,6 @@ from helpers.engine_reference import cached_block_steps
 from helpers.lora_blocks import ALL_MODULES, module_shapes
 from helpers.numerics import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 MAX_LEN = 256

@@ -14,11 +14,6 @@ from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.registry import get_family
 from helpers.numerics import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 

@@ -5,17 +5,11 @@ the first wait, and a later forward of fewer rows in the same staging set (no st
 
 from __future__ import annotations
 
-import pytest
 import torch
 from test_engine_gpu import BF16, make_blocks, make_engine
 
 from corolla.engine.span_engine import StepRequest
 from corolla.utils.tensor_bytes import TensorBytes
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 
 def _with_bytes(session, hidden: torch.Tensor, position: int, *, tensor: bool = True) -> StepRequest:

@@ -12,11 +12,6 @@ from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from helpers.tiny_models import FAMILIES, capture_hf_layer, hf_layers, make_tiny_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 LAYER = 1
 
 

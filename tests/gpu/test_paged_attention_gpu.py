@@ -12,11 +12,6 @@ import torch
 
 from corolla.engine.ops import decode_ops as ops
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 PAGE, PAGES = 64, 200
 LLAMA, FALCON = (32, 8, 128), (71, 1, 64)  # query heads, kv heads, head size

@@ -11,11 +11,6 @@ import torch
 from corolla.engine.kernels.prefill_attention import paged_prefill_attention_ref
 from helpers.numerics import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 PAGE = 64

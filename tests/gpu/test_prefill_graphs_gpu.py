@@ -5,7 +5,6 @@ chooses (compiles) every bucket's attention launch, so no chunk does. Skipped wi
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -13,11 +12,6 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.registry import get_family
 from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
 from helpers.numerics import rel_err
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

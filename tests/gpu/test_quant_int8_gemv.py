@@ -15,11 +15,6 @@ import torch
 
 from helpers.rmsnorm_prologue import check_rmsnorm_prologue
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 

@@ -14,11 +14,6 @@ import torch
 
 from helpers.nf4_weights import fp16_level_reference
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 # one tiling per row range, each with and without a split; the 64-row tiles also with x in 3 pipeline stages, as
 # NF4_MMA_CONFIGS runs them (compiled once for the whole file)

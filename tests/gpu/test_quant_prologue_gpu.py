@@ -9,11 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 EPS = 1e-5

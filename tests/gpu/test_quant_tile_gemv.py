@@ -16,11 +16,6 @@ import torch
 from helpers.nf4_weights import fp16_level_reference, random_code_weight
 from helpers.rmsnorm_prologue import check_rmsnorm_prologue
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 DEV = torch.device("cuda")
 # aligned and plain tables, 1 to 3 units in flight, a warp count that cuts row tiles unevenly
 CONFIGS = [(32, 1, 1, 1, 0), (8, 2, 0, 2, 0), (5, 3, 1, 1, 0)]

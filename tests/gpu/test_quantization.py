@@ -13,11 +13,6 @@ from corolla.models.quantization import QuantType, quantize_block
 from corolla.models.registry import get_family
 from corolla.models.tensor_parallel import make_tensor_parallel
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
 # Relative error of the block's update (output - input) against bf16; nf4 is coarser than int8.
 TOLERANCE = {QuantType.INT8: 0.08, QuantType.NF4: 0.25}
 

@@ -25,11 +25,7 @@ from helpers.swarm import (
     start_inprocess_server,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.timeout(300)
 
 HIDDEN, LAYERS, PREFIX, STEPS = 512, 3, 8, 6
 

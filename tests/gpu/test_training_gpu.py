@@ -19,11 +19,7 @@ from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.core.training_graphs import TrainingGraphs
 from helpers.training import tiny_llama_span
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.timeout(300),
-]
+pytestmark = pytest.mark.timeout(300)
 
 H, N_BLOCKS = 64, 3
 SPAN = tuple(range(N_BLOCKS))
