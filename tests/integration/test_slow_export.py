@@ -11,20 +11,16 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
+from tests.helpers.drained_generation import HONEST, NEW_TOKENS, PROMPT, generate_through_a_drain
 from tests.helpers.hostile_server import start_hostile_server
 from tests.helpers.swarm import bootstrapped
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
-from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session import stalls
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPT = torch.tensor([[1, 8, 27, 64, 125, 3, 9, 81, 11, 2, 40, 17]])
-NEW_TOKENS = 8
 LORIS_DELAY_S = 200.0  # past the drain's 120 s: the old client waited the drain out
-HONEST = ("--block_indices", "0:4", "--throughput", "1.0", "--drain_timeout_s", "120")
 
 
 @pytest.fixture(scope="module")
@@ -47,39 +43,14 @@ def test_a_draining_server_holding_its_export_is_left_for_a_replay_on_the_replic
     serving = start_hostile_server(swarm, model_path, "honest", *HONEST, mode_file=mode_file)
     joined: dict[str, str] = {}
 
-    class JoinThenDrain:
-        """At the 3rd generated token: an honest replica joins, then the serving server drains."""
+    def join_then_drain() -> None:
+        """An honest replica joins, then the serving server drains."""
+        replica = swarm.start_server(model_path, *HONEST, wait=False)
+        replica.wait_ready(150)
+        joined.update(replica=replica.peer_id)
+        serving.signal(signal.SIGTERM)
 
-        def __init__(self) -> None:
-            self.count = 0
-
-        def put(self, value) -> None:
-            self.count += 1
-            if self.count != 4:  # (the first put is the prompt)
-                return
-            replica = swarm.start_server(model_path, *HONEST, wait=False)
-            replica.wait_ready(150)
-            joined.update(replica=replica.peer_id)
-            serving.signal(signal.SIGTERM)
-
-        def end(self) -> None:
-            pass
-
-    config = ClientConfig(
-        update_period_s=60.0, min_backoff_s=0.2, max_backoff_s=1.0, liveness_check_period_s=1.0, max_wait_s=30.0,
-        request_timeout_s=150.0, local_transport=False, max_pinged=0,
-    )  # fmt: skip
-    with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=config
-    ) as model:
-        model.manager.wait_ready()
-        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
-            output = model.generate(
-                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session, streamer=JoinThenDrain()
-            )
-            (record,) = session.handoffs.records
-            route = [span.peer_id for span, _ in session.route]
-        banned = model.manager.bans.banned_peers()
+    output, record, route, _, banned = generate_through_a_drain(swarm, model_path, join_then_drain)
     assert record.from_peer == serving.peer_id and record.to_peer is None, record
     assert "ServerTooSlow" in str(record.error) and record.seconds < 60.0, record  # before: 125 s, then the replay
     assert route == [joined["replica"]] and not banned

@@ -12,20 +12,16 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
+from tests.helpers.drained_generation import HONEST, NEW_TOKENS, PROMPT, generate_through_a_drain
 from tests.helpers.hostile_server import start_hostile_server
 from tests.helpers.swarm import bootstrapped
 from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
-from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session import stalls
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPT = torch.tensor([[1, 8, 27, 64, 125, 3, 9, 81, 11, 2, 40, 17]])
-NEW_TOKENS = 8
 LORIS_DELAY_S = 60.0
-HONEST = ("--block_indices", "0:4", "--throughput", "1.0", "--drain_timeout_s", "120")
 
 
 @pytest.fixture(scope="module")
@@ -48,44 +44,18 @@ def test_a_replacement_holding_the_imports_answer_is_left_for_the_replica(
     serving = swarm.start_server(model_path, *HONEST)
     joined: dict[str, str] = {}
 
-    class JoinThenDrain:
-        """At the 3rd generated token: a loris and an honest replica join, then the serving server drains."""
+    def join_then_drain() -> None:
+        """A loris and an honest replica join, then the serving server drains."""
+        loris = start_hostile_server(
+            swarm, model_path, "honest", "--block_indices", "0:4", attract=True, mode_file=mode_file, wait=False
+        )
+        replica = swarm.start_server(model_path, *HONEST, wait=False)
+        loris.wait_ready(150)
+        replica.wait_ready(150)
+        joined.update(loris=loris.peer_id, replica=replica.peer_id)
+        serving.signal(signal.SIGTERM)
 
-        def __init__(self) -> None:
-            self.count = 0
-
-        def put(self, value) -> None:
-            self.count += 1
-            if self.count != 4:  # (the first put is the prompt)
-                return
-            loris = start_hostile_server(
-                swarm, model_path, "honest", "--block_indices", "0:4", attract=True, mode_file=mode_file, wait=False
-            )
-            replica = swarm.start_server(model_path, *HONEST, wait=False)
-            loris.wait_ready(150)
-            replica.wait_ready(150)
-            joined.update(loris=loris.peer_id, replica=replica.peer_id)
-            serving.signal(signal.SIGTERM)
-
-        def end(self) -> None:
-            pass
-
-    config = ClientConfig(
-        update_period_s=60.0, min_backoff_s=0.2, max_backoff_s=1.0, liveness_check_period_s=1.0, max_wait_s=30.0,
-        request_timeout_s=150.0, local_transport=False,
-        max_pinged=0,  # no RTTs: the announced speeds order the replacements (the loris first)
-    )  # fmt: skip
-    with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=config
-    ) as model:
-        model.manager.wait_ready()
-        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
-            output = model.generate(
-                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session, streamer=JoinThenDrain()
-            )
-            (record,) = session.handoffs.records
-            route = [span.peer_id for span, _ in session.route]
-        avoided, banned = model.manager.avoided_peers(), model.manager.bans.banned_peers()
+    output, record, route, avoided, banned = generate_through_a_drain(swarm, model_path, join_then_drain)
     assert record.from_peer == serving.peer_id and record.to_peer == joined["replica"], record
     assert route == [joined["replica"]]
     assert joined["loris"] in avoided and not banned
