@@ -5,6 +5,7 @@ the undisturbed one bit for bit), and every malformed import refused with nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -159,6 +160,25 @@ async def _export(server, session) -> tuple[wire.KvHeader, list[list[runtime_pb2
     return wire.KvHeader.from_dict(raw), [list(r.tensors) for r in responses[1:]]
 
 
+@contextlib.asynccontextmanager
+async def _handoff_pair(backend: SpanBackend, *, old_fused: bool = True, new_fused: bool = True, targets: int = 1):
+    """An old and a new server (each on its own runtime), a session open on the old one and `targets` on the new
+    one: yields (old, new, the old one's session, *the new one's)."""
+    with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+        old, new = _server(backend, old_runtime, fused=old_fused), _server(backend, new_runtime, fused=new_fused)
+        async with contextlib.AsyncExitStack() as stack:
+            source = _Session(old, await stack.enter_async_context(_allocate(old, backend)))
+            opened = [_Session(new, await stack.enter_async_context(_allocate(new, backend))) for _ in range(targets)]
+            yield old, new, source, *opened
+
+
+async def _drained_export(old, source, hidden: torch.Tensor) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+    """`hidden` stepped through `source`, then its server drains and exports it: (header, part messages)."""
+    await source.step(hidden)
+    old.handoff.drain.start(5.0)
+    return await _export(old, source)
+
+
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
@@ -169,27 +189,24 @@ def test_export_then_import_continues_bit_for_bit(backend, fused):
     hidden = torch.randn(1, PREFIX + 2, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
-            old, new = _server(backend, old_runtime, fused=fused), _server(backend, new_runtime, fused=fused)
-            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
-                source, target = _Session(old, a), _Session(new, b)
-                await source.step(hidden[:, :PREFIX])
-                await source.step(hidden[:, PREFIX : PREFIX + 1])
-                with pytest.raises(RuntimeError, match="only while the server drains"):
-                    await _export(old, source)  # no export unless draining
-                old.handoff.drain.start(5.0)
-                with pytest.raises(Draining):
-                    old.handoff.drain.check_accepting()
-                header, messages = await _export(old, source)
-                assert header.position == PREFIX + 1
-                with pytest.raises(RuntimeError, match="already exported"):
-                    await _export(old, source)
-                await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
-                assert target.prefix_length == PREFIX + 1
-                expected = await source.step(hidden[:, PREFIX + 1 :])
-                got = await target.step(hidden[:, PREFIX + 1 :])
-                assert torch.equal(got, expected)
-                assert new.handoff.num_imported == 1 and old.handoff.num_exported == 1
+        async with _handoff_pair(backend, old_fused=fused, new_fused=fused) as (old, new, source, target):
+            await source.step(hidden[:, :PREFIX])
+            await source.step(hidden[:, PREFIX : PREFIX + 1])
+            with pytest.raises(RuntimeError, match="only while the server drains"):
+                await _export(old, source)  # no export unless draining
+            old.handoff.drain.start(5.0)
+            with pytest.raises(Draining):
+                old.handoff.drain.check_accepting()
+            header, messages = await _export(old, source)
+            assert header.position == PREFIX + 1
+            with pytest.raises(RuntimeError, match="already exported"):
+                await _export(old, source)
+            await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
+            assert target.prefix_length == PREFIX + 1
+            expected = await source.step(hidden[:, PREFIX + 1 :])
+            got = await target.step(hidden[:, PREFIX + 1 :])
+            assert torch.equal(got, expected)
+            assert new.handoff.num_imported == 1 and old.handoff.num_exported == 1
 
     _run(main())
 
@@ -201,17 +218,12 @@ def test_a_fused_servers_export_continues_on_an_eager_server(backend):
     hidden = torch.randn(1, PREFIX + 1, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
-            old, new = _server(backend, old_runtime, fused=True), _server(backend, new_runtime, fused=False)
-            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
-                source, target = _Session(old, a), _Session(new, b)
-                await source.step(hidden[:, :PREFIX])
-                old.handoff.drain.start(5.0)
-                header, messages = await _export(old, source)
-                await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
-                torch.testing.assert_close(
-                    await target.step(hidden[:, PREFIX:]), await source.step(hidden[:, PREFIX:]), atol=1e-4, rtol=0
-                )
+        async with _handoff_pair(backend, new_fused=False) as (old, new, source, target):
+            header, messages = await _drained_export(old, source, hidden[:, :PREFIX])
+            await new.handoff.import_kv(target, header, UID, _requests(messages), peer="client")
+            torch.testing.assert_close(
+                await target.step(hidden[:, PREFIX:]), await source.step(hidden[:, PREFIX:]), atol=1e-4, rtol=0
+            )
 
     _run(main())
 
@@ -278,43 +290,38 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
     hidden = torch.randn(1, PREFIX, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
-            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
-            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
-                source, target = _Session(old, a), _Session(new, b)
-                await source.step(hidden)
-                old.handoff.drain.start(5.0)
-                header, messages = await _export(old, source)
-                fields = header.to_dict()
-                uid = UID
-                corruptions = {"nan": _nan, "half": _half, "shorter": _shorter, "more_heads": _more_heads}
-                corruptions.update(one_less=_one_less, reshaped=_reshaped, int_view=_int_view)
-                if attack in corruptions:
-                    messages = _corrupt(messages, corruptions[attack])
-                    fields.update(num_messages=len(messages), total_bytes=sum(wire.message_bytes(m) for m in messages))
-                    if attack in ("shorter", "half", "one_less", "more_heads"):
-                        fields["total_bytes"] = header.total_bytes  # the bytes as announced; the data disagrees
-                elif attack == "extra_bytes":
-                    messages = messages + [[serialize_tensor(torch.zeros(8))]]
-                    fields["num_messages"] = len(messages)
-                elif attack == "truncated":
-                    messages = messages[:-1] if len(messages) > 1 else [messages[0][:-1]]
-                elif attack == "wrong_uid":
-                    uid = "demo.0 demo.1"
-                elif attack == "too_long":
-                    fields["position"] = MAX_LENGTH + 1
-                elif attack == "wrong_batch":
-                    fields["batch_size"] = 2
-                elif attack == "wrong_blocks":
-                    fields["start_block"], fields["end_block"] = 1, 5
-                elif attack == "bytes_mismatch":
-                    fields["total_bytes"] = header.total_bytes + 4
-                before = target.cache_tensors()
-                with pytest.raises(ValueError):
-                    hostile = wire.KvHeader.from_dict(fields)
-                    await new.handoff.import_kv(target, hostile, uid, _requests(messages), peer="client")
-                assert target.prefix_length == 0 and new.handoff.num_imported == 0
-                assert all(torch.equal(x, y) for x, y in zip(before, target.cache_tensors(), strict=True))
+        async with _handoff_pair(backend) as (old, new, source, target):
+            header, messages = await _drained_export(old, source, hidden)
+            fields = header.to_dict()
+            uid = UID
+            corruptions = {"nan": _nan, "half": _half, "shorter": _shorter, "more_heads": _more_heads}
+            corruptions.update(one_less=_one_less, reshaped=_reshaped, int_view=_int_view)
+            if attack in corruptions:
+                messages = _corrupt(messages, corruptions[attack])
+                fields.update(num_messages=len(messages), total_bytes=sum(wire.message_bytes(m) for m in messages))
+                if attack in ("shorter", "half", "one_less", "more_heads"):
+                    fields["total_bytes"] = header.total_bytes  # the bytes as announced; the data disagrees
+            elif attack == "extra_bytes":
+                messages = messages + [[serialize_tensor(torch.zeros(8))]]
+                fields["num_messages"] = len(messages)
+            elif attack == "truncated":
+                messages = messages[:-1] if len(messages) > 1 else [messages[0][:-1]]
+            elif attack == "wrong_uid":
+                uid = "demo.0 demo.1"
+            elif attack == "too_long":
+                fields["position"] = MAX_LENGTH + 1
+            elif attack == "wrong_batch":
+                fields["batch_size"] = 2
+            elif attack == "wrong_blocks":
+                fields["start_block"], fields["end_block"] = 1, 5
+            elif attack == "bytes_mismatch":
+                fields["total_bytes"] = header.total_bytes + 4
+            before = target.cache_tensors()
+            with pytest.raises(ValueError):
+                hostile = wire.KvHeader.from_dict(fields)
+                await new.handoff.import_kv(target, hostile, uid, _requests(messages), peer="client")
+            assert target.prefix_length == 0 and new.handoff.num_imported == 0
+            assert all(torch.equal(x, y) for x, y in zip(before, target.cache_tensors(), strict=True))
 
     _run(main())
 
@@ -348,25 +355,20 @@ def test_an_import_holds_nothing_but_its_parts(backend, attack):
     hidden = torch.randn(1, PREFIX, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
-            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
-            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
-                source, target = _Session(old, a), _Session(new, b)
-                await source.step(hidden)
-                old.handoff.drain.start(5.0)
-                header, messages = await _export(old, source)
-                hostile = attack(messages)
-                taken = []
+        async with _handoff_pair(backend) as (old, new, source, target):
+            header, messages = await _drained_export(old, source, hidden)
+            hostile = attack(messages)
+            taken = []
 
-                async def requests():
-                    for request in hostile:
-                        taken.append(request)
-                        yield request
+            async def requests():
+                for request in hostile:
+                    taken.append(request)
+                    yield request
 
-                with pytest.raises(ValueError, match="KV import"):
-                    await new.handoff.import_kv(target, header, UID, requests(), peer="client")
-                assert len(taken) == (len(hostile) if attack is _empty_parts else 1)  # refused at the first such
-                assert target.prefix_length == 0 and new.handoff.num_imported == 0
+            with pytest.raises(ValueError, match="KV import"):
+                await new.handoff.import_kv(target, header, UID, requests(), peer="client")
+            assert len(taken) == (len(hostile) if attack is _empty_parts else 1)  # refused at the first such
+            assert target.prefix_length == 0 and new.handoff.num_imported == 0
 
     _run(main())
 
@@ -380,46 +382,39 @@ def test_imports_in_flight_are_bounded_per_peer_and_in_all(backend):
     hidden = torch.randn(1, PREFIX, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
-            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
-            async with _allocate(old, backend) as a, _allocate(new, backend) as b, _allocate(new, backend) as c:
-                source, first, second = _Session(old, a), _Session(new, b), _Session(new, c)
-                await source.step(hidden)
-                old.handoff.drain.start(5.0)
-                header, messages = await _export(old, source)
-                nbytes = header.total_bytes
-                new.handoff.request_timeout_s = 60.0  # the stalled import below waits for its parts all along
-                held = asyncio.Event()
+        async with _handoff_pair(backend, targets=2) as (old, new, source, first, second):
+            header, messages = await _drained_export(old, source, hidden)
+            nbytes = header.total_bytes
+            new.handoff.request_timeout_s = 60.0  # the stalled import below waits for its parts all along
+            held = asyncio.Event()
 
-                async def stalled():  # a client that sent its header and holds its parts back
-                    held.set()
-                    await asyncio.sleep(3600)
-                    yield
+            async def stalled():  # a client that sent its header and holds its parts back
+                held.set()
+                await asyncio.sleep(3600)
+                yield
 
-                for per_peer, total, second_peer, refusal in [
-                    (nbytes, 0, "client", PeerLimitExceeded),
-                    (0, 3 * nbytes // 2, "another identity", ServerLimitExceeded),
-                ]:
-                    new.handoff.core.configure(
-                        PeerLimits(max_import_bytes_per_peer=per_peer, max_import_bytes_total=total)
-                    )
-                    held.clear()
-                    waiting = asyncio.ensure_future(new.handoff.import_kv(first, header, UID, stalled(), peer="client"))
-                    await held.wait()
-                    taken: list = []
+            for per_peer, total, second_peer, refusal in [
+                (nbytes, 0, "client", PeerLimitExceeded),
+                (0, 3 * nbytes // 2, "another identity", ServerLimitExceeded),
+            ]:
+                new.handoff.core.configure(PeerLimits(max_import_bytes_per_peer=per_peer, max_import_bytes_total=total))
+                held.clear()
+                waiting = asyncio.ensure_future(new.handoff.import_kv(first, header, UID, stalled(), peer="client"))
+                await held.wait()
+                taken: list = []
 
-                    async def parts(taken=taken):
-                        for parts_of_message in messages:
-                            taken.append(parts_of_message)
-                            yield runtime_pb2.ExpertRequest(uid=UID, tensors=parts_of_message)
+                async def parts(taken=taken):
+                    for parts_of_message in messages:
+                        taken.append(parts_of_message)
+                        yield runtime_pb2.ExpertRequest(uid=UID, tensors=parts_of_message)
 
-                    with pytest.raises(refusal):
-                        await new.handoff.import_kv(second, header, UID, parts(), peer=second_peer)
-                    assert taken == [] and second.prefix_length == 0
-                    waiting.cancel()
-                    await asyncio.gather(waiting, return_exceptions=True)
-                    assert new.handoff.core.imports.total_bytes == 0 and new.handoff.core.imports.per_peer == {}
-                await new.handoff.import_kv(second, header, UID, _requests(messages), peer="client")  # room again
-                assert second.prefix_length == PREFIX
+                with pytest.raises(refusal):
+                    await new.handoff.import_kv(second, header, UID, parts(), peer=second_peer)
+                assert taken == [] and second.prefix_length == 0
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                assert new.handoff.core.imports.total_bytes == 0 and new.handoff.core.imports.per_peer == {}
+            await new.handoff.import_kv(second, header, UID, _requests(messages), peer="client")  # room again
+            assert second.prefix_length == PREFIX
 
     _run(main())
