@@ -19,7 +19,7 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 
 
-def make_blocks(hidden=512, heads=8, kv_heads=2, layers=3, inter=1024, seed=0, dtype=BF16):
+def make_blocks(hidden=512, heads=8, kv_heads=2, layers=3, inter=1024, seed=0, dtype=BF16, rope_parameters=None):
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=hidden,
@@ -30,6 +30,8 @@ def make_blocks(hidden=512, heads=8, kv_heads=2, layers=3, inter=1024, seed=0, d
         max_position_embeddings=4096,
         rope_theta=500000.0,
     )
+    if rope_parameters is not None:
+        config.rope_parameters = rope_parameters
     blocks = []
     for i in range(layers):
         block = get_family(config).build_block(config, i)
@@ -93,10 +95,16 @@ def _prefill_then_tokens(engine, prompt, tokens):
     return outs
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, "original_max_position_embeddings": 1024}
+
+
 @torch.no_grad()
-def test_engine_matches_blocks_in_bf16() -> None:
-    blocks = make_blocks(hidden=1024, heads=8, kv_heads=2)  # head_dim 128 as in Llama 3
+@pytest.mark.parametrize("rope_parameters", [None, YARN], ids=["default", "yarn"])
+def test_engine_matches_blocks_in_bf16(rope_parameters) -> None:
+    """The fused span's kernels (YaRN's attention factor in their rotary tables too) compute the blocks' steps."""
+    blocks = make_blocks(hidden=1024, heads=8, kv_heads=2, rope_parameters=rope_parameters)  # head_dim 128
     engine = make_engine(blocks)
+    assert engine.fused
     prompt = torch.randn(2, 150, 1024, dtype=BF16)
     tokens = [torch.randn(2, 1, 1024, dtype=BF16) for _ in range(4)]
     got = _prefill_then_tokens(engine, prompt, tokens)

@@ -9,6 +9,7 @@ import torch
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest, fused_model
+from corolla.engine.spans.fast_llama import FastLlamaSpan
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
 from helpers.engine_reference import (
@@ -79,13 +80,26 @@ def test_prefill_then_decode_matches_blocks(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_yarn_rope_steps_match_blocks(family: str) -> None:
-    """YaRN (Qwen's long-context rope) multiplies cos and sin by its attention factor (1.14 at factor 4), which the
-    fused span's rotary tables leave out: such a span's steps are the blocks' own (main: the fused span served
-    them without the factor, 1.3 off)."""
+    """YaRN (Qwen's long-context rope) multiplies cos and sin by its attention factor (1.14 at factor 4): the fused
+    span (not an eager fallback) carries it in its rotary tables, so its steps are the blocks' own (without the
+    factor they were 1.3 off)."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32}
     blocks = make_blocks(family, rope_parameters=yarn)
     assert blocks[0].attn.rotary.attention_scaling > 1.1
+    model, _ = fused_model(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=MAX_LEN)
+    assert isinstance(model, FastLlamaSpan)
     assert_decode_matches_blocks(blocks, batch=2, prefix_tokens=21)
+
+
+def test_a_rope_whose_frequencies_change_inside_the_span_refuses_the_fused_path() -> None:
+    """Dynamic NTK rescales its frequencies past the trained length: fixed tables longer than that would serve later
+    positions with the short frequencies, so the fused span refuses tables past it."""
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    blocks = make_blocks("llama", max_position_embeddings=32, rope_parameters=dynamic)
+    with pytest.raises(ValueError, match="past 32 positions"):
+        fused_model(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=MAX_LEN)
+    model, _ = fused_model(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=32)  # the trained length
+    assert isinstance(model, FastLlamaSpan)
 
 
 def test_qwen2_sliding_window_steps_match_blocks() -> None:

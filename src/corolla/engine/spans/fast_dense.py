@@ -25,7 +25,7 @@ from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import DenseOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import PrefillChunk, SpanModel, rotary_tables, static_inv_freq, tensors_nbytes
+from corolla.engine.spans.span_model import PrefillChunk, SpanModel, rotary_tables, static_rotary, tensors_nbytes
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -141,6 +141,7 @@ class FastDenseSpan(SpanModel):
         *,
         max_positions: int,
         inv_freq: torch.Tensor | None = None,
+        rotary_scale: float = 1.0,
         alibi: Alibi | None = None,
         use_triton: bool = True,
         attention_splits_max: int = 16,
@@ -159,7 +160,7 @@ class FastDenseSpan(SpanModel):
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.alibi = alibi
         if inv_freq is not None:
-            self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device)  # [P, D/2] each
+            self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device, rotary_scale)  # [P, D/2] each
         else:  # never read (rope_and_store(rotate=False))
             self.cos = self.sin = torch.zeros((1, spec.head_dim // 2), dtype=torch.float32, device=self.device)
         self.ops = DecodeOps(
@@ -227,8 +228,8 @@ class FastDenseSpan(SpanModel):
             else:
                 mode = {torch.bfloat16: ALIBI_BF16, torch.float16: ALIBI_FP16}.get(dtype, ALIBI_FP32)
             return cls(spec, layers, max_positions=max_positions, alibi=Alibi(slopes, attn.alibi_scale, mode), **kwargs)
-        inv_freq = static_inv_freq(attn.rotary, max_positions, layers[0].ln1_w.device)  # (refuses YaRN's scaling)
-        return cls(spec, layers, max_positions=max_positions, inv_freq=inv_freq, **kwargs)
+        inv_freq, rotary_scale = static_rotary(attn.rotary, max_positions, layers[0].ln1_w.device)
+        return cls(spec, layers, max_positions=max_positions, inv_freq=inv_freq, rotary_scale=rotary_scale, **kwargs)
 
     # ------------------------------------------------------------------------------------------ compute
 

@@ -26,7 +26,7 @@ from corolla.engine.spans.span_model import (
     PrefillChunk,
     SpanModel,
     rotary_tables,
-    static_inv_freq,
+    static_rotary,
     tensors_nbytes,
 )
 from corolla.models.layers import SparseMoE
@@ -141,6 +141,7 @@ class FastLlamaSpan(SpanModel):
         inv_freq: torch.Tensor,
         *,
         max_positions: int,
+        rotary_scale: float = 1.0,
         use_triton: bool = True,
         attention_splits_max: int = 16,
         adapters: SpanAdapters | None = None,
@@ -153,7 +154,7 @@ class FastLlamaSpan(SpanModel):
         self.dtype = layers[0].ln1.dtype
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(spec.head_dim)
-        self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device)  # [P, D/2] each
+        self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device, rotary_scale)  # [P, D/2] each
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
@@ -275,8 +276,11 @@ class FastLlamaSpan(SpanModel):
                     moe=moe,
                 )
             )
-        inv_freq = static_inv_freq(getattr(blocks[0].attn, "rotary", None), max_positions, layers[0].ln1.device)
-        return cls(spec, layers, inv_freq, max_positions=max_positions, adapters=adapters, **kwargs)
+        rotary = getattr(blocks[0].attn, "rotary", None)
+        inv_freq, rotary_scale = static_rotary(rotary, max_positions, layers[0].ln1.device)
+        return cls(
+            spec, layers, inv_freq, max_positions=max_positions, rotary_scale=rotary_scale, adapters=adapters, **kwargs
+        )
 
     # ------------------------------------------------------------------------------------------ compute
 

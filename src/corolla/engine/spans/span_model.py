@@ -37,25 +37,27 @@ def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torc
 
 
 def rotary_tables(
-    inv_freq: torch.Tensor, max_positions: int, device: torch.device
+    inv_freq: torch.Tensor, max_positions: int, device: torch.device, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [P, D/2] float32 of positions [0, max_positions) for the frequencies `inv_freq` [D/2]."""
+    """cos, sin [P, D/2] float32 of positions [0, max_positions) for the frequencies `inv_freq` [D/2], times `scale`
+    (YaRN's and LongRoPE's attention factor multiplies cos and sin, as the blocks' own rotary does)."""
     positions = torch.arange(max_positions, dtype=torch.float32, device=device)  # [P]
     freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [P, D/2]
-    return freqs.cos().contiguous(), freqs.sin().contiguous()
+    return (freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous()
 
 
-def static_inv_freq(rotary: object, max_positions: int, device: torch.device) -> torch.Tensor:
-    """The rotary frequencies [D/2] fp32 of a block's `rotary` for tables of `max_positions` positions (ValueError
-    for no rotary embedding, a dynamic rope whose frequencies change inside that range, or one whose cos and sin
-    carry an attention factor, YaRN's: the tables are the frequencies' own)."""
+def static_rotary(rotary: object, max_positions: int, device: torch.device) -> tuple[torch.Tensor, float]:
+    """A block's `rotary` as fixed tables of `max_positions` positions: its frequencies [D/2] fp32 and the factor of
+    its cos and sin (ValueError for no rotary embedding, or one whose frequencies change inside that range: dynamic
+    NTK past `max_position_embeddings`, LongRoPE's long factors past `original_max_position_embeddings`)."""
     if not isinstance(rotary, RotaryEmbedding):
         raise ValueError("The fast path needs rotary position embeddings")
-    if rotary.attention_scaling != 1.0:
-        raise ValueError("The fast path does not scale rotary tables (YaRN's attention factor)")
-    if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
-        raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
-    return rotary.inv_freq(device, 0)
+    if rotary.switch_length is not None and max_positions > rotary.switch_length:
+        raise ValueError(
+            f"{rotary.rope_type} rope changes its frequencies past {rotary.switch_length} positions; "
+            f"lower max_seq_len_tokens"
+        )
+    return rotary.inv_freq(device, 0), rotary.attention_scaling
 
 
 def tensors_nbytes(values: Iterable[object]) -> int:
