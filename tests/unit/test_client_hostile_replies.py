@@ -268,6 +268,18 @@ def test_a_forward_reply_message_is_refused_at_its_header(monkeypatch, path):
 ANNOUNCED_BYTES = 64 << 20  # under the stream's absolute bound (1 GiB), 4000x a one-token step's 16 KiB of outputs
 
 
+def _session_over_a_socket(manager: RemoteSequenceManager) -> tuple[SpanSession, P2PInferenceStream, socket.socket]:
+    """A started session of blocks 0:2 whose stream is one end of a socket pair: (it, its stream, the server's end)."""
+    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
+    session = SpanSession(manager, span, max_length=64)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    stream = P2PInferenceStream(ours, PEER)
+    session._stream = session._direct = stream
+    session.started = True
+    return session, stream, theirs
+
+
 def _bloated_server(sock: socket.socket) -> None:
     """Reads one request, then answers with a frame announcing `ANNOUNCED_BYTES` and sends 1 MiB of it."""
     header = sock.recv(FRAME_HEADER_BYTES, socket.MSG_WAITALL)
@@ -284,13 +296,7 @@ def test_an_inference_reply_over_the_bytes_of_its_outputs_is_refused_at_its_head
         ClientConfig(request_timeout_s=3.0, liveness_check_period_s=0), ["m.0", "m.1"], start_updates=False
     )
     manager._input_compressions[PEER] = runtime_pb2.CompressionType.NONE  # as after the first rpc_info
-    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
-    session = SpanSession(manager, span, max_length=64)
-    ours, theirs = socket.socketpair()
-    ours.setblocking(False)
-    stream = P2PInferenceStream(ours, PEER)
-    session._stream = session._direct = stream
-    session.started = True
+    session, stream, theirs = _session_over_a_socket(manager)
     hidden = torch.randn(1, 1, 4096)  # 16 KiB of fp32 outputs expected
     kwargs = dict(position=0, prompts=torch.empty(0), hypo_ids=torch.empty(0, dtype=torch.int64), step_id="s")
     server = threading.Thread(target=_bloated_server, args=(theirs,))
@@ -317,13 +323,7 @@ def _bloated_farewell(sock: socket.socket) -> None:
 
 def test_a_closing_sessions_last_messages_are_no_bigger_than_a_reply_without_outputs():
     manager = RemoteSequenceManager(ClientConfig(connect_timeout_s=2.0), ["m.0", "m.1"], start_updates=False)
-    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
-    session = SpanSession(manager, span, max_length=64)
-    ours, theirs = socket.socketpair()
-    ours.setblocking(False)
-    stream = P2PInferenceStream(ours, PEER)
-    session._stream = session._direct = stream
-    session.started = True
+    session, stream, theirs = _session_over_a_socket(manager)
     server = threading.Thread(target=_bloated_farewell, args=(theirs,))
     server.start()
     try:
