@@ -274,8 +274,6 @@ class FastDenseSpan(SpanModel):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        s = self.spec
-        b = hidden.shape[0]
         slots, seq_lens = self.dense.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         start, end = layers or (0, self.num_layers)
@@ -289,15 +287,29 @@ class FastDenseSpan(SpanModel):
                 h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, seq_lens, pool, nxt)
                 continue
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
-            q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
-                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
-            )  # fmt: skip  # [B, nq, D]
-            attn = self.ops.paged_decode_attention(
-                q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
-            )  # [B, nq, D]
-            h, x = self._tail(w, h, x, attn.reshape(b, s.q_size), nxt)
+            attn = self._decode_attention(qkv, i, positions, slots, block_tables, seq_lens, pool)  # [B, nq D]
+            h, x = self._tail(w, h, x, attn, nxt)
         return h
+
+    def _decode_attention(
+        self,
+        qkv: torch.Tensor,
+        i: int,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        # layer i's one-token attention: qkv [B, (nq + 2 nkv) D] -> RoPE (unless ALiBi) and the K/V store, then the
+        # paged attention over each row's cached tokens -> [B, nq D]
+        s = self.spec
+        q = self.ops.rope_and_store(
+            qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
+            s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
+        )  # fmt: skip  # [B, nq, D]
+        attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi)
+        return attn.reshape(qkv.shape[0], s.q_size)
 
     def _parallel_decode(
         self,
@@ -319,7 +331,7 @@ class FastDenseSpan(SpanModel):
         # caller's, so the attention's few programs and w_o's reads hide under w_down's (a fork and a join in a
         # captured graph). No reuse race: side-stream tensors go back to the side stream's pool, and the side
         # stream's next work waits for the caller's stream first.
-        s, b = self.spec, x.shape[0]
+        s = self.spec
         qkv_up = self.ops.linear(x, w_qkv_up, None)  # [B, (nq + 2 nkv) D + I]
         qkv, up = qkv_up.split([qkv_up.shape[1] - s.intermediate_size, s.intermediate_size], dim=1)
         side = self.side_stream
@@ -327,14 +339,8 @@ class FastDenseSpan(SpanModel):
         if side is not None and main is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
-                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
-            )  # fmt: skip  # [B, nq, D]
-            attn = self.ops.paged_decode_attention(
-                q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
-            )  # [B, nq, D]
-            o = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o)  # [B, H]
+            attn = self._decode_attention(qkv, i, positions, slots, block_tables, seq_lens, pool)  # [B, nq D]
+            o = self.ops.linear(attn, w.w_o, w.b_o)  # [B, H]
         d = self.ops.linear(F.gelu(up, approximate=s.gelu_approximate), w.w_down, w.b_down)  # [B, H]
         if side is not None and main is not None:
             main.wait_stream(side)
