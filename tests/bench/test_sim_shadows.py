@@ -27,8 +27,7 @@ from benchmarks.sim.shadow_rows import (
 from benchmarks.sim.shadows import ShadowBook, held_kv
 from benchmarks.sim.simulation import Simulation
 from benchmarks.sim.workload import Conversation
-from corolla.protocol.records import RemoteSpanInfo, ServerState
-from corolla.swarm.corolla_policy import CorollaPolicy
+from corolla.protocol.records import ServerState
 
 DURATION_S = 1100.0  # the tiny swarm: 10 minutes of warm-up, then 500 s measured
 
@@ -179,52 +178,3 @@ def test_a_real_session_ends_the_youngest_shadows_for_its_room_on_a_corolla_repl
 
     replica.pooled_kv = True
     assert replica.kv_free_tokens(0, 10) >= 2 * need and not book.room(replica, 0, 10, 3 * need)
-
-
-def test_a_replica_full_of_shadows_announces_their_room_and_a_real_session_routed_there_ends_them() -> None:
-    """A corolla replica announces the KV its shadows hold over its whole span as free, as the real server does
-    (`SpanCore.announced_bytes_left`): the client's routing (the corolla policy on the announced records) sends a
-    real session to it rather than to a faster server without room, and its admission ends the youngest shadow for it.
-    A shadow over part of the span, and a stock Petals replica's shadows, are announced as held (neither yields room
-    for a session over the whole span)."""
-    replica = SimServer("r", "us-east", ServerPerf(GPUS["RTX-3090"], LLAMA2_70B, "nf4"), 10, 0.0, start=0, end=10,
-                        state=ServerState.ONLINE)  # fmt: skip
-    full = SimServer("h", "us-east", ServerPerf(GPUS["A100-80GB"], LLAMA2_70B, "nf4"), 10, 0.0, start=0, end=10,
-                     state=ServerState.ONLINE)  # fmt: skip
-    clock = [0.0]
-    metrics = Metrics()
-    book: ShadowBook[SimSession] = ShadowBook(
-        1.0, random.Random(0), lambda *_: ["r"], {"r": replica, "h": full}, metrics, lambda: clock[0]
-    )
-    need = replica.kv_capacity_tokens // 4
-    conversation = Conversation(0.0, "us-east", ((need // 2, need - need // 2),))
-    full.reserve(0, 10, full.kv_capacity_tokens - need + 1)  # real sessions: no room for one more
-    for sid in range(4):
-        clock[0] = float(sid)
-        session = SimSession(sid, conversation, None)
-        session.route, session.shadows = [(full, 0, 10)], [None]
-        book.draw(session, 0, 1)
-    assert len(replica.shadows) == 4 and replica.kv_free_tokens(0, 10) < need
-    assert replica.cache_tokens_left == 2 * 10 * (replica.kv_free_tokens(0, 10) + 4 * need)
-
-    def routed() -> list[str]:
-        spans = [RemoteSpanInfo(s.peer_id, s.start, s.end, s.make_info()) for s in (replica, full)]
-        route = CorollaPolicy().choose_route(spans, 0, 10, mode="min_latency", client_rtts_s={"r": 0.05, "h": 0.05},
-                                             cache_tokens_needed=need, rng=random.Random(0))  # fmt: skip
-        return [span.peer_id for span in route]
-
-    assert routed() == ["r"]
-    assert book.room(replica, 0, 10, need)
-    book.make_room(replica, 0, 10, need)
-    replica.reserve(0, 10, need)
-    assert metrics.shadows_evicted == 1 and sorted(x.opened_s for x in replica.shadows) == [0.0, 1.0, 2.0]  # type: ignore[attr-defined]
-    assert replica.cache_tokens_left == 2 * 10 * (replica.kv_free_tokens(0, 10) + 3 * need)
-
-    book.end_all(next(iter(replica.shadows)).session)  # type: ignore[attr-defined]
-    partial = SimSession(9, conversation, None)
-    partial.route, partial.shadows = [(full, 0, 5)], [None]
-    book.draw(partial, 0, 1)
-    assert partial.shadows[0] is not None
-    assert replica.cache_tokens_left == 2 * 10 * (replica.kv_free_tokens(0, 10) + 2 * need)
-    replica.pooled_kv = True
-    assert replica.cache_tokens_left == 2 * (10 * replica.kv_capacity_tokens - replica.kv_reserved_token_blocks)
