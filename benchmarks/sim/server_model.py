@@ -57,9 +57,6 @@ class SimServer:
     # session's, their requests (per second, as rows and KV tokens read: span-equivalent) ride its steps
     shadows: set[object] = field(default_factory=set)
     shadow_load: ShadowLoad = field(default_factory=ShadowLoad)
-    # KV tokens per block held by its shadows over its whole span: a real newcomer can take them (they yield whole to
-    # it: `server.core.admission`), so it announces them as free as the real server does (`announced_bytes_left`)
-    shadow_room_tokens: int = 0
     shadow_row_s: float = 0.0  # a shadow row's added time through one block (`shadow_rows.row_s`)
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
@@ -125,10 +122,9 @@ class SimServer:
     def cache_tokens_left(self) -> int:
         """Its free KV in Petals' announced unit (K-or-V token x block slots): a Petals server's pool's free bytes; a
         corolla server's room for a session over its whole span (its fullest block's free KV x its blocks, as the real
-        server announces `KVPool.pages_free_in_every_layer`), with the room its whole-span shadows yield to a real
-        session (`shadow_room_tokens`, as `SpanCore.announced_bytes_left`)."""
+        server announces `KVPool.pages_free_in_every_layer`)."""
         if not self.pooled_kv:
-            return 2 * self.num_blocks * (self.kv_free_tokens(self.start, self.end) + self.shadow_room_tokens)
+            return 2 * self.num_blocks * self.kv_free_tokens(self.start, self.end)
         return 2 * (self.num_blocks * self.kv_capacity_tokens - self.kv_reserved_token_blocks)
 
     def load_s(self, num_blocks: int) -> float:

@@ -6,9 +6,7 @@ out (`StretchReferees.replicas`, then its first; the sim has no disputes, so no 
 the hop is not verified. The shadow opens a session of the span session's length on the replica: it reserves the
 same KV there (a replica without room refuses it, and the hop goes unverified, as the real shadow's failed open) and
 holds it until the hop ends, or until a real session needs that room: a corolla replica's admission ends shadows,
-youngest first, for a real newcomer (`server.core.admission`; a stock Petals replica does not), so a corolla replica
-announces the KV its shadows hold over its whole span as free (`SimServer.shadow_room_tokens`, the real server's
-`SpanCore.announced_bytes_left`): clients route to it as to the room a real session gets there. Its decode positions
+youngest first, for a real newcomer (`server.core.admission`; a stock Petals replica does not). Its decode positions
 reach the replica `SHADOW_BATCH_ROWS` at a time as rows of its merged steps (`shadow_rows`), at the hop's own pace
 (the session's tokens/s). Its prefill positions are not charged, as no prefill (a real session's prompt, a replayed
 history) is charged to any server's steps in the simulator: the shadows add to the steps what they add to the decode
@@ -59,12 +57,6 @@ class SimShadow:
     need: int
     opened_s: float
     load: ShadowLoad = field(default_factory=ShadowLoad)
-    # its replica announces its KV as free (`SimServer.shadow_room_tokens`): held over the replica's whole span at its
-    # open, as the real server counts a shadow holding pages in every layer (`SessionAdmission.shadow_room_bytes`)
-    announced_free: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.announced_free = bool(self.need) and (self.start, self.end) == (self.replica.start, self.replica.end)
 
     @property
     def weight(self) -> float:
@@ -137,8 +129,6 @@ class ShadowBook(Generic[S]):
                 replica.reserve(start, end, need)
             shadow = SimShadow(session, replica, start, end, need, self.now_s())
             replica.shadows.add(shadow)
-            if shadow.announced_free:
-                replica.shadow_room_tokens += need
             session.shadows[index] = shadow
             self._count(session, "shadows_opened")
 
@@ -227,8 +217,6 @@ class ShadowBook(Generic[S]):
 
     def _close(self, shadow: SimShadow) -> None:
         self._set(shadow, ShadowLoad())
-        if shadow.announced_free:
-            shadow.replica.shadow_room_tokens -= shadow.need
         shadow.replica.shadows.discard(shadow)
         if shadow.need:
             shadow.replica.reserve(shadow.start, shadow.end, -shadow.need)
