@@ -25,7 +25,6 @@ from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCac
 from corolla.server.core.executor import SessionOpen, SessionSpec
 from corolla.server.core.limits import PeerLimits, SessionEvicted
 from corolla.server.core.runtime import Runtime
-from corolla.server.core.span_core import SpanCore
 from corolla.utils.errors import AllocationFailed
 from helpers.tiny_models import tiny_config
 
@@ -363,24 +362,3 @@ async def test_a_working_shadow_session_yields_whole_to_a_real_one_and_not_to_an
             ended = [s for s in shadows if s.task.done()]
             assert len(ended) == 1 and isinstance(ended[0].task.exception(), SessionEvicted)
             assert "shadow session (verification)" in str(ended[0].task.exception())
-
-
-async def test_the_room_shadows_yield_to_a_real_session_is_announced_as_free(backend) -> None:
-    """Shadow sessions yield whole to a real session (above), so the free cache a server announces counts their room
-    (`SpanCore.announced_bytes_left`): counted as held, it turned clients away from replicas that would have admitted
-    them (decision 0268). A real session's room is not counted, and a real newcomer gets what was announced."""
-    with executor_of(backend) as executor:
-        core = SpanCore(executor, PeerLimits())
-        page_bytes = executor.engine.pool.page_bytes
-        async with sessions() as held:
-            shadows = [await opened(held, core.admission, executor, f"verifier-{i}", FULL, first_tokens=1, shadow=True)
-                       for i in range(2)]  # fmt: skip
-            for shadow in shadows:
-                shadow.work(PAGE)  # 2 pages each, 2 more promised: the whole pool
-            assert executor.whole_span_bytes_left == 0
-            assert core.announced_bytes_left == PAGES * page_bytes
-            user = await opened(held, core.admission, executor, "user", FULL, first_tokens=3)
-            assert user.ticket is not None and not user.ticket.withdrawn
-            await asyncio.sleep(0)
-            assert sum(s.task.done() for s in shadows) == 1  # one shadow yielded its room whole
-            assert core.announced_bytes_left == FULL // PAGE * page_bytes  # the other shadow's; not the user's

@@ -441,11 +441,11 @@ class Server:
 
     def _cache_tokens_left(self) -> int:
         """Announced cache_tokens_left (K or V of one token in one block): the whole budget until serving, then the
-        room a session over the whole span can still get, shadow sessions' included (`SpanCore.announced_bytes_left`)."""
+        room a session over the whole span can still get (clients read it so; decision 0036)."""
         s, service = self.settings, self.service
         if service is None:
             return s.cache_bytes_per_block * s.num_blocks // s.kv_bytes_per_token_block
-        return service.core.announced_bytes_left // s.kv_bytes_per_token_block
+        return service.executor.whole_span_bytes_left // s.kv_bytes_per_token_block
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config

@@ -252,12 +252,6 @@ class SessionAdmission:
             return []
         return sorted((t for t in self._live(newcomer) if t.shadow), key=lambda t: -t.opened_at)
 
-    @property
-    def shadow_room_bytes(self) -> int:
-        """Cache a real session over the whole span can take from shadow sessions, which yield whole to it
-        (`_shadows`): the pages taken and promised of the live shadows over every layer."""
-        return sum(t.held_bytes for t in self._shadows(None) if t.lease is not None and t.lease.whole_span)
-
     def _idle_candidates(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
         """Sessions that did real work but none for `session_idle_evict_s`, longest idle first: they yield whole."""
         if not self.limits.session_idle_evict_s:

@@ -77,12 +77,6 @@ class EngineSessionCache(SessionCache):
         return sum(len(slot.pages) for slot in self.session.slots) * self.page_bytes
 
     @property
-    def whole_span(self) -> bool:
-        """Whether the session holds pages in every layer of the pool (a session over part of the span frees pages in
-        some layers only: no room for a session over all of them)."""
-        return self.session.num_layers == self.session.engine.pool.num_layers
-
-    @property
     def promised_bytes(self) -> int:
         return sum(slot.promised_pages for slot in self.session.slots) * self.page_bytes
 

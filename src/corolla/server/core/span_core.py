@@ -207,14 +207,6 @@ class SpanCore:
         return self.executor.bytes_left
 
     @property
-    def announced_bytes_left(self) -> int:
-        """The free cache the server announces: the room a new session over the whole span can get
-        (`EngineExecutor.whole_span_bytes_left`, decision 0036), shadow sessions' room included, since they yield it
-        whole to a real session (counted as held, they turned clients away from replicas that would admit them:
-        decision 0268)."""
-        return self.executor.whole_span_bytes_left + self.admission.shadow_room_bytes
-
-    @property
     def max_size_bytes(self) -> int:
         return self.executor.max_size_bytes
 
