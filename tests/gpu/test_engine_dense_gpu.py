@@ -24,6 +24,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_dense import GELU_PROBE_ROWS, FastDenseSpan
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
+from helpers.engine_reference import cached_block_steps
 from helpers.numerics import rel_err
 
 DEV = torch.device("cuda")
@@ -74,6 +75,11 @@ def _prefill_then_tokens(engine, prompt, tokens):
     return outs
 
 
+def _steps_on_device(prompt, tokens):
+    """`_prefill_then_tokens`' steps as `cached_block_steps` takes them: (hidden on the device, position)."""
+    return [(prompt.to(DEV), 0)] + [(t.to(DEV), prompt.shape[1] + i) for i, t in enumerate(tokens)]
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_tuned_graphed_engine_matches_blocks_in_bf16(name: str) -> None:
@@ -84,13 +90,8 @@ def test_tuned_graphed_engine_matches_blocks_in_bf16(name: str) -> None:
     prompt = torch.randn(2, 300, H, dtype=BF16)  # past 256 positions: Falcon's bf16 ALiBi rounding shows
     tokens = [torch.randn(2, 1, H, dtype=BF16) for _ in range(4)]
     got = _prefill_then_tokens(engine, prompt, tokens)
-    caches = [[d.make_zeros() for d in b.cache_descriptors(2, 320)] for b in blocks]
-    position = 0
-    for x, out in zip([prompt, *tokens], got, strict=True):
-        h = x.to(DEV)
-        for block, cache in zip(blocks, caches, strict=True):
-            h = block(h, cache=cache, position=position)
-        position += x.shape[1]
+    expected = cached_block_steps(blocks, 320, _steps_on_device(prompt, tokens))
+    for x, out, h in zip([prompt, *tokens], got, expected, strict=True):
         assert out.shape == x.shape
         assert rel_err(out, h.cpu()) < 2e-2, name
 
@@ -214,11 +215,5 @@ def test_one_row_graphed_steps_of_falcon_7b_match_blocks() -> None:
     prompt = torch.randn(1, 300, H, dtype=BF16)
     tokens = [torch.randn(1, 1, H, dtype=BF16) for _ in range(3)]
     got = _prefill_then_tokens(engine, prompt, tokens)
-    caches = [[d.make_zeros() for d in b.cache_descriptors(1, 320)] for b in blocks]
-    position = 0
-    for x, out in zip([prompt, *tokens], got, strict=True):
-        h = x.to(DEV)
-        for block, cache in zip(blocks, caches, strict=True):
-            h = block(h, cache=cache, position=position)
-        position += x.shape[1]
+    for out, h in zip(got, cached_block_steps(blocks, 320, _steps_on_device(prompt, tokens)), strict=True):
         assert rel_err(out, h.cpu()) < 2e-2

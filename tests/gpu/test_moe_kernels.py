@@ -11,8 +11,8 @@ from transformers import MixtralConfig
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
-from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
+from helpers.engine_reference import cached_block_steps, decode_after_prompts
 from helpers.numerics import rel_err
 
 DEV = torch.device("cuda")
@@ -119,22 +119,7 @@ def test_mixtral_span_on_the_engine_matches_blocks() -> None:
     engine.warmup()
     prompts = [torch.randn(1, n, 512, dtype=BF16) for n in (70, 5, 130)]
     tokens = [torch.randn(1, 1, 512, dtype=BF16) for _ in prompts]
-    sessions = [engine.open_session(1, 200) for _ in prompts]
-    try:
-        for s, p in zip(sessions, prompts, strict=True):
-            engine.step(s, p, 0)
-        outs = engine.decode_many(
-            [StepRequest(s, t, p.shape[1]) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
-        )
-    finally:
-        for s in sessions:
-            s.close()
+    outs = decode_after_prompts(engine, prompts, tokens, 200)
     for prompt, token, out in zip(prompts, tokens, outs, strict=True):
-        caches = [[d.make_zeros() for d in b.cache_descriptors(1, 200)] for b in blocks]
-        h, position = prompt.to(DEV), 0
-        for x in (prompt, token):
-            h = x.to(DEV)
-            for block, cache in zip(blocks, caches, strict=True):
-                h = block(h, cache=cache, position=position)
-            position += x.shape[1]
+        _, h = cached_block_steps(blocks, 200, [(prompt.to(DEV), 0), (token.to(DEV), prompt.shape[1])])
         assert rel_err(out, h.cpu()) < 2e-2

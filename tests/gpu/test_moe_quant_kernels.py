@@ -24,8 +24,8 @@ from corolla.engine.moe.routed_experts import (
 )
 from corolla.engine.quant.quant_tile_gemv import NF4_TILE_CONFIGS, nf4_tile_gemv, nf4_tile_gemv_experts
 from corolla.engine.quant.quant_weights import NF4Weight
-from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
+from helpers.engine_reference import decode_after_prompts
 from helpers.numerics import rel_err
 
 DEV = torch.device("cuda")
@@ -137,16 +137,7 @@ def test_quantized_span_on_the_engine_matches_reference_ops(kind: str) -> None:
     )
     prompts = [torch.randn(1, n, spec.hidden_size, dtype=BF16) for n in (70, 5, 130)]
     tokens = [torch.randn(1, 1, spec.hidden_size, dtype=BF16) for _ in prompts]
-    sessions = [engine.open_session(1, 200) for _ in prompts]
-    try:
-        for s, p in zip(sessions, prompts, strict=True):
-            engine.step(s, p, 0)
-        outs = engine.decode_many(
-            [StepRequest(s, t, p.shape[1]) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
-        )
-    finally:
-        for s in sessions:
-            s.close()
+    outs = decode_after_prompts(engine, prompts, tokens, 200)
     for prompt, token, out in zip(prompts, tokens, outs, strict=True):
         with reference.open_session(1, 200) as s:
             reference.step(s, prompt, 0)

@@ -36,6 +36,23 @@ def cached_block_steps(
     return outs
 
 
+def decode_after_prompts(
+    engine: Any, prompts: list[torch.Tensor], tokens: list[torch.Tensor], max_length_tokens: int
+) -> list[torch.Tensor]:
+    """Each prompt [B, T, H] prefilled in a session of its own on `engine`, then one `decode_many` of every session's
+    token [B, 1, H] at its prompt's end; returns that step's outputs (the sessions closed)."""
+    sessions = [engine.open_session(p.shape[0], max_length_tokens) for p in prompts]
+    try:
+        for s, prompt in zip(sessions, prompts, strict=True):
+            engine.step(s, prompt, 0)
+        return engine.decode_many(
+            [StepRequest(s, t, p.shape[1]) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
+        )
+    finally:
+        for s in sessions:
+            s.close()
+
+
 def check_merged_decode_equals_solo(
     solo: Any, merged: Any, prompts: list[torch.Tensor], tokens: list[list[torch.Tensor]], max_length_tokens: int
 ) -> None:

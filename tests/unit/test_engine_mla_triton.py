@@ -14,6 +14,7 @@ import torch
 from corolla.engine.kernels.mla_kernels import paged_latent_attention as attention_ref
 from corolla.engine.kernels.mla_kernels import rope_rotate, store_latent
 from corolla.engine.ops.decode_ops import rms_norm_ref
+from helpers.engine_reference import decode_after_prompts
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -103,7 +104,6 @@ def test_span_decode_with_the_kernels_equals_the_torch_path() -> None:
     """FastMlaSpan's decode step wired to these kernels (q strides, slots, the split count) equals its torch path:
     a tiny DeepSeek-V3 span (dense + MoE layers, interleaved rope), rows of three sessions at ragged positions."""
     from corolla.engine import EngineConfig, SpanEngine
-    from corolla.engine.span_engine import StepRequest
     from corolla.models.registry import get_family
     from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -126,12 +126,6 @@ def test_span_decode_with_the_kernels_equals_the_torch_path() -> None:
     tokens = [torch.randn(1, 1, h).to(DEV) for _ in prefixes]
     outs = []
     for engine in engines:
-        sessions = [engine.open_session(1, 64) for _ in prefixes]
-        for s, p in zip(sessions, prompts, strict=True):
-            engine.step(s, p, 0)
-        reqs = [StepRequest(s, t, n) for s, t, n in zip(sessions, tokens, prefixes, strict=True)]
-        outs.append(torch.cat(engine.decode_many(reqs)))
-        for s in sessions:
-            s.close()
+        outs.append(torch.cat(decode_after_prompts(engine, prompts, tokens, 64)))
     tol = 2e-2 if DEV.type == "cuda" else 1e-4  # tf32 dot products on a GPU
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
