@@ -12,6 +12,7 @@ from transformers import MixtralConfig
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
 from corolla.models.registry import get_family
+from helpers.cuda_capture import capture
 from helpers.engine_reference import cached_block_steps, decode_after_prompts
 from helpers.numerics import rel_err
 
@@ -72,14 +73,7 @@ def test_graph_replay_with_new_routes_matches_reference() -> None:
     n, top_k = 8, 2
     x = torch.randn(n, 512, device=DEV, dtype=BF16)
     weights, ids = routes(n, 8, top_k, seed=7)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        experts_forward(x, ids, weights, experts)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = experts_forward(x, ids, weights, experts)
+    graph, out = capture(experts_forward, x, ids, weights, experts)
     for seed in range(3):
         new_w, new_ids = routes(n, 8, top_k, seed=100 + seed)
         x.copy_(torch.randn_like(x))

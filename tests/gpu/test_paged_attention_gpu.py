@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from corolla.engine.ops import decode_ops as ops
+from helpers.cuda_capture import capture
 
 DEV = torch.device("cuda")
 PAGE, PAGES = 64, 200
@@ -34,14 +35,7 @@ def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: in
     lens = torch.ones(rows, device=DEV, dtype=torch.int32)
     scale = 1 / math.sqrt(D)
     counters = attention_counters(DEV, rows * NKV)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tk.paged_decode_attention(q, kc, vc, tables, lens, scale, splits)  # compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tk.paged_decode_attention(q, kc, vc, tables, lens, scale, splits)
+    graph, out = capture(tk.paged_decode_attention, q, kc, vc, tables, lens, scale, splits)
     for replay in range(4):
         q.copy_(torch.randn(rows, NQ, D, device=DEV, dtype=torch.bfloat16, generator=gen))
         lens.copy_(torch.randint(1, 24 * PAGE + 1, (rows,), device=DEV, generator=gen, dtype=torch.int32))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_capture import capture
+
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 
@@ -116,14 +118,7 @@ def test_split_k_sums_in_kernel_are_deterministic_and_replay_safe(kind, kernel, 
     assert float((first.float() - expected).norm() / expected.norm()) < 1.5e-2
     for _ in range(3):
         assert torch.equal(_run(kernel, config, x, weight, res), first)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _run(kernel, config, x, weight, res)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _run(kernel, config, x, weight, res)
+    graph, out = capture(_run, kernel, config, x, weight, res)
     for _ in range(3):  # fresh inputs each replay, same function
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))

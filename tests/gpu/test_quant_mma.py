@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_capture import capture
 from helpers.nf4_weights import fp16_level_reference
 
 DEV = torch.device("cuda")
@@ -92,14 +93,7 @@ def test_split_counters_reset_under_graph_replay() -> None:
     assert int(weight.split_counters().abs().sum()) == 0
     expected = x.float() @ fp16_level_reference(weight).t() + res.float()
     assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        nf4_mma_matmul(x, weight, res, config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = nf4_mma_matmul(x, weight, res, config)
+    graph, out = capture(nf4_mma_matmul, x, weight, res, config)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         out.fill_(float("nan"))

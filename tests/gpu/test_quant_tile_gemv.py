@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_capture import capture
 from helpers.nf4_weights import fp16_level_reference, random_code_weight
 from helpers.rmsnorm_prologue import check_rmsnorm_prologue
 
@@ -96,14 +97,7 @@ def test_graph_replays_are_bit_equal() -> None:
         expected = x.float() @ dense + res.float()  # (x changes below)
         eager = nf4_tile_gemv(x, weight, res, config)
         assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            nf4_tile_gemv(x, weight, res, config)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = nf4_tile_gemv(x, weight, res, config)
+        graph, out = capture(nf4_tile_gemv, x, weight, res, config)
         for _ in range(2):
             x.copy_(torch.randn_like(x))
             out.fill_(float("nan"))
