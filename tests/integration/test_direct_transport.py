@@ -23,8 +23,8 @@ from corolla.protocol import local_stream as ls
 from corolla.protocol.rpc import handle_name
 from corolla.server.core.limits import PeerLimits
 from helpers.swarm import ClientThread, cache_used_bytes, chain, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])
 MAX_SESSIONS_PER_PEER = 2

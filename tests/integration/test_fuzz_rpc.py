@@ -34,9 +34,9 @@ from corolla.protocol.records import ModelInfo, RemoteModuleInfo, ServerInfo, Se
 from corolla.swarm import records_io
 from helpers.hostile_bytes import nested_tuples
 from helpers.swarm import ClientThread, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 from helpers.tiny_models import make_tiny_model
 
-HIDDEN = 64
 NUM_BLOCKS = 2
 CACHE_TOKENS_PER_BLOCK = 64
 NUM_CASES = int(os.environ.get("COROLLA_FUZZ_CASES", "5000"))

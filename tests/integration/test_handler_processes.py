@@ -34,8 +34,8 @@ from helpers.swarm import (
     start_inprocess_server,
     wait_until,
 )
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 
 pytestmark = pytest.mark.timeout(240)

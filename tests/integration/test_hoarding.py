@@ -26,9 +26,9 @@ from helpers.swarm import (
     start_inprocess_server,
     wait_until,
 )
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 from helpers.tiny_models import make_tiny_model
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 MAX_LENGTH = 2048  # one session of MAX_LENGTH over all blocks: half of the cache, what one peer may hold
 CACHE_TOKENS = 2 * MAX_LENGTH  # 256 pages of 16 tokens: each of 32 trickling sessions really holds 1 or 2

@@ -20,6 +20,7 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from tests.helpers.engine_reference import blocks_forward
 from tests.helpers.hostile_server import start_hostile_server
 from tests.helpers.swarm import ClientThread, InferenceStream, Swarm, make_request, packed_request
+from tests.helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 from tests.helpers.tiny_models import make_tiny_model
 
 from corolla.models.config import load_config
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 
 PREFIX = "liar"
 UID = make_chain(PREFIX, 0, 2)
-HIDDEN = 64  # the tiny Llama's
 # how each server process answers (its extra flags)
 FRONTS = {"own_loop": (), "handler_processes": ("--num_handlers", "2")}
 SLOW_S = 1.5  # `slow` mode's delay of a step in the test of that mode

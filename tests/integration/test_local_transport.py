@@ -28,8 +28,8 @@ from helpers.swarm import (
     start_inprocess_server,
     wait_until,
 )
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])
 

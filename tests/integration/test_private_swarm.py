@@ -17,8 +17,8 @@ from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKey
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 DHT_TIMEOUT_S = 10.0
 
 pytestmark = pytest.mark.timeout(240)

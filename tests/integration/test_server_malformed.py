@@ -27,9 +27,9 @@ from helpers.swarm import (
     start_inprocess_server,
     wait_until,
 )
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 from helpers.tiny_models import make_tiny_model
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 CACHE_TOKENS_PER_BLOCK = 128
 MAX_BATCH_TOKENS = 256

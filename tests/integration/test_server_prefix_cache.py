@@ -23,8 +23,8 @@ from helpers.swarm import (
     packed_request,
     start_inprocess_server,
 )
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 MAX_LENGTH = 128
 

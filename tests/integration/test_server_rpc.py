@@ -20,8 +20,8 @@ from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
 from helpers.engine_reference import blocks_forward
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import HIDDEN_SIZE as HIDDEN
 
-HIDDEN = 64
 NUM_BLOCKS = 4
 MAX_LENGTH_LIMIT = 64
 MAX_BATCH_TOKENS = 256
