@@ -100,12 +100,8 @@ class RotaryEmbedding:
         return inv_freq
 
     def _compute(self, start: int, end: int, device: torch.device, dtype: torch.dtype, seq_len: int):
-        inv_freq = self.inv_freq(device, seq_len)
-        positions = torch.arange(start, end, device=device, dtype=torch.float32)  # [T]
-        freqs = positions[:, None] * inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-        scale = self.attention_scaling
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+        cos, sin = rotary_cos_sin(self.inv_freq(device, seq_len), start, end, device, self.attention_scaling)
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)  # [T, hd] each
 
     def cos_sin(self, position: int, length: int, device: torch.device, dtype: torch.dtype):
         """cos, sin: [length, head_dim] for absolute positions position..position+length-1, in `dtype`.
@@ -133,6 +129,17 @@ class RotaryEmbedding:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         q_rot, k_rot = self.apply(q[..., :r], k[..., :r], position)  # [B, h, T, r], [B, kv, T, r]
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, start: int, end: int, device: torch.device, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [end - start, D/2] float32 of positions [start, end) for the frequencies `inv_freq` [D/2], times
+    `scale` (YaRN's and LongRoPE's attention factor multiplies cos and sin): the one formula of the blocks' rotary
+    (`RotaryEmbedding`, each half of a head's channels) and of the fused spans' tables."""
+    positions = torch.arange(start, end, dtype=torch.float32, device=device)  # [T]
+    freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [T, D/2]
+    return (freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

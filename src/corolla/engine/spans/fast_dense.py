@@ -25,13 +25,13 @@ from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import DenseOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import PrefillChunk, SpanModel, rotary_tables, static_rotary, tensors_nbytes
+from corolla.engine.spans.span_model import PrefillChunk, SpanModel, static_rotary, tensors_nbytes
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
 from corolla.models.layers import DenseMLP
 from corolla.models.lora import LoraLinear
-from corolla.models.positions import alibi_slopes
+from corolla.models.positions import alibi_slopes, rotary_cos_sin
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -160,7 +160,7 @@ class FastDenseSpan(SpanModel):
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.alibi = alibi
         if inv_freq is not None:
-            self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device, rotary_scale)  # [P, D/2] each
+            self.cos, self.sin = rotary_cos_sin(inv_freq, 0, max_positions, self.device, rotary_scale)  # [P, D/2] each
         else:  # never read (rope_and_store(rotate=False))
             self.cos = self.sin = torch.zeros((1, spec.head_dim // 2), dtype=torch.float32, device=self.device)
         self.ops = DecodeOps(

@@ -25,13 +25,13 @@ from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapt
 from corolla.engine.spans.span_model import (
     PrefillChunk,
     SpanModel,
-    rotary_tables,
     static_rotary,
     tensors_nbytes,
 )
 from corolla.models.layers import SparseMoE
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of
 from corolla.models.lora import LoraLinear
+from corolla.models.positions import rotary_cos_sin
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -154,7 +154,7 @@ class FastLlamaSpan(SpanModel):
         self.dtype = layers[0].ln1.dtype
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(spec.head_dim)
-        self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device, rotary_scale)  # [P, D/2] each
+        self.cos, self.sin = rotary_cos_sin(inv_freq, 0, max_positions, self.device, rotary_scale)  # [P, D/2] each
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )

@@ -36,16 +36,6 @@ def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torc
     return table.index_select(0, positions // page).long() * page + positions % page
 
 
-def rotary_tables(
-    inv_freq: torch.Tensor, max_positions: int, device: torch.device, scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [P, D/2] float32 of positions [0, max_positions) for the frequencies `inv_freq` [D/2], times `scale`
-    (YaRN's and LongRoPE's attention factor multiplies cos and sin, as the blocks' own rotary does)."""
-    positions = torch.arange(max_positions, dtype=torch.float32, device=device)  # [P]
-    freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [P, D/2]
-    return (freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous()
-
-
 def static_rotary(rotary: object, max_positions: int, device: torch.device) -> tuple[torch.Tensor, float]:
     """A block's `rotary` as fixed tables of `max_positions` positions: its frequencies [D/2] fp32 and the factor of
     its cos and sin (ValueError for no rotary embedding, or one whose frequencies change inside that range: dynamic
