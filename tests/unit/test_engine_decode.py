@@ -104,11 +104,24 @@ def test_a_rope_whose_frequencies_change_inside_the_span_refuses_the_fused_path(
 
 def test_qwen2_sliding_window_steps_match_blocks() -> None:
     """Qwen2 with `use_sliding_window` slides its layers (`layer_types`) and the fused span has no window for them:
-    steps past the window are the blocks' own (main: the fused span attended to every key, 5.6 off)."""
+    a span serving positions past the window is refused for its blocks' own eager code, whose steps past the window
+    are the blocks' (a fused span attending to every key was 5.6 off)."""
     sliding = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2)
     blocks = make_blocks("qwen2", num_layers=2, **sliding)
     assert [block.attn.sliding_window for block in blocks] == [8, 8]
+    engine = SpanEngine.from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=MAX_LEN))
+    assert not isinstance(engine.model, FastLlamaSpan)
     assert_decode_matches_blocks(blocks, batch=1, prefix_tokens=20)
+
+
+def test_qwen2_sliding_window_past_the_served_positions_runs_fused() -> None:
+    """A window no shorter than the positions a span serves never slides there: the fused span serves it (capped
+    at the window), its steps the blocks' own."""
+    sliding = dict(use_sliding_window=True, sliding_window=MAX_LEN, layer_types=["sliding_attention"] * 2)
+    blocks = make_blocks("qwen2", num_layers=2, **sliding)
+    model, _ = fused_model(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=MAX_LEN)
+    assert isinstance(model, FastLlamaSpan) and model.spec.sliding_window_tokens == MAX_LEN
+    assert_decode_matches_blocks(blocks, batch=2, prefix_tokens=21)
 
 
 def test_batched_ragged_decode_equals_each_session_alone() -> None:

@@ -29,7 +29,7 @@ from corolla.engine.spans.span_model import (
     tensors_nbytes,
 )
 from corolla.models.layers import SparseMoE
-from corolla.models.llama.block import head_dim_of, num_kv_heads_of
+from corolla.models.llama.block import head_dim_of, num_kv_heads_of, sliding_window_of
 from corolla.models.lora import LoraLinear
 from corolla.models.positions import rotary_cos_sin
 from corolla.utils.logging import get_logger
@@ -42,8 +42,8 @@ Weight = torch.Tensor | NF4Weight | Int8Weight
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    """Shapes and constants of one llama-family decoder layer (Llama 2/3.x, Mistral without a sliding window
-    shorter than the context, Qwen2, Qwen3); biases are the loaded layers' own (`LayerWeights`)."""
+    """Shapes and constants of one llama-family decoder layer (Llama 2/3.x, Mistral, Qwen2, Qwen3: a sliding window
+    only where it is no shorter than the positions served); biases are the loaded layers' own (`LayerWeights`)."""
 
     hidden_size: int
     num_heads: int
@@ -68,8 +68,6 @@ class LlamaSpec:
         model_type = getattr(config, "model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
             raise ValueError(f"The fast path supports llama-family and Mixtral/Qwen3-MoE blocks, not {model_type!r}")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
-            raise ValueError("The fast path does not implement Qwen2's and Qwen3's sliding-window layers")
         num_heads = int(config.num_attention_heads)
         num_kv_heads, head_dim = int(num_kv_heads_of(config)), int(head_dim_of(config))
         if num_heads % num_kv_heads:
@@ -77,6 +75,10 @@ class LlamaSpec:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"The fast path implements silu MLPs only, not {act!r}")
+        # the blocks' own rule (Mistral: every layer; Qwen2/Qwen3: the layers `layer_types` slides): the span attends
+        # to every key, which equals a window no shorter than the positions it serves (`SpanEngine` caps them there)
+        layers = range(int(getattr(config, "num_hidden_layers", 1)))
+        windows = [w for w in (sliding_window_of(config, i) for i in layers) if w is not None]
         return cls(
             hidden_size=int(config.hidden_size),
             num_heads=num_heads,
@@ -84,9 +86,7 @@ class LlamaSpec:
             head_dim=head_dim,
             intermediate_size=int(config.intermediate_size),
             rms_norm_eps=float(config.rms_norm_eps),
-            sliding_window_tokens=(
-                getattr(config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None
-            ),
+            sliding_window_tokens=min(windows) if windows else None,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
         )
 
