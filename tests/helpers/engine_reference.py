@@ -102,3 +102,17 @@ def check_hypo_reorder(
         engine.step(session, prompt, 0)
         out = engine.step(session, tok, 7, hypo_ids=hypo)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+
+def quantized_tuning_asked(span: Any) -> dict:
+    """Runs `span.tune()` with its ops' quantized tuner replaced by a recorder that tunes nothing: {"weights": the
+    weights it was asked to time, "prologues": the prologues asked for each}."""
+    seen: dict = {}
+
+    def tune_quantized(weights, *, reps=7, prologues=None):
+        seen.update(weights=weights, prologues=prologues)
+        return {}
+
+    span.ops.tune_quantized = tune_quantized
+    span.tune()
+    return seen

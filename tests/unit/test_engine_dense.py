@@ -20,7 +20,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
-from helpers.engine_reference import cached_block_steps
+from helpers.engine_reference import cached_block_steps, quantized_tuning_asked
 
 H = 64
 MAX_LEN = 96
@@ -256,12 +256,5 @@ def test_warm_up_tunes_no_norm_or_silu_prologue_for_quantized_dense_spans() -> N
     for layer in span.layers:
         for name in ("w_qkv", "w_o", "w_up", "w_down"):
             setattr(layer, name, quantize_nf4(getattr(layer, name)))
-    seen: dict = {}
-
-    def tune_quantized(weights, *, reps=7, prologues=None):
-        seen.update(weights=weights, prologues=prologues)
-        return {}
-
-    span.ops.tune_quantized = tune_quantized  # type: ignore[method-assign]
-    span.tune()
+    seen = quantized_tuning_asked(span)
     assert seen["weights"] and seen["prologues"] == {}

@@ -21,6 +21,7 @@ from corolla.engine.quant.quant_weights import (
 from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 from corolla.models.registry import get_family
+from helpers.engine_reference import quantized_tuning_asked
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 bnb = pytest.importorskip("bitsandbytes")
@@ -221,14 +222,7 @@ def test_warm_up_tunes_only_the_prologues_each_quantized_shape_takes() -> None:
     ]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
     span = FastLlamaSpan(spec, layers, inv_freq, max_positions=128, use_triton=False)
-    seen: dict = {}
-
-    def tune_quantized(weights, *, reps=7, prologues=None):
-        seen.update(weights=weights, prologues=prologues)
-        return {}
-
-    span.ops.tune_quantized = tune_quantized  # type: ignore[method-assign]
-    span.tune()
+    seen = quantized_tuning_asked(span)
     assert set(seen["weights"]) == {("int8", 256, 128), ("int8", 128, 128), ("int8", 512, 128), ("int8", 128, 256)}
     assert seen["prologues"] == {
         ("int8", 256, 128): ("rmsnorm",),  # w_qkv: (4 + 2 + 2) heads x 32
