@@ -139,7 +139,7 @@ def rotary_cos_sin(
     (`RotaryEmbedding`, each half of a head's channels) and of the fused spans' tables."""
     positions = torch.arange(start, end, dtype=torch.float32, device=device)  # [T]
     freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [T, D/2]
-    return (freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous()
+    return freqs.cos() * scale, freqs.sin() * scale
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
