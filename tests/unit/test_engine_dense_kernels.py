@@ -1,8 +1,9 @@
 """The Falcon/BLOOM decode step's Triton kernels (`engine.kernels.dense_kernels`) against their torch references
 (`dense_ops`): the fused residual add + LayerNorm with no addend (a plain LayerNorm), one addend (BLOOM's residual)
 or two summed first (Falcon's parallel attention + MLP), with and without the norm, in fp32 and bf16 (the sums
-rounded as torch rounds them), at a width that is not a power of two and with strided rows; the step's KV slots and
-lengths at 0 to 40 rows; the span's decode wired through both (CPU interpreter run); and `DenseOps` choosing the
+rounded as torch rounds them), at a width that is not a power of two and with strided rows; every span's decode step
+KV slots and lengths (`triton_kernels.decode_slots` against `decode_ops.decode_slots_ref`) at 0 to 40 rows; the
+span's decode wired through both (CPU interpreter run); and `DenseOps` choosing the
 references without Triton. Runs on CUDA, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
 importable); the reference tests run everywhere."""
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.ops.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
+from corolla.engine.ops.decode_ops import decode_slots_ref
+from corolla.engine.ops.dense_ops import DenseOps, add_layer_norm_ref
 
 TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +106,7 @@ def test_decode_slots_reference() -> None:
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows", [0, 1, 5, 40])
 def test_decode_slots_kernel_matches_reference(rows: int) -> None:
-    dk = pytest.importorskip("corolla.engine.kernels.dense_kernels")
+    dk = pytest.importorskip("corolla.engine.kernels.triton_kernels")
     gen = torch.Generator().manual_seed(rows)
     page, maxp = 16, 12
     tables = torch.randperm(rows * maxp + 1, generator=gen)[: rows * maxp].reshape(rows, maxp).int()

@@ -2,8 +2,7 @@
 output, or of two summed first: Falcon's parallel attention + MLP) and the next LayerNorm (with bias) in one
 program per row, each row held in registers. It replaces torch's LayerNorm kernel (one block per row, ~8 us for a
 4096-wide row on an H200) and the separate bias/residual kernels around cuBLAS. Importing fails without Triton;
-Also the step's per-row KV slot and sequence length in one kernel instead of torch's seven small ones. `dense_ops`
-holds the torch references and the choice."""
+`dense_ops` holds the torch references and the choice."""
 
 from __future__ import annotations
 
@@ -108,32 +107,3 @@ def add_layer_norm(
         ADDS=adds, NORM=norm, BF16=residual.dtype == torch.bfloat16, BLOCK=block, num_warps=_warps(block),
     )  # fmt: skip
     return h, out if norm else None
-
-
-@triton.jit
-def _decode_slots_kernel(
-    pos_ptr, bt_ptr, slots_ptr, lens_ptr, rows, stride_bt, PAGE: tl.constexpr, BLOCK: tl.constexpr
-):
-    # row r writes its token at slot = block_tables[r, pos // PAGE] * PAGE + pos % PAGE and attends to pos + 1 tokens
-    offs = tl.arange(0, BLOCK)
-    mask = offs < rows
-    pos = tl.load(pos_ptr + offs, mask=mask, other=0).to(tl.int64)
-    page = tl.load(bt_ptr + offs.to(tl.int64) * stride_bt + pos // PAGE, mask=mask, other=0).to(tl.int64)
-    tl.store(slots_ptr + offs, page * PAGE + pos % PAGE, mask=mask)
-    tl.store(lens_ptr + offs, (pos + 1).to(tl.int32), mask=mask)
-
-
-def decode_slots(positions: torch.Tensor, block_tables: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `dense_ops.decode_slots_ref`: positions [B] long, block_tables [B, maxp] int32 ->
-    (flat KV slot of each row's position [B] long, sequence lengths positions + 1 [B] int32)."""
-    rows = positions.shape[0]
-    if block_tables.shape[0] != rows or block_tables.stride(1) != 1 or positions.dtype != torch.long:
-        raise ValueError("decode_slots takes positions [B] long and block tables [B, maxp] with contiguous rows")
-    slots = torch.empty(rows, dtype=torch.long, device=positions.device)
-    lens = torch.empty(rows, dtype=torch.int32, device=positions.device)
-    if rows:
-        block = max(16, triton.next_power_of_2(rows))
-        _decode_slots_kernel[(1,)](
-            positions, block_tables, slots, lens, rows, block_tables.stride(0), PAGE=page, BLOCK=block, num_warps=1
-        )
-    return slots, lens

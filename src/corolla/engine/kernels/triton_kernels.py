@@ -1,4 +1,5 @@
-"""Triton kernels of the decode step: RMSNorm, rotary embedding fused with the KV-cache write, paged decode
+"""Triton kernels of the decode step: the rows' KV slots and lengths (one kernel instead of torch's seven small ones),
+RMSNorm, rotary embedding fused with the KV-cache write, paged decode
 attention (split over the sequence, the splits combined by the last program of each (row, kv head); optional ALiBi
 bias from per-head slopes) and SiLU-gated product. Importing fails without Triton."""
 
@@ -56,6 +57,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, f16_scale: float
         SCALED=f16_scale is not None, num_warps=8,
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------- KV slots
+
+
+@triton.jit
+def _decode_slots_kernel(
+    pos_ptr, bt_ptr, slots_ptr, lens_ptr, rows, stride_bt, PAGE: tl.constexpr, BLOCK: tl.constexpr
+):
+    # row r writes its token at slot = block_tables[r, pos // PAGE] * PAGE + pos % PAGE and attends to pos + 1 tokens
+    offs = tl.arange(0, BLOCK)
+    mask = offs < rows
+    pos = tl.load(pos_ptr + offs, mask=mask, other=0).to(tl.int64)
+    page = tl.load(bt_ptr + offs.to(tl.int64) * stride_bt + pos // PAGE, mask=mask, other=0).to(tl.int64)
+    tl.store(slots_ptr + offs, page * PAGE + pos % PAGE, mask=mask)
+    tl.store(lens_ptr + offs, (pos + 1).to(tl.int32), mask=mask)
+
+
+def decode_slots(positions: torch.Tensor, block_tables: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `decode_ops.decode_slots_ref`: positions [B] long, block_tables [B, maxp] int32 ->
+    (flat KV slot of each row's position [B] long, sequence lengths positions + 1 [B] int32)."""
+    rows = positions.shape[0]
+    if block_tables.shape[0] != rows or block_tables.stride(1) != 1 or positions.dtype != torch.long:
+        raise ValueError("decode_slots takes positions [B] long and block tables [B, maxp] with contiguous rows")
+    slots = torch.empty(rows, dtype=torch.long, device=positions.device)
+    lens = torch.empty(rows, dtype=torch.int32, device=positions.device)
+    if rows:
+        block = max(16, triton.next_power_of_2(rows))
+        _decode_slots_kernel[(1,)](
+            positions, block_tables, slots, lens, rows, block_tables.stride(0), PAGE=page, BLOCK=block, num_warps=1
+        )
+    return slots, lens
 
 
 # ---------------------------------------------------------------------------------------------- RoPE + KV write

@@ -57,6 +57,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return (weight * y.to(x.dtype)).to(x.dtype)
 
 
+def decode_slots_ref(
+    positions: torch.Tensor, block_tables: torch.Tensor, page: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B] long, block_tables [B, maxp] int32 -> (flat KV slot of each row's position [B] long, sequence
+    lengths positions + 1 [B] int32)."""
+    pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
+    return pages * page + positions % page, (positions + 1).to(torch.int32)
+
+
 def rope_and_store_ref(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -459,6 +468,14 @@ class DecodeOps:
         if f16_scale is not None:
             raise ValueError("a scaled fp16 RMSNorm output needs the Triton kernel")
         return rms_norm_ref(x, weight, eps)
+
+    def decode_slots(
+        self, positions: torch.Tensor, block_tables: torch.Tensor, page: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [B] long, seq_lens [B] int32) of a decode step's rows, one kernel on CUDA."""
+        if self.use_triton and block_tables.stride(1) == 1:
+            return triton_kernels.decode_slots(positions, block_tables, page)
+        return decode_slots_ref(positions, block_tables, page)
 
     def rope_and_store(
         self, qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, *, rotate=True

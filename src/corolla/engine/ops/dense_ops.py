@@ -40,15 +40,6 @@ def add_layer_norm_ref(
     return h, normed
 
 
-def decode_slots_ref(
-    positions: torch.Tensor, block_tables: torch.Tensor, page: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B] long, block_tables [B, maxp] int32 -> (flat KV slot of each row's position [B] long, sequence
-    lengths positions + 1 [B] int32)."""
-    pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()  # [B]
-    return pages * page + positions % page, (positions + 1).to(torch.int32)
-
-
 class DenseOps:
     """Picks the fused CUDA versions or the references once per span; `gelu_epilogue` is set by
     `choose_gelu_epilogue`."""
@@ -64,14 +55,6 @@ class DenseOps:
             assert normed is not None
             return normed
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-    def decode_slots(
-        self, positions: torch.Tensor, block_tables: torch.Tensor, page: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [B] long, seq_lens [B] int32) of a decode step's rows, one kernel on CUDA."""
-        if self.use_triton and block_tables.stride(1) == 1:
-            return dense_kernels.decode_slots(positions, block_tables, page)
-        return decode_slots_ref(positions, block_tables, page)
 
     def add_norm(
         self,

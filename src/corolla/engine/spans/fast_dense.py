@@ -274,7 +274,7 @@ class FastDenseSpan(SpanModel):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        slots, seq_lens = self.dense.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        slots, seq_lens = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         start, end = layers or (0, self.num_layers)
         x: torch.Tensor | None = self._norm(h, self.layers[start].ln1_w, self.layers[start].ln1_b)  # [B, H]

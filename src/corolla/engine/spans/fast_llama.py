@@ -19,7 +19,6 @@ from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.moe.routed_experts import RoutedMoE, tune_experts
 from corolla.engine.ops.decode_ops import DecodeOps
-from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.spans.span_model import (
@@ -295,7 +294,7 @@ class FastLlamaSpan(SpanModel):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        slots, seq_lens = decode_slots_ref(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        slots, seq_lens = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None

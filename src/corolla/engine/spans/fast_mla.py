@@ -23,7 +23,6 @@ from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
 from corolla.engine.ops.decode_ops import DecodeOps
-from corolla.engine.ops.dense_ops import decode_slots_ref
 from corolla.engine.quant.quant_weights import linear_bias
 from corolla.engine.spans.span_model import PrefillChunk, SpanModel, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
@@ -355,7 +354,7 @@ class FastMlaSpan(SpanModel):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        slots, seq_lens = decode_slots_ref(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        slots, seq_lens = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         start, end = layers or (0, self.num_layers)
         for i in range(start, end):
