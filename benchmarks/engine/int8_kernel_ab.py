@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.engine import kernel_ab
-from corolla.engine.kernels.quant_splits import PROLOGUES
 from corolla.engine.quant import quant_int8_gemv
+from corolla.engine.quant.prologues import PROLOGUES
 from corolla.engine.quant.quant_choices import quant_kernel
 from corolla.engine.spans.fast_llama import LayerWeights
 

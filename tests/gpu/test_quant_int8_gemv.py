@@ -51,7 +51,7 @@ def test_row_mma_matches_reference(dtype, shape) -> None:
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_row_mma_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
-    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.quant.prologues import PROLOGUES
     from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
 
     weight = _weight(203, 1152, seed=11, dtype=dtype)
@@ -94,8 +94,8 @@ def test_rows_are_batch_invariant_deterministic_and_replayed_by_graphs() -> None
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_gated_form_has_the_bits_of_the_kernel_then_silu_mul(dtype) -> None:
     from corolla.engine.kernels import triton_kernels
-    from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.ops.decode_ops import silu_mul_ref
+    from corolla.engine.quant.prologues import PROLOGUES
     from corolla.engine.quant.quant_int8_gemv import GATED_CONFIGS, int8_row_mma
 
     inter, k, eps, m = 203, 1152, 1e-5, 3  # I = 203: the last program's rows ragged in both halves
@@ -122,7 +122,7 @@ def test_gated_form_has_the_bits_of_the_kernel_then_silu_mul(dtype) -> None:
 
 def test_back_to_back_launches_have_the_bits_of_synchronized_ones() -> None:
     # each kernel reads the one before's output: a launch that read it before that kernel ended would differ
-    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.quant.prologues import PROLOGUES
     from corolla.engine.quant.quant_int8_gemv import GATED_CONFIGS, INT8_MMA_CONFIGS, int8_row_mma
 
     h, inter, eps = 1024, 1536, 1e-5

@@ -35,8 +35,8 @@ def _case(name: str, rows: int, seed: int, kind: str = "int8"):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: str, kind: str) -> None:
     from corolla.engine.kernels import triton_kernels
-    from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices
+    from corolla.engine.quant.prologues import PROLOGUES
 
     for rows in (1, 3, 8):
         weight, x, gain, res, prologue = _case(name, rows, seed=rows, kind=kind)

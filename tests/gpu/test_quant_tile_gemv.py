@@ -108,7 +108,7 @@ def test_graph_replays_are_bit_equal() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
-    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.quant.prologues import PROLOGUES
     from corolla.engine.quant.quant_tile_gemv import RMSNORM, nf4_tile_gemv
 
     assert RMSNORM == PROLOGUES["rmsnorm"]

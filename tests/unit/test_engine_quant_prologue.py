@@ -20,9 +20,9 @@ quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")  # (Triton i
 
 from benchmarks.common.quantize import quantize_int8, quantize_nf4  # noqa: E402
 from corolla.engine.kernels import triton_kernels as tk  # noqa: E402
-from corolla.engine.kernels.quant_splits import PROLOGUES  # noqa: E402
 from corolla.engine.ops import decode_ops as ops_module  # noqa: E402
 from corolla.engine.quant import quant_choices, quant_kernels  # noqa: E402
+from corolla.engine.quant.prologues import PROLOGUES  # noqa: E402
 from corolla.engine.quant.quant_weights import Int8Weight, quant_key  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -108,7 +108,7 @@ def _compile_tile(grouped: bool, prologue: int, experts: bool) -> bytes:
     )
     options = ["--gpu-architecture=sm_90a", "--std=c++17", *(f"-D{k}={v}" for k, v in kernel.defines.items())]
     try:
-        return nvrtc_kernels.compile_cubin(kernel.source, kernel.name, options)
+        return nvrtc_kernels.compile_cubin(kernel.source, kernel.name, options)[0]
     except RuntimeError as e:
         if "NVRTC not found" in str(e):
             pytest.skip(str(e)[:200])

@@ -348,6 +348,11 @@ def _lib(kind: str) -> ctypes.CDLL:
     return _LIBS[kind]
 
 
+def nvrtc_library() -> ctypes.CDLL:
+    """libnvrtc, loaded once (RuntimeError "NVRTC not found" where there is none): compiling needs no GPU."""
+    return _lib("nvrtc")
+
+
 def _check_cu(result: int, what: str) -> None:
     if result:
         name = ctypes.c_char_p()
@@ -361,8 +366,9 @@ def arch_option(device: torch.device) -> str:
     return f"--gpu-architecture=sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
-def compile_cubin(source: str, name: str, options: list[str]) -> bytes:
-    """`source` compiled by NVRTC with `options` -> the cubin; RuntimeError with NVRTC's log when it fails."""
+def compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
+    """`source` compiled by NVRTC with `options` -> (the cubin, NVRTC's log: ptxas's resource report with
+    `--ptxas-options=-v`); RuntimeError with the log when it fails. Needs no GPU (libnvrtc only)."""
     nvrtc = _lib("nvrtc")
     prog = ctypes.c_void_p()
     res = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
@@ -381,7 +387,7 @@ def compile_cubin(source: str, name: str, options: list[str]) -> bytes:
         cubin = ctypes.create_string_buffer(size.value)
         if nvrtc.nvrtcGetCUBIN(prog, cubin):
             raise RuntimeError(f"nvrtcGetCUBIN failed for {name}")
-        return cubin.raw
+        return cubin.raw, log.value.decode(errors="replace")
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -438,7 +444,7 @@ class NvrtcKernel:
                 dev = torch.device("cuda", index)
                 options = [arch_option(dev), "--std=c++17"]
                 options += [f"-D{k}={v}" for k, v in self.defines.items()]
-                cubin = compile_cubin(self.source, self.name, options)
+                cubin, _ = compile_cubin(self.source, self.name, options)
                 cuda = _lib("cuda")
                 module, fn = ctypes.c_void_p(), ctypes.c_void_p()
                 with torch.cuda.device(dev):  # into the primary context of `dev`

@@ -15,7 +15,7 @@ outputs, and a row's output does not depend on the other rows of the call. The c
 (`NF4Weight.split_counters()` / `Int8Weight.split_counters()`): calls on one weight must not run concurrently on
 two streams.
 
-The RMSNorm prologue (`PROLOGUES`; the INT8 tl.dot block kernel; decode rows) scales x by the
+The RMSNorm prologue (`quant.prologues.PROLOGUES`; the INT8 tl.dot block kernel; decode rows) scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
 column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
@@ -25,21 +25,8 @@ Importing fails without Triton."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-PROLOGUES = {"none": 0, "rmsnorm": 1}  # the kernels' PRO codes
-
-
-def check_prologue(k: int, prologue: int, norm_weight: torch.Tensor | None) -> None:
-    """ValueError unless `prologue` is a PROLOGUES code and RMSNorm comes with a contiguous [K] gain."""
-    if prologue not in PROLOGUES.values():
-        raise ValueError(f"unknown prologue code {prologue} (one of {sorted(PROLOGUES.values())})")
-    if prologue == PROLOGUES["rmsnorm"] and (
-        norm_weight is None or norm_weight.shape != (k,) or norm_weight.stride(0) != 1
-    ):
-        raise ValueError(f"the RMSNorm prologue needs a contiguous [{k}] gain")
 
 
 @triton.jit

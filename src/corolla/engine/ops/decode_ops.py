@@ -20,8 +20,8 @@ from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine.kernels import triton_kernels
-    from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_tile_gemv
+    from corolla.engine.quant.prologues import PROLOGUES
     from corolla.engine.quant.quant_choices import quant_kernel
 
     TRITON_IMPORTED = True

@@ -9,8 +9,8 @@ import zlib
 import torch
 
 from corolla.engine.kernels.graph_timing import graph_median_ms, time_configs
-from corolla.engine.kernels.quant_splits import PROLOGUES
 from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_tile_gemv
+from corolla.engine.quant.prologues import PROLOGUES
 
 Choice = tuple[str, tuple[int, int, int, int, int]]
 MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)
@@ -32,7 +32,7 @@ def mma_candidates() -> list[Choice]:
 
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0, *, gated: bool = False):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, fp32 NF4, up to GEMV_MAX_ROWS rows), "tile"
+    (prologues.PROLOGUES; see fusable): "gemv" (quant_gemv, fp32 NF4, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
     (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block"
     (quant_kernels.quant_matmul) or "mma" / "mmaf" (quant_mma.nf4_mma_matmul, NF4, no prologue; "mmaf" folded); `gated`

@@ -22,7 +22,7 @@ output dtype. Both are asked for at the program's start so they are not a cold r
 scale before the wait by cp.async, the residual right after it by a volatile load (a plain one was hoisted above the
 wait; 0055).
 
-The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"], 0063): the norm before w_qkv and w_gate_up runs in the x
+The RMSNorm prologue (prologues.PROLOGUES["rmsnorm"], 0063): the norm before w_qkv and w_gate_up runs in the x
 staging (nvrtc_kernels' stage_x, shared with the NF4 tile GEMV), rounded as triton_kernels.rms_norm rounds it, so the
 step launches no norm kernel; every program forms the same 1/rms (fixed summation order).
 
@@ -42,7 +42,7 @@ import ctypes
 import torch
 
 from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
-from corolla.engine.kernels.quant_splits import PROLOGUES, check_prologue
+from corolla.engine.quant.prologues import PROLOGUES, check_prologue
 from corolla.engine.quant.quant_weights import Int8Weight
 
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
@@ -58,7 +58,7 @@ INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
 # program's tiles gate rows, half the same up rows): the one that won on an H200 (docs/decisions/0048)
 GATED_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((4, 4, 2, 0, 0),)
 
-# the prologues the kernel runs (quant_splits.PROLOGUES' codes): none and RMSNorm (SiLU gating lost: decision 0063)
+# the prologues the kernel runs (prologues.PROLOGUES' codes): none and RMSNorm (SiLU gating lost: decision 0063)
 PROLOGUE_CODES = (PROLOGUES["none"], PROLOGUES["rmsnorm"])
 
 # the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share, RMSNorm's pairs among them)
@@ -282,7 +282,9 @@ def check_row_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
-def _kernel(config: tuple[int, int, int, int, int], bf16: bool, prologue: int, gated: bool) -> NvrtcKernel:
+def row_kernel(config: tuple[int, int, int, int, int], bf16: bool, prologue: int, gated: bool) -> NvrtcKernel:
+    """The kernel's build for this tiling, dtype (bf16, else fp16), prologue (PROLOGUE_CODES) and gated form (one per
+    process, compiled on its first launch)."""
     key = (*config[:3], int(bf16), prologue, int(gated))
     if key not in _KERNELS:
         tiles, warps, depth = config[:3]
@@ -303,7 +305,7 @@ def int8_row_mma(
     gated: bool = False,
 ) -> torch.Tensor:
     """f(x) [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or
-    fp16; x in it too), f = `prologue` (quant_splits.PROLOGUES): the identity or RMSNorm with the gain `norm_weight`
+    fp16; x in it too), f = `prologue` (prologues.PROLOGUES): the identity or RMSNorm with the gain `norm_weight`
     [K] (x's dtype) and `eps`, rounded to x's dtype as triton_kernels.rms_norm rounds it. `gated` (W = [gate | up],
     N even, no residual, an even number of row tiles in `config`): silu(gate) * up [M, N / 2] of that result instead,
     formed as triton_kernels.silu_mul forms it from the stored [gate | up] (GATED_CONFIGS: the tilings offered for
@@ -351,5 +353,5 @@ def int8_row_mma(
         ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0), ctypes.c_float(eps),
     ]  # fmt: skip
     grid = (-(-n_out // rows_per_program), m, 1)
-    _kernel(config, bf16, prologue, gated).launch(x.device, grid, 32 * warps, shared, args)
+    row_kernel(config, bf16, prologue, gated).launch(x.device, grid, 32 * warps, shared, args)
     return out

@@ -16,14 +16,13 @@ import triton
 import triton.language as tl
 
 from corolla.engine.kernels.quant_splits import (
-    PROLOGUES,
     arrive_last,
-    check_prologue,
     reset_counter,
     rstd_of,
     split_rstd,
     sum_split_tile,
 )
+from corolla.engine.quant.prologues import PROLOGUES, check_prologue
 from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
 
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
@@ -195,7 +194,7 @@ def _int8_gemm_kernel(
     PRO: tl.constexpr,
 ):
     # ws[split, M, N] (fp32) = f(x)[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16); f: the
-    # prologue PRO (quant_splits.PROLOGUES): RMSNorm's gain nw[k] with the sums of squares ss[split, M, N tiles] of
+    # prologue PRO (prologues.PROLOGUES): RMSNorm's gain nw[k] with the sums of squares ss[split, M, N tiles] of
     # the K range (its 1/rms scales the finished sum)
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -252,7 +251,7 @@ def quant_matmul(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """f(x) [M, K] (M <= QUANT_KERNEL_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual
-    [M, N]) -> [M, N] in the weight's dtype; f = `prologue` (quant_splits.PROLOGUES, INT8 only): the identity or
+    [M, N]) -> [M, N] in the weight's dtype; f = `prologue` (prologues.PROLOGUES, INT8 only): the identity or
     RMSNorm with `norm_weight` [K] and `eps`."""
     m, kx = x.shape
     n, k = weight.shape

@@ -65,15 +65,15 @@ import ctypes
 import torch
 
 from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
+from corolla.engine.quant.prologues import PROLOGUES
 from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, NF4Weight
 
 TILE_ROWS = 16
 UNIT_VALUES = 4 * NF4_BLOCK_VALUES  # a unit's values per row (4 blocks, 128 packed bytes)
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this, the output times its inverse (RMSNorm / SiLU write x so prescaled)
-# the prologues the kernel runs, as quant_splits.PROLOGUES codes them (that module needs Triton, this one imports
-# without it): none and RMSNorm in its x staging
-RMSNORM = 1
-PROLOGUE_CODES = (0, RMSNORM)
+# the prologues the kernel runs: none and RMSNorm in its x staging
+RMSNORM = PROLOGUES["rmsnorm"]
+PROLOGUE_CODES = (PROLOGUES["none"], RMSNORM)
 
 # table modes: the table after the data (a permute and an add per lookup) or at a 64 KiB boundary of the shared
 # window (one permute per lookup; one program per multiprocessor). Units staged through shared memory by cp.async
