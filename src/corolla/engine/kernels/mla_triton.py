@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from corolla.engine.kernels.triton_kernels import combine_splits
+
 HEADS_PER_PROGRAM = 16  # tl.dot needs >= 16 rows; every program re-reads its tokens' latents (L2 absorbs it)
 TOKENS_PER_BLOCK = 16  # tokens per inner iteration (any page size: each token's page is looked up on its own)
 
@@ -235,19 +237,8 @@ def _latent_combine_kernel(
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     h_mask = heads < NH
     offs_c = tl.arange(0, CP)
-    first = (b * NH + heads) * S  # [BH]
-    m_all = tl.full([BH], float("-inf"), dtype=tl.float32)
-    for s in range(S):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + first + s, mask=h_mask, other=float("-inf")))
-    l_all = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, CP], dtype=tl.float32)
-    for s in range(S):
-        m_s = tl.load(m_ptr + first + s, mask=h_mask, other=float("-inf"))
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))  # empty splits weigh nothing
-        l_all += tl.load(l_ptr + first + s, mask=h_mask, other=0.0) * w
-        part = tl.load(acc_ptr + (first + s)[:, None] * CP + offs_c[None, :], mask=h_mask[:, None], other=0.0)
-        acc += part * w[:, None]
-    out = acc / l_all[:, None]
+    first = (b * NH + heads) * S  # [BH]: split 0's scratch rows
+    out = combine_splits(m_ptr, l_ptr, acc_ptr, first, 1, h_mask, offs_c, S, BH, CP, S)  # [BH, CP]
     dst = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_c[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & (offs_c < C)[None, :])
 

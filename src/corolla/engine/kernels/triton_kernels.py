@@ -191,7 +191,6 @@ def _paged_attn_kernel(
     D: tl.constexpr,
     PAGE: tl.constexpr,
     S: tl.constexpr,
-    SP: tl.constexpr,
     GC: tl.constexpr,
     ALIBI: tl.constexpr,
 ):
@@ -211,7 +210,7 @@ def _paged_attn_kernel(
         _paged_attn_split(
             q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
             stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
-            b, kvh, split, seq_len, n_pages, taken, G, GP, NKV, D, PAGE, S, SP, GC, ALIBI,
+            b, kvh, split, seq_len, n_pages, taken, G, GP, NKV, D, PAGE, S, GC, ALIBI,
         )  # fmt: skip
 
 
@@ -221,7 +220,7 @@ def _paged_attn_split(
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
     b, kvh, split, seq_len, n_pages, taken,
     G: tl.constexpr, GP: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
-    SP: tl.constexpr, GC: tl.constexpr, ALIBI: tl.constexpr,
+    GC: tl.constexpr, ALIBI: tl.constexpr,
 ):  # fmt: skip
     # split `split` of the `taken` splits of (row b, kv head kvh): its pages' partial softmax sums; with one split the
     # output itself, else the partials to the scratch, the last of the `taken` to arrive combining them
@@ -275,32 +274,34 @@ def _paged_attn_split(
         tl.store(acc_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
         if arrive_last(cnt_ptr, pair, taken):  # the pair's last split program combines its splits
             offs_c = tl.arange(0, GC)  # the real heads (G of GC), not the tl.dot padding
-            out = _combine_splits(
-                m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_c, offs_c < G, offs_d, taken, GP, GC, D, S, SP
-            )
+            out = combine_splits(m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_c, GP, offs_c < G, offs_d, taken, GC, D, S)
             dst_c = out_ptr + b * stride_ob + (kvh * G + offs_c)[:, None] * stride_oh + offs_d[None, :]  # [GC, D]
             tl.store(dst_c, out.to(out_ptr.dtype.element_ty), mask=(offs_c < G)[:, None])
             reset_counter(cnt_ptr, pair)
 
 
 @triton.jit
-def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, c_mask, offs_d, taken, GP: tl.constexpr, GC: tl.constexpr,
-                    D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):  # fmt: skip
-    # the real heads' partials of the `taken` (<= S) splits (rows0 [GC]: split 0's scratch rows, split s's rows0 + s
-    # GP) -> [GC, D] fp32; L2 reads (other programs wrote them), the splits' loads unrolled so that they are in flight
-    # together; the sums in a fixed order (split order for acc), whichever program arrived last
-    offs_s = tl.arange(0, SP)
-    rows = rows0[None, :] + offs_s[:, None] * GP  # [SP, GC]
-    mask = (offs_s < taken)[:, None] & c_mask[None, :]
-    m = tl.load(m_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [SP, GC]
-    m_all = tl.max(m, axis=0)  # [GC]
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[None, :]))  # [SP, GC]; empty splits weigh nothing
-    l_all = tl.sum(tl.load(l_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg") * w, axis=0)  # [GC]
-    acc = tl.zeros([GC, D], dtype=tl.float32)
+def combine_splits(m_ptr, l_ptr, acc_ptr, rows0, split_stride, row_mask, offs_d, taken, R: tl.constexpr,
+                   D: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    # a split attention's partials -> [R, D] fp32: R rows (rows0 [R]: split 0's scratch rows, split s's rows0 + s
+    # split_stride; maxima m and sums l [rows], sums acc [rows, D]) of the first `taken` (<= S) splits, read from L2
+    # (other programs wrote them), unrolled so that the loads are in flight together, summed in split order. Each
+    # split's maximum and weight are formed elementwise beside its acc rows (picking a split's row out of an [S, R]
+    # tile by a reduction cost ~5 CTA barriers a split: 89 in a combine of 16 splits on sm_90).
+    m_all = tl.full([R], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(S):
-        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [GC]: row s of w (0 past `taken`)
-        part = tl.load(acc_ptr + (rows0 + s * GP)[:, None] * D + offs_d[None, :], mask=c_mask[:, None] & (s < taken),
-                       other=0.0, cache_modifier=".cg")  # fmt: skip
+        rows = rows0 + s * split_stride  # [R] (the same addresses as below: one load each)
+        on = row_mask & (s < taken)
+        m_all = tl.maximum(m_all, tl.load(m_ptr + rows, mask=on, other=float("-inf"), cache_modifier=".cg"))
+    l_all = tl.zeros([R], dtype=tl.float32)
+    acc = tl.zeros([R, D], dtype=tl.float32)
+    for s in tl.static_range(S):
+        on = row_mask & (s < taken)
+        rows = rows0 + s * split_stride  # [R]
+        m_s = tl.load(m_ptr + rows, mask=on, other=float("-inf"), cache_modifier=".cg")
+        w_s = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))  # [R]; empty splits weigh nothing
+        l_all += tl.load(l_ptr + rows, mask=on, other=0.0, cache_modifier=".cg") * w_s
+        part = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=on[:, None], other=0.0, cache_modifier=".cg")
         acc += part * w_s[:, None]
     return acc / l_all[:, None]
 
@@ -337,7 +338,7 @@ def paged_decode_attention(
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
-        pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
+        pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits,
         GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4,
         num_stages=2,
     )  # fmt: skip
