@@ -16,6 +16,7 @@ NvrtcKernel refuses a source without both calls. On older cards both are no-ops 
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -366,6 +367,14 @@ def arch_option(device: torch.device) -> str:
     return f"--gpu-architecture=sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
+@functools.cache
+def programmatic_launches(index: int) -> bool:
+    """Whether kernels on CUDA device `index` launch as programmatic dependents of the kernel ahead (sm_90+: its
+    programs may start once the kernel ahead's have all released them; each waits before it reads that one's output).
+    The NVRTC GEMVs and the decode step's RoPE and paged attention (triton_kernels) launch so where it holds."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
     """`source` compiled by NVRTC with `options` -> (the cubin, NVRTC's log: ptxas's resource report with
     `--ptxas-options=-v`); RuntimeError with the log when it fails. Needs no GPU (libnvrtc only)."""
@@ -431,7 +440,6 @@ class NvrtcKernel:
         self._modules: list[ctypes.c_void_p] = []  # kept loaded for the process's life
         self._shared_limit: dict[int, int] = {}  # device index -> the dynamic shared bytes a launch may take now
         self._shared_max: dict[int, int] = {}  # device index -> the most a program may opt in to (sm_90: 227 KiB)
-        self._programmatic: dict[int, bool] = {}  # device index -> sm_90 or newer
 
     def function(self, device: torch.device) -> ctypes.c_void_p:
         """The loaded function on `device` (compiled and loaded on the first call)."""
@@ -457,7 +465,6 @@ class NvrtcKernel:
                 self._shared_limit[index] = 48 * 1024
                 props = torch.cuda.get_device_properties(dev)
                 self._shared_max[index] = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (stubs)
-                self._programmatic[index] = torch.cuda.get_device_capability(dev)[0] >= 9
         return self._functions[index]
 
     def blocks_per_sm(self, device: torch.device, threads: int, shared_bytes: int) -> int:
@@ -501,7 +508,7 @@ class NvrtcKernel:
         index = device.index if device.index is not None else torch.cuda.current_device()
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream(device).cuda_stream
-        config, _attr = launch_config(grid, threads, shared_bytes, stream, self._programmatic[index])
+        config, _attr = launch_config(grid, threads, shared_bytes, stream, programmatic_launches(index))
         _check_cu(
             _lib("cuda").cuLaunchKernelEx(ctypes.byref(config), fn, params, None), f"cuLaunchKernelEx({self.name})"
         )

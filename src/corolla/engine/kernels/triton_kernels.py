@@ -8,10 +8,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from corolla.engine.kernels.alibi_triton import alibi_bias
 from corolla.engine.kernels.attention_counters import attention_counters
+from corolla.engine.kernels.nvrtc_kernels import programmatic_launches
 from corolla.engine.kernels.quant_splits import arrive_last, reset_counter
+
+
+def _programmatic(t: torch.Tensor) -> bool:
+    """Whether a decode kernel on `t`'s device launches as a programmatic dependent (nvrtc_kernels): the RoPE + KV
+    write waits for the projection ahead and releases the attention, which releases w_o's GEMV at its start."""
+    if not t.is_cuda:
+        return False
+    return programmatic_launches(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
@@ -111,7 +122,11 @@ def _rope_store_kernel(
     NKV: tl.constexpr,
     D: tl.constexpr,
     ROTATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # a programmatic launch: the attention after it may start (it waits for this kernel before it reads)
+        gdc_launch_dependents()
+        gdc_wait()  # the projection ahead complete, its writes visible
     row = tl.program_id(0)
     head = tl.program_id(1)  # [0, NQ): queries, [NQ, NQ + NKV): keys, then values
     HALF: tl.constexpr = D // 2
@@ -152,10 +167,11 @@ def rope_and_store(
     q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     stride_slot = num_kv_heads * head_dim  # caches are [pages, page, nkv, D], contiguous
     grid = (n, num_heads + 2 * num_kv_heads)
+    pdl = _programmatic(qkv)
     _rope_store_kernel[grid](
         qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
         qkv.stride(0), q_out.stride(0), stride_slot,
-        NQ=num_heads, NKV=num_kv_heads, D=head_dim, ROTATE=rotate, num_warps=1,
+        NQ=num_heads, NKV=num_kv_heads, D=head_dim, ROTATE=rotate, PDL=pdl, num_warps=1, launch_pdl=pdl,
     )  # fmt: skip
     return q_out
 
@@ -193,7 +209,14 @@ def _paged_attn_kernel(
     S: tl.constexpr,
     GC: tl.constexpr,
     ALIBI: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        # a programmatic launch (after the RoPE + KV write): the kernel after it, w_o's GEMV, may start now, its
+        # programs building their tables and issuing their first weight loads where these leave room (each waits
+        # for this kernel before it reads its output: docs/decisions/0275)
+        gdc_launch_dependents()
+        gdc_wait()  # the RoPE + KV write ahead complete, its writes visible
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
     # A row takes as many of the grid's S splits as it has `pages_per_split` pages (at least one; one for a row of at
     # most `unsplit_pages`, whose combine would cost more than its pages): a long row beside short ones is split where
@@ -335,12 +358,13 @@ def paged_decode_attention(
     if alibi_mode != 0 and (alibi_slopes is None or alibi_slopes.shape != (nq,)):
         raise ValueError(f"ALiBi attention needs one slope per query head ({nq})")
     slopes = alibi_slopes if alibi_mode != 0 else seq_lens  # unread without ALiBi
+    pdl = _programmatic(q)
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
         pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits,
-        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4,
-        num_stages=2,
+        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, PDL=pdl, num_warps=4, num_stages=2,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 
