@@ -271,24 +271,22 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // other), after x (and with PRO 1 the gain; GROUPED: the group's GROUP x, one after the other)
   float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (GROUPED ? GROUP : 1 + PRO));
   {
-    // the pair table (entry e's word for lane l at e * 256 + l * 4: its 32 lanes' copies are 128 contiguous bytes,
-    // written as 8 16-byte stores of the word; every load issued before the first store, one L2 round trip) and the
-    // nested code table: the weight's constants, built while the kernels ahead finish
-    constexpr int PER = (256 * 8 + THREADS - 1) / THREADS;  // 16-byte stores a thread
+    // the pair table (entry e's word for lane l at e * 256 + l * 4: every load issued before the first store, one
+    // L2 round trip) and the nested code table: the weight's constants, built while the kernels ahead finish
+    u32* tw = reinterpret_cast<u32*>(smem + (tab - sbase));
+    constexpr int PER = (256 * 32 + THREADS - 1) / THREADS;
     u32 pw[PER];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = tid + j * THREADS;
-      pw[j] = i < 256 * 8 ? __ldg(pairs + (i >> 3)) : 0u;
+      pw[j] = i < 256 * 32 ? __ldg(pairs + (i >> 5)) : 0u;
     }
     float* ncs = reinterpret_cast<float*>(smem);
     for (int i = tid; i < 256; i += THREADS) ncs[i] = __ldg(nc + i);
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int i = tid + j * THREADS;
-      if (i < 256 * 8)
-        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" :: "r"(tab + (u32)(i >> 3) * 256u + (u32)(i & 7) * 16u),
-                     "r"(pw[j]) : "memory");
+      if (i < 256 * 32) tw[(i >> 5) * 64 + (i & 31)] = pw[j];
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
