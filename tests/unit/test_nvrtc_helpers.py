@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import corolla.engine.kernels.nvrtc_kernels as nvrtc_kernels
 import corolla.engine.quant as quant
@@ -116,3 +117,8 @@ def test_the_grouped_tile_gemv_refuses_the_prologue_at_compile_time() -> None:
     assert _compile_tile(grouped=True, prologue=0, experts=True)
     with pytest.raises(RuntimeError, match="the grouped experts form runs no RMSNorm prologue"):
         _compile_tile(grouped=True, prologue=quant_tile_gemv.RMSNORM, experts=True)
+
+
+def test_kernels_on_the_cpu_never_launch_programmatically() -> None:
+    # the Triton decode kernels ask this for every launch (the interpreter's CPU tensors included): no CUDA call
+    assert nvrtc_kernels.programmatic_launches(torch.device("cpu")) is False

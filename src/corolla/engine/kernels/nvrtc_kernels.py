@@ -367,12 +367,18 @@ def arch_option(device: torch.device) -> str:
     return f"--gpu-architecture=sm_{major}{minor}{'a' if (major, minor) == (9, 0) else ''}"
 
 
+def programmatic_launches(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents of the kernel ahead (CUDA sm_90+: its programs
+    may start once the kernel ahead's have all released them; each waits before it reads that one's output). The
+    NVRTC GEMVs and the decode step's RoPE and paged attention (triton_kernels) launch so where it holds."""
+    if device.type != "cuda":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
 @functools.cache
-def programmatic_launches(index: int) -> bool:
-    """Whether kernels on CUDA device `index` launch as programmatic dependents of the kernel ahead (sm_90+: its
-    programs may start once the kernel ahead's have all released them; each waits before it reads that one's output).
-    The NVRTC GEMVs and the decode step's RoPE and paged attention (triton_kernels) launch so where it holds."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes, str]:
@@ -505,10 +511,9 @@ class NvrtcKernel:
         programmatic dependent launch on sm_90+."""
         fn = self.function(device)
         self._allow_shared(device, fn, shared_bytes)
-        index = device.index if device.index is not None else torch.cuda.current_device()
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream(device).cuda_stream
-        config, _attr = launch_config(grid, threads, shared_bytes, stream, programmatic_launches(index))
+        config, _attr = launch_config(grid, threads, shared_bytes, stream, programmatic_launches(device))
         _check_cu(
             _lib("cuda").cuLaunchKernelEx(ctypes.byref(config), fn, params, None), f"cuLaunchKernelEx({self.name})"
         )

@@ -15,15 +15,6 @@ from corolla.engine.kernels.attention_counters import attention_counters
 from corolla.engine.kernels.nvrtc_kernels import programmatic_launches
 from corolla.engine.kernels.quant_splits import arrive_last, reset_counter
 
-
-def _programmatic(t: torch.Tensor) -> bool:
-    """Whether a decode kernel on `t`'s device launches as a programmatic dependent (nvrtc_kernels): the RoPE + KV
-    write waits for the projection ahead and releases the attention, which releases w_o's GEMV at its start."""
-    if not t.is_cuda:
-        return False
-    return programmatic_launches(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
 
@@ -167,7 +158,7 @@ def rope_and_store(
     q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     stride_slot = num_kv_heads * head_dim  # caches are [pages, page, nkv, D], contiguous
     grid = (n, num_heads + 2 * num_kv_heads)
-    pdl = _programmatic(qkv)
+    pdl = programmatic_launches(qkv.device)
     _rope_store_kernel[grid](
         qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
         qkv.stride(0), q_out.stride(0), stride_slot,
@@ -358,7 +349,7 @@ def paged_decode_attention(
     if alibi_mode != 0 and (alibi_slopes is None or alibi_slopes.shape != (nq,)):
         raise ValueError(f"ALiBi attention needs one slope per query head ({nq})")
     slopes = alibi_slopes if alibi_mode != 0 else seq_lens  # unread without ALiBi
-    pdl = _programmatic(q)
+    pdl = programmatic_launches(q.device)
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
