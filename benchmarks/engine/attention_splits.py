@@ -56,7 +56,7 @@ def _cache(lengths: list[int], device: torch.device, gen: torch.Generator):
         tables[row, :n] = order[first : first + n]
         first += n
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, device=device, generator=gen).to(torch.bfloat16)
-    return q, k, v, tables, torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k, v, tables, torch.tensor(lengths, dtype=torch.long, device=device) - 1  # rows' positions
 
 
 def _timed_us(run, replays: int, timings: int) -> float:
@@ -126,12 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     scale = HEAD_DIM**-0.5
     for name, lengths in BATCHES.items():
-        q, k, v, tables, lens = _cache(lengths, device, gen)
+        q, k, v, tables, positions = _cache(lengths, device, gen)
         base = ops.num_splits(len(lengths), KV_HEADS, HEADS // KV_HEADS)
         splits, pages = ops.attention_splits(len(lengths), KV_HEADS, HEADS // KV_HEADS, PAGE_TOKENS)
         variants = {
-            "batch": functools.partial(triton_kernels.paged_decode_attention, q, k, v, tables, lens, scale, base),
-            "rows": functools.partial(ops.paged_decode_attention, q, k, v, tables, lens, scale),  # the product's
+            "batch": functools.partial(triton_kernels.paged_decode_attention, q, k, v, tables, positions, scale, base),
+            "rows": functools.partial(ops.paged_decode_attention, q, k, v, tables, positions, scale),  # the product's
         }
         outputs: dict[str, torch.Tensor] = {}
         row: dict[str, object] = {"lengths": name, "device": torch.cuda.get_device_name()}
@@ -146,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_rows > 0:
         splits, _ = ops.attention_splits(args.sweep_rows, KV_HEADS, HEADS // KV_HEADS, PAGE_TOKENS)
         for tokens in (int(t) for t in args.sweep_tokens.split(",")):
-            q, k, v, tables, lens = _cache([tokens] * args.sweep_rows, device, gen)
+            q, k, v, tables, positions = _cache([tokens] * args.sweep_rows, device, gen)
             swept: dict[str, object] = {"rows": args.sweep_rows, "tokens": tokens, "splits": splits}
             for pps in (int(x) for x in args.sweep_pages.split(",")):
                 run = functools.partial(
-                    triton_kernels.paged_decode_attention, q, k, v, tables, lens, scale, splits, pages_per_split=pps
+                    triton_kernels.paged_decode_attention,
+                    q,
+                    k,
+                    v,
+                    tables,
+                    positions,
+                    scale,
+                    splits,
+                    pages_per_split=pps,
                 )
                 swept[f"pages_per_split={pps}"] = round(_timed_us(run, args.replays, args.timings), 2)
             print(json.dumps(swept), flush=True)

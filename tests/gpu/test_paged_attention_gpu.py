@@ -32,16 +32,16 @@ def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: in
     vc = torch.randn(PAGES, PAGE, NKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     tables = (torch.randperm(PAGES - 1, device=DEV, generator=gen)[: rows * 24].reshape(rows, 24) + 1).int()
     q = torch.zeros(rows, NQ, D, device=DEV, dtype=torch.bfloat16)
-    lens = torch.ones(rows, device=DEV, dtype=torch.int32)
+    positions = torch.zeros(rows, device=DEV, dtype=torch.long)
     scale = 1 / math.sqrt(D)
     counters = attention_counters(DEV, rows * NKV)
-    graph, out = capture(tk.paged_decode_attention, q, kc, vc, tables, lens, scale, splits)
+    graph, out = capture(tk.paged_decode_attention, q, kc, vc, tables, positions, scale, splits)
     for replay in range(4):
         q.copy_(torch.randn(rows, NQ, D, device=DEV, dtype=torch.bfloat16, generator=gen))
-        lens.copy_(torch.randint(1, 24 * PAGE + 1, (rows,), device=DEV, generator=gen, dtype=torch.int32))
+        positions.copy_(torch.randint(0, 24 * PAGE, (rows,), device=DEV, generator=gen, dtype=torch.long))
         graph.replay()
         torch.cuda.synchronize()
         assert int(counters.abs().sum()) == 0, replay
-        ref = ops.paged_decode_attention_ref(q, kc, vc, tables, lens, scale)
+        ref = ops.paged_decode_attention_ref(q, kc, vc, tables, (positions + 1).int(), scale)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        assert torch.equal(out, tk.paged_decode_attention(q, kc, vc, tables, lens, scale, splits)), replay
+        assert torch.equal(out, tk.paged_decode_attention(q, kc, vc, tables, positions, scale, splits)), replay

@@ -37,9 +37,17 @@ def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
 
 
 def run(inputs, splits: int, pages_per_split: int = 1, unsplit_pages: int = 0) -> torch.Tensor:
-    args = [t.to(DEV) for t in inputs]
+    q, k, v, tables, lens = (t.to(DEV) for t in inputs)  # rows at positions lens - 1
     return tk.paged_decode_attention(
-        *args, D**-0.5, splits, pages_per_split=pages_per_split, unsplit_pages=unsplit_pages
+        q,
+        k,
+        v,
+        tables,
+        (lens - 1).long(),
+        D**-0.5,
+        splits,
+        pages_per_split=pages_per_split,
+        unsplit_pages=unsplit_pages,
     ).cpu()
 
 
@@ -121,9 +129,9 @@ def test_counters_cover_the_reserved_grid_and_refuse_more() -> None:
     q = torch.zeros(pairs, 1, 16, device=DEV)
     cache = torch.zeros(1, PAGE, 1, 16, device=DEV)
     tables = torch.zeros(pairs, 1, dtype=torch.int32, device=DEV)
-    lens = torch.ones(pairs, dtype=torch.int32, device=DEV)
+    positions = torch.zeros(pairs, dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match=f"{pairs} \\(row, kv head\\) pairs exceed the {held.numel()}"):
-        tk.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 2)
+        tk.paged_decode_attention(q, cache, cache, tables, positions, 1.0, 2)
     grown = reserve_attention_counters(DEV, pairs)
     assert grown.numel() >= pairs and int(grown.abs().sum()) == 0
     assert attention_counters(DEV, pairs) is grown
@@ -166,3 +174,49 @@ def test_splits_must_be_positive() -> None:
     # a grid of no split programs would return the output as torch.empty left it (whatever the memory held)
     with pytest.raises(ValueError, match="splits must be >= 1"):
         run(make_inputs([64], 4, 1, seed=1), 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates the kernel ahead through the interpreter's calls")
+@pytest.mark.parametrize(
+    ("run_start", "run_rows", "splits", "pages_per_split"),
+    [(20, 4, 2, 1), (20, 4, 1, 1), (20, 4, 3, 2), (60, 8, 2, 1), (60, 8, 5, 1), (13, 1, 2, 1)],
+)
+def test_tokens_the_step_writes_are_read_after_the_wait(
+    run_start: int, run_rows: int, splits: int, pages_per_split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A programmatic launch starts before the RoPE + KV write ahead of it completes: what a program reads before its
+    # wait may be stale. Interpreted, each program is made to see the step's slots stale (the old keys and values)
+    # until its `gdc_wait` and written after it. Row 0 is another sequence at position 35, then `run_rows` rows of
+    # one sequence at consecutive positions from `run_start` (a speculative step's rows share its table, the later
+    # rows attending to the earlier rows' new tokens; 60-67 cross a page), then one more sequence at 40: every row
+    # must attend to every token this step wrote, including the other rows' in its pages.
+    positions = torch.tensor([35, *range(run_start, run_start + run_rows), 40])
+    rows = len(positions)
+    q, k, v, tables, _ = make_inputs((positions + 1).tolist(), 8, 2, seed=50 + splits + run_rows)
+    tables[1 : 1 + run_rows] = tables[run_rows]
+    slots, lens = ops.decode_slots_ref(positions, tables, PAGE)
+    gen = torch.Generator().manual_seed(51)
+    k_flat, v_flat = k.view(-1, 2, D), v.view(-1, 2, D)  # [pages * PAGE, nkv, D] views of the caches
+    new_k, new_v = torch.randn(rows, 2, D, generator=gen), torch.randn(rows, 2, D, generator=gen)
+    old_k, old_v = k_flat[slots].clone(), v_flat[slots].clone()
+    k_flat[slots], v_flat[slots] = new_k, new_v
+    expected = ops.paged_decode_attention_ref(q, k, v, tables, lens, D**-0.5)
+    waits: list[int] = []
+
+    def launched() -> None:  # a program starts: the write ahead has not landed
+        k_flat[slots], v_flat[slots] = old_k, old_v
+
+    def waited() -> None:  # its wait returns: the write ahead has landed
+        waits.append(1)
+        k_flat[slots], v_flat[slots] = new_k, new_v
+
+    monkeypatch.setattr(tk, "programmatic_launches", lambda device: True)
+    monkeypatch.setattr(tk, "gdc_launch_dependents", launched)
+    monkeypatch.setattr(tk, "gdc_wait", waited)
+    got = tk.paged_decode_attention(q, k, v, tables, positions, D**-0.5, splits, pages_per_split=pages_per_split)
+    assert len(waits) == rows * 2 * splits  # every program waited
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    # the stale step is far from it: the test sees the difference
+    k_flat[slots], v_flat[slots] = old_k, old_v
+    stale = ops.paged_decode_attention_ref(q, k, v, tables, lens, D**-0.5)
+    assert (stale - expected).abs().amax(dim=(1, 2)).min() > 0.05

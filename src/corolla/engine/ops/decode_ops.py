@@ -484,21 +484,24 @@ class DecodeOps:
         return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
 
     def paged_decode_attention(
-        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None
+        self, q, k_cache, v_cache, block_tables, positions, scale: float, alibi: Alibi | None = None
     ) -> torch.Tensor:
+        """q [B, nq, D] of rows at `positions` [B] long (each attending to its first positions + 1 tokens, the new
+        one written by this step's `rope_and_store`) -> [B, nq, D] (`paged_decode_attention_ref`)."""
         if self.use_triton:
             page = k_cache.shape[1]
             splits, pages = self.attention_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2], page)
             if alibi is None:
                 return triton_kernels.paged_decode_attention(
-                    q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages,
+                    q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
                     unsplit_pages=SHORT_ROW_TOKENS // page,
                 )  # fmt: skip
             return triton_kernels.paged_decode_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, scale, splits, pages_per_split=pages,
+                q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
                 unsplit_pages=SHORT_ROW_TOKENS // page,
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
             )  # fmt: skip
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
         if q.is_cpu:
             return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)

@@ -274,7 +274,7 @@ class FastDenseSpan(SpanModel):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        slots, seq_lens = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        slots, _ = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long
         h = hidden
         start, end = layers or (0, self.num_layers)
         x: torch.Tensor | None = self._norm(h, self.layers[start].ln1_w, self.layers[start].ln1_b)  # [B, H]
@@ -284,10 +284,10 @@ class FastDenseSpan(SpanModel):
             nxt = self.layers[i + 1] if i + 1 < end else None
             rows = w.joined_rows()
             if rows is not None:
-                h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, seq_lens, pool, nxt)
+                h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, pool, nxt)
                 continue
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
-            attn = self._decode_attention(qkv, i, positions, slots, block_tables, seq_lens, pool)  # [B, nq D]
+            attn = self._decode_attention(qkv, i, positions, slots, block_tables, pool)  # [B, nq D]
             h, x = self._tail(w, h, x, attn, nxt)
         return h
 
@@ -298,7 +298,6 @@ class FastDenseSpan(SpanModel):
         positions: torch.Tensor,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         pool: KVPool,
     ) -> torch.Tensor:
         # layer i's one-token attention: qkv [B, (nq + 2 nkv) D] -> RoPE (unless ALiBi) and the K/V store, then the
@@ -308,7 +307,7 @@ class FastDenseSpan(SpanModel):
             qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
             s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
         )  # fmt: skip  # [B, nq, D]
-        attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi)
+        attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, positions, self.scale, self.alibi)
         return attn.reshape(qkv.shape[0], s.q_size)
 
     def _parallel_decode(
@@ -321,7 +320,6 @@ class FastDenseSpan(SpanModel):
         positions: torch.Tensor,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
         pool: KVPool,
         nxt: DenseLayerWeights | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -339,7 +337,7 @@ class FastDenseSpan(SpanModel):
         if side is not None and main is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            attn = self._decode_attention(qkv, i, positions, slots, block_tables, seq_lens, pool)  # [B, nq D]
+            attn = self._decode_attention(qkv, i, positions, slots, block_tables, pool)  # [B, nq D]
             o = self.ops.linear(attn, w.w_o, w.b_o)  # [B, H]
         d = self.ops.linear(F.gelu(up, approximate=s.gelu_approximate), w.w_down, w.b_down)  # [B, H]
         if side is not None and main is not None:

@@ -294,7 +294,7 @@ class FastLlamaSpan(SpanModel):
     ) -> torch.Tensor:
         s = self.spec
         b = hidden.shape[0]
-        slots, seq_lens = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        slots, _ = self.ops.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
@@ -312,7 +312,7 @@ class FastLlamaSpan(SpanModel):
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
-            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
+            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, positions, self.scale)
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
             if lora is not None:
