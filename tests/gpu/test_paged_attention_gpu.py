@@ -5,6 +5,7 @@ every replay (the last program of each (row, kv head) resets its own). Skipped w
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -22,7 +23,8 @@ LLAMA, FALCON = (32, 8, 128), (71, 1, 64)  # query heads, kv heads, head size
     ("shape", "rows", "splits"),
     [(LLAMA, 1, 16), (LLAMA, 3, 11), (LLAMA, 8, 4), (FALCON, 1, 16), (FALCON, 3, 11), (FALCON, 8, 2)],
 )
-def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: int, splits: int) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: int, splits: int, early: bool) -> None:
     from corolla.engine.kernels import triton_kernels as tk
     from corolla.engine.kernels.attention_counters import attention_counters
 
@@ -35,7 +37,8 @@ def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: in
     positions = torch.zeros(rows, device=DEV, dtype=torch.long)
     scale = 1 / math.sqrt(D)
     counters = attention_counters(DEV, rows * NKV)
-    graph, out = capture(tk.paged_decode_attention, q, kc, vc, tables, positions, scale, splits)
+    attend = functools.partial(tk.paged_decode_attention, early=early)  # early: splits of one page read before the wait
+    graph, out = capture(attend, q, kc, vc, tables, positions, scale, splits)
     for replay in range(4):
         q.copy_(torch.randn(rows, NQ, D, device=DEV, dtype=torch.bfloat16, generator=gen))
         positions.copy_(torch.randint(0, 24 * PAGE, (rows,), device=DEV, generator=gen, dtype=torch.long))
@@ -44,4 +47,4 @@ def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: in
         assert int(counters.abs().sum()) == 0, replay
         ref = ops.paged_decode_attention_ref(q, kc, vc, tables, (positions + 1).int(), scale)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        assert torch.equal(out, tk.paged_decode_attention(q, kc, vc, tables, positions, scale, splits)), replay
+        assert torch.equal(out, attend(q, kc, vc, tables, positions, scale, splits)), replay

@@ -36,7 +36,7 @@ def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
     return q, k, v, tables, lens
 
 
-def run(inputs, splits: int, pages_per_split: int = 1, unsplit_pages: int = 0) -> torch.Tensor:
+def run(inputs, splits: int, pages_per_split: int = 1, unsplit_pages: int = 0, early: bool = False) -> torch.Tensor:
     q, k, v, tables, lens = (t.to(DEV) for t in inputs)  # rows at positions lens - 1
     return tk.paged_decode_attention(
         q,
@@ -48,6 +48,7 @@ def run(inputs, splits: int, pages_per_split: int = 1, unsplit_pages: int = 0) -
         splits,
         pages_per_split=pages_per_split,
         unsplit_pages=unsplit_pages,
+        early=early,
     ).cpu()
 
 
@@ -67,12 +68,15 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize(("nq", "nkv"), [(8, 2), (6, 2), (4, 4), (16, 1)])
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-def test_split_attention_matches_reference(nq: int, nkv: int, splits: int) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_split_attention_matches_reference(nq: int, nkv: int, splits: int, early: bool) -> None:
     # seq lens of 1 page (splits past the first empty) to 19 pages (every split has pages): a skipped split or a
-    # combine of the wrong programs' partials moves the rows far past the tolerance
+    # combine of the wrong programs' partials moves the rows far past the tolerance; `early`: the splits of one
+    # page read before the wait, bit for bit the other form's
     inputs = make_inputs(SEQ_LENS, nq, nkv, seed=nq * 10 + nkv + 100 * splits)
     expected = ops.paged_decode_attention_ref(*inputs, D**-0.5)
-    got = run(inputs, splits)
+    got = run(inputs, splits, early=early)
+    assert torch.equal(got, run(inputs, splits, early=not early))
     assert not got.isnan().any()
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
@@ -213,7 +217,9 @@ def test_tokens_the_step_writes_are_read_after_the_wait(
     monkeypatch.setattr(tk, "programmatic_launches", lambda device: True)
     monkeypatch.setattr(tk, "gdc_launch_dependents", launched)
     monkeypatch.setattr(tk, "gdc_wait", waited)
-    got = tk.paged_decode_attention(q, k, v, tables, positions, D**-0.5, splits, pages_per_split=pages_per_split)
+    got = tk.paged_decode_attention(
+        q, k, v, tables, positions, D**-0.5, splits, pages_per_split=pages_per_split, early=True
+    )
     assert len(waits) == rows * 2 * splits  # every program waited
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
     # the stale step is far from it: the test sees the difference

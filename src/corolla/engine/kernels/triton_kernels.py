@@ -201,6 +201,7 @@ def _paged_attn_kernel(
     S: tl.constexpr,
     GC: tl.constexpr,
     ALIBI: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -216,10 +217,7 @@ def _paged_attn_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Before the wait, what is older than the step (docs/decisions/0278): the positions and block tables (the step's
-    # inputs, copied in before its first kernel) and the split's first page of keys and values, written by earlier
-    # steps except for the tokens this step's rows write, which are found here and re-read after the wait.
-    pos = tl.load(pos_ptr + b)  # [] int64
+    pos = tl.load(pos_ptr + b)  # [] int64 (the step's input: see EARLY)
     seq_len = (pos + 1).to(tl.int32)
     n_pages = tl.cdiv(seq_len, PAGE)
     taken = tl.minimum(tl.maximum(tl.cdiv(n_pages, pages_per_split), 1), S)  # the row's splits
@@ -227,33 +225,42 @@ def _paged_attn_kernel(
     per_split = tl.cdiv(n_pages, taken)
     p_start = split * per_split
     p_end = tl.minimum(p_start + per_split, n_pages)
-    some = (split < taken) & (p_start < p_end)  # (the 4th of 4 splits over 5 pages has none)
     offs_t = tl.arange(0, PAGE)
     offs_d = tl.arange(0, D)
     token_stride: tl.constexpr = NKV * D
     page_stride: tl.constexpr = PAGE * NKV * D
-    page_id = tl.load(bt_ptr + b * stride_bt + p_start, mask=some, other=0).to(tl.int64)
-    tile = page_id * page_stride + kvh * D + offs_t[:, None] * token_stride + offs_d[None, :]  # [PAGE, D]
-    # L2 only (.cg): no line of this page left in L1 from before the wait for a load after it to hit
-    k0 = tl.load(k_ptr + tile, mask=some, other=0.0, cache_modifier=".cg")  # [PAGE, D]
-    v0 = tl.load(v_ptr + tile, mask=some, other=0.0, cache_modifier=".cg")
-    # the page's tokens this step writes that the row attends to: its own at `pos` and, where the step holds several
-    # rows of its sequence, theirs before it. Those are consecutive rows at consecutive positions over one table
-    # (graph_decode.merge_rows' order: a shadow's or a speculative step's T tokens), so at most rows - 1 positions
-    # before `pos` (a row writes nothing into another sequence's pages): the offsets [lo, hi] of the page
-    first = p_start * PAGE
-    lo = tl.maximum(pos - (rows - 1), first) - first
-    hi = pos - first
+    if EARLY:
+        # (a grid of at most one program a multiprocessor: docs/decisions/0278) A split of one page reads it before
+        # the wait: the positions and block tables are the step's inputs (copied in before its first kernel), the
+        # page's tokens were written by earlier steps but for those this step writes that the row attends to: its
+        # own at `pos` and, where the step holds several rows of its sequence, theirs before it. Those are
+        # consecutive rows at consecutive positions over one table (graph_decode.merge_rows' order: a shadow's or a
+        # speculative step's T tokens; no row writes into another sequence's pages), so at most rows - 1 positions
+        # before `pos`: offsets [lo, hi] of the page, re-read after the wait. Both reads L2 only (.cg): no line of
+        # the page sits in L1 from before the wait for a read after it to hit.
+        early = (split < taken) & (p_end - p_start == 1)
+        page_id = tl.load(bt_ptr + b * stride_bt + p_start, mask=early, other=0).to(tl.int64)
+        tile = page_id * page_stride + kvh * D + offs_t[:, None] * token_stride + offs_d[None, :]  # [PAGE, D]
+        k0 = tl.load(k_ptr + tile, mask=early, other=0.0, cache_modifier=".cg")  # [PAGE, D]
+        v0 = tl.load(v_ptr + tile, mask=early, other=0.0, cache_modifier=".cg")
+        first = p_start * PAGE
+        lo = tl.maximum(pos - (rows - 1), first) - first
+        hi = pos - first
     if PDL:
         gdc_wait()  # the RoPE + KV write ahead complete, its writes visible
     if split < taken:
-        fresh = (offs_t >= lo) & (offs_t <= hi) & some  # [PAGE]
-        k0 = tl.where(fresh[:, None], tl.load(k_ptr + tile, mask=fresh[:, None], other=0.0, cache_modifier=".cg"), k0)
-        v0 = tl.where(fresh[:, None], tl.load(v_ptr + tile, mask=fresh[:, None], other=0.0, cache_modifier=".cg"), v0)
+        if EARLY:
+            fresh = (offs_t >= lo) & (offs_t <= hi) & early  # [PAGE]
+            k0 = tl.where(fresh[:, None], tl.load(k_ptr + tile, mask=fresh[:, None], cache_modifier=".cg"), k0)
+            v0 = tl.where(fresh[:, None], tl.load(v_ptr + tile, mask=fresh[:, None], cache_modifier=".cg"), v0)
+        else:
+            early = split < 0
+            k0 = 0.0
+            v0 = 0.0
         _paged_attn_split(
             q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
             stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
-            b, kvh, split, seq_len, taken, p_start, p_end, some, k0, v0, G, GP, NKV, D, PAGE, S, GC, ALIBI,
+            b, kvh, split, seq_len, taken, p_start, p_end, early, k0, v0, G, GP, NKV, D, PAGE, S, GC, ALIBI, EARLY,
         )  # fmt: skip
 
 
@@ -261,13 +268,13 @@ def _paged_attn_kernel(
 def _paged_attn_split(
     q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cnt_ptr, slopes_ptr,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, scale, alibi_scale,
-    b, kvh, split, seq_len, taken, p_start, p_end, some, k0, v0,
+    b, kvh, split, seq_len, taken, p_start, p_end, early, k0, v0,
     G: tl.constexpr, GP: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, S: tl.constexpr,
-    GC: tl.constexpr, ALIBI: tl.constexpr,
+    GC: tl.constexpr, ALIBI: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    # split `split` of the `taken` splits of (row b, kv head kvh), pages [p_start, p_end) (`some`: any; k0, v0
-    # [PAGE, D]: page p_start's keys and values, zeros for none): its pages' partial softmax sums; with one split the
-    # output itself, else the partials to the scratch, the last of the `taken` to arrive combining them
+    # split `split` of the `taken` splits of (row b, kv head kvh), pages [p_start, p_end) (`early`: its one page's
+    # keys and values are k0, v0 [PAGE, D]): its pages' partial softmax sums; with one split the output itself, else
+    # the partials to the scratch, the last of the `taken` to arrive combining them
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, PAGE)
@@ -279,20 +286,29 @@ def _paged_attn_split(
     )  # [GP, D]
     if ALIBI != 0:
         slopes = tl.load(slopes_ptr + kvh * G + offs_g, mask=g_mask, other=0.0)  # [GP] fp32
-    # the first page: no running maximum to rescale yet; an empty split weighs nothing (m -inf, l and acc 0)
-    s = tl.dot(q, tl.trans(k0)) * scale  # [GP, PAGE]
-    if ALIBI != 0:
-        s = s + alibi_bias(slopes, p_start * PAGE + offs_t, alibi_scale, ALIBI)  # [GP, PAGE]
-    valid = ((p_start * PAGE + offs_t) < seq_len) & some
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_i = tl.max(s, axis=1)  # [GP]
-    probs = tl.exp(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-    l_i = tl.sum(probs, axis=1)
-    acc = tl.dot(probs.to(v0.dtype), v0)  # [GP, D] fp32
+    start = p_start
+    if EARLY:
+        if early:  # the page read before the wait: no running maximum to rescale yet
+            s = tl.dot(q, tl.trans(k0)) * scale  # [GP, PAGE]
+            if ALIBI != 0:
+                s = s + alibi_bias(slopes, p_start * PAGE + offs_t, alibi_scale, ALIBI)  # [GP, PAGE]
+            s = tl.where(((p_start * PAGE + offs_t) < seq_len)[None, :], s, float("-inf"))
+            m_i = tl.max(s, axis=1)  # [GP]
+            probs = tl.exp(s - m_i[:, None])
+            l_i = tl.sum(probs, axis=1)
+            acc = tl.dot(probs.to(v0.dtype), v0)  # [GP, D] fp32
+            start = p_start + 1
+        else:
+            m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, D], dtype=tl.float32)
+    else:
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
     token_stride: tl.constexpr = NKV * D
     page_stride: tl.constexpr = PAGE * NKV * D
-    for i in range(1, p_end - p_start):
-        p = p_start + i
+    for p in range(start, p_end):
         page_id = tl.load(bt_ptr + b * stride_bt + p).to(tl.int64)
         base = page_id * page_stride + kvh * D
         tile = base + offs_t[:, None] * token_stride + offs_d[None, :]
@@ -358,6 +374,7 @@ def combine_splits(m_ptr, l_ptr, acc_ptr, rows0, split_stride, row_mask, offs_d,
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, positions, scale: float, splits: int, *, pages_per_split: int = 1,
     unsplit_pages: int = 0, alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
+    early: bool = False,
 ) -> torch.Tensor:
     # fmt: on
     """`ops.paged_decode_attention_ref`'s contract, the rows' lengths given as their `positions` [B] long (each
@@ -365,7 +382,10 @@ def paged_decode_attention(
     other row's of its sequence); a row of P pages is split over min(splits, ceil(P /
     `pages_per_split`)) programs per kv head (one where P <= `unsplit_pages`; the grid's other split programs return
     at once), the last of them to finish combining their partials (`attention_counters`). With `alibi_mode` != 0,
-    `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
+    `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes). With `early` (for grids of
+    at most one program a multiprocessor: it costs registers) a split of one page reads it before the kernel's wait
+    for the RoPE + KV write ahead, which takes a step's rows of one sequence as consecutive rows at consecutive
+    positions (graph_decode.merge_rows' order)."""
     if splits < 1:  # a grid of no programs would return the output tensor unwritten
         raise ValueError(f"splits must be >= 1, got {splits}")
     if pages_per_split < 1:
@@ -392,7 +412,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, positions, out, m, l_, acc, counters, slopes, b,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
         pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits,
-        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, PDL=pdl, num_warps=4, num_stages=2,
+        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, EARLY=early, PDL=pdl, num_warps=4, num_stages=2,
         launch_pdl=pdl,
     )  # fmt: skip
     return out

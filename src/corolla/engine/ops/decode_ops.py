@@ -489,17 +489,20 @@ class DecodeOps:
         """q [B, nq, D] of rows at `positions` [B] long (each attending to its first positions + 1 tokens, the new
         one written by this step's `rope_and_store`) -> [B, nq, D] (`paged_decode_attention_ref`)."""
         if self.use_triton:
-            page = k_cache.shape[1]
-            splits, pages = self.attention_splits(q.shape[0], k_cache.shape[2], q.shape[1] // k_cache.shape[2], page)
+            page, nkv = k_cache.shape[1], k_cache.shape[2]
+            splits, pages = self.attention_splits(q.shape[0], nkv, q.shape[1] // nkv, page)
+            # reading a page before the wait wins where every program has a multiprocessor to itself (one row: a
+            # step 3% faster); its registers cost a 64-row grid occupancy (docs/decisions/0278)
+            early = q.shape[0] * nkv * splits <= self.num_sms
             if alibi is None:
                 return triton_kernels.paged_decode_attention(
                     q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
-                    unsplit_pages=SHORT_ROW_TOKENS // page,
+                    unsplit_pages=SHORT_ROW_TOKENS // page, early=early,
                 )  # fmt: skip
             return triton_kernels.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
                 unsplit_pages=SHORT_ROW_TOKENS // page,
-                alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
+                alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode, early=early,
             )  # fmt: skip
         seq_lens = (positions + 1).to(torch.int32)  # [B]
         if q.is_cpu:
