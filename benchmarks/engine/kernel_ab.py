@@ -22,20 +22,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms
+from benchmarks.common.measure import event_median_ms
 from benchmarks.common.report import log
-from benchmarks.engine.quant import (
-    LLAMA3_8B,
-    STEPS,
-    TINY,
-    kv_pool_bytes_for,
-    log_kernels,
-    make_engine,
-    open_prefilled,
-    quantized,
-    random_layer,
-    step_ms,
-)
+from benchmarks.engine.quant import STEPS, log_kernels, open_prefilled, random_quantized_engine, step_ms
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.spans.fast_llama import LayerWeights
 
@@ -84,15 +73,11 @@ def main(description: str, kind: str, module: ModuleType, function: str, step_ca
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
-    spec = LLAMA3_8B if dev.type == "cuda" else TINY
     lines: list[str] = []
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
-    log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; base {args.base}")
     gen = torch.Generator(device=dev).manual_seed(0)
-    layers = [quantized(random_layer(spec, dev, gen), kind) for _ in range(args.layers)]
-    pool = kv_pool_bytes_for(spec, args.layers, 1, PREFIX_TOKENS + 64)
-    engine, report = make_engine(spec, layers, 1, pool)
+    engine, report, layers, bandwidth = random_quantized_engine(kind, dev, args.layers, 1, PREFIX_TOKENS, gen)
+    log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; base {args.base}")
     floor = engine.model.weight_bytes() / bandwidth * 1000
     kernels = log_kernels(lines, kind, report, layers[0], bandwidth)  # (this tree's kernel, every candidate)
     one = open_prefilled(engine, 1, PREFIX_TOKENS, gen)

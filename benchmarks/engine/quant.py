@@ -120,6 +120,21 @@ def make_engine(
     return engine, report
 
 
+def random_quantized_engine(
+    kind: str, device: torch.device, layers_n: int, sessions: int, prefix_tokens: int, gen: torch.Generator
+) -> tuple[SpanEngine, dict, list[LayerWeights], float]:
+    """The A/B tools' engine: `layers_n` random Llama-3-8B-shaped layers (TINY off CUDA) quantized to `kind`, KV for
+    `sessions` sessions of `prefix_tokens` + 64 tokens: (the engine, its warm-up's kernel timings, the layers, the
+    copy bandwidth its floor is taken against in bytes/s: measured on CUDA, 1e10 elsewhere)."""
+    spec = LLAMA3_8B if device.type == "cuda" else TINY
+    bandwidth = copy_bandwidth_bytes_per_s(device) if device.type == "cuda" else 1e10
+    layers = [quantized(random_layer(spec, device, gen), kind) for _ in range(layers_n)]
+    engine, report = make_engine(
+        spec, layers, sessions, kv_pool_bytes_for(spec, layers_n, sessions, prefix_tokens + 64)
+    )
+    return engine, report, layers, bandwidth
+
+
 def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, bandwidth: float) -> dict:
     """Per projection shape: the chosen kernel's microseconds per layer call against that weight's floor (its
     bytes / bandwidth), for the single-row step (and the tl.dot kernel at 64 rows for quantized weights)."""
