@@ -225,10 +225,6 @@ def _paged_attn_kernel(
     per_split = tl.cdiv(n_pages, taken)
     p_start = split * per_split
     p_end = tl.minimum(p_start + per_split, n_pages)
-    offs_t = tl.arange(0, PAGE)
-    offs_d = tl.arange(0, D)
-    token_stride: tl.constexpr = NKV * D
-    page_stride: tl.constexpr = PAGE * NKV * D
     if EARLY:
         # (a grid of at most one program a multiprocessor: docs/decisions/0278) A split of one page reads it before
         # the wait: the positions and block tables are the step's inputs (copied in before its first kernel), the
@@ -239,6 +235,10 @@ def _paged_attn_kernel(
         # before `pos`: offsets [lo, hi] of the page, re-read after the wait. Both reads L2 only (.cg): no line of
         # the page sits in L1 from before the wait for a read after it to hit.
         early = (split < taken) & (p_end - p_start == 1)
+        offs_t = tl.arange(0, PAGE)
+        offs_d = tl.arange(0, D)
+        token_stride: tl.constexpr = NKV * D
+        page_stride: tl.constexpr = PAGE * NKV * D
         page_id = tl.load(bt_ptr + b * stride_bt + p_start, mask=early, other=0).to(tl.int64)
         tile = page_id * page_stride + kvh * D + offs_t[:, None] * token_stride + offs_d[None, :]  # [PAGE, D]
         k0 = tl.load(k_ptr + tile, mask=early, other=0.0, cache_modifier=".cg")  # [PAGE, D]
@@ -286,6 +286,9 @@ def _paged_attn_split(
     )  # [GP, D]
     if ALIBI != 0:
         slopes = tl.load(slopes_ptr + kvh * G + offs_g, mask=g_mask, other=0.0)  # [GP] fp32
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
     start = p_start
     if EARLY:
         if early:  # the page read before the wait: no running maximum to rescale yet
@@ -298,14 +301,6 @@ def _paged_attn_split(
             l_i = tl.sum(probs, axis=1)
             acc = tl.dot(probs.to(v0.dtype), v0)  # [GP, D] fp32
             start = p_start + 1
-        else:
-            m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([GP], dtype=tl.float32)
-            acc = tl.zeros([GP, D], dtype=tl.float32)
-    else:
-        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, D], dtype=tl.float32)
     token_stride: tl.constexpr = NKV * D
     page_stride: tl.constexpr = PAGE * NKV * D
     for p in range(start, p_end):
