@@ -13,26 +13,7 @@ from corolla.engine.quant.quant_weights import (
     Int8Weight,
     NF4Weight,
 )
-
-# The 16 NormalFloat4 levels (QLoRA, appendix E): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
-NF4_LEVELS = (
-    -1.0,
-    -0.6961928009986877,
-    -0.5250730514526367,
-    -0.39491748809814453,
-    -0.28444138169288635,
-    -0.18477343022823334,
-    -0.09105003625154495,
-    0.0,
-    0.07958029955625534,
-    0.16093020141124725,
-    0.24611230194568634,
-    0.33791524171829224,
-    0.44070982933044434,
-    0.5626170039176941,
-    0.7229568362236023,
-    1.0,
-)
+from corolla.models.prequantized import NF4_LEVELS
 
 
 def uniform_nested_code(device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Loading one block's weights and nothing else: from a safetensors index (only the shards holding the block),
 a single safetensors file, or pytorch `.bin` files; from a local directory or the hub (through the shared
-disk cache of `disk_cache`)."""
+disk cache of `disk_cache`); bitsandbytes' pre-quantized checkpoints through `prequantized`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from corolla.models import disk_cache, hub_files
 from corolla.models.block_base import CorollaBlock
 from corolla.models.config import checkpoint_dtype, is_local_path, parse_dtype
+from corolla.models.prequantized import PrequantizedFormat
 from corolla.models.registry import ModelFamily, get_family
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
@@ -50,14 +51,17 @@ def load_pretrained_block(
     family, source = _block_source(name_or_path, block_index, config, cache_dir, revision, token, max_disk_space_bytes)
     dtype = parse_dtype(torch_dtype)
     if dtype is None:
-        dtype = checkpoint_dtype(config)
-        dtype = torch.bfloat16 if dtype in (None, torch.float32) else dtype
+        found = checkpoint_dtype(config)
+        dtype = torch.bfloat16 if found is None or found == torch.float32 else found
     started = time.perf_counter()
 
     with torch.device("meta"):
         block = family.build_block(config, block_index)
     block = block.to(dtype).to_empty(device="cpu")
     state_dict, origin = source.read_block(family.block_prefixes, block_index)
+    prequantized = PrequantizedFormat.of_config(config)
+    if prequantized is not None:  # bitsandbytes' stored codes: dequantized here, quantized again at placement
+        state_dict = prequantized.dequantized(state_dict, dtype)
     block.load_hf_state_dict(state_dict, source=f"the checkpoint {source.name_or_path}", origin=origin)
     block.requires_grad_(False)
     logger.info(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from corolla.engine.quant import quant_pair_table, quant_prmt
+from corolla.models.prequantized import int8_dequantize, nf4_block_absmax, nf4_dequantize
 
 if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time only for its own layers
     import bitsandbytes as bnb
@@ -122,17 +123,13 @@ class NF4Weight:
 
     def block_absmax(self) -> torch.Tensor:
         """[N K / 64] fp32 first-level absmaxes, decoded."""
-        second = self.nested_absmax.repeat_interleave(NESTED_BLOCK_ABSMAXES)[: self.absmax_codes.numel()]
-        return self.nested_code[self.absmax_codes.long()] * second + self.nested_offset
+        return nf4_block_absmax(
+            self.absmax_codes, self.nested_absmax, self.nested_code, self.nested_offset, NESTED_BLOCK_ABSMAXES
+        )
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] in `dtype`: level * block absmax in fp32, rounded once (as bitsandbytes' dequantize_4bit)."""
-        n, k = self.shape
-        hi = (self.packed >> 4).long()
-        lo = (self.packed & 15).long()
-        codes = torch.stack((hi, lo), dim=-1).reshape(n, k)  # [N, K] 4-bit indices in element order
-        values = self.code[codes].reshape(-1, NF4_BLOCK_VALUES) * self.block_absmax()[:, None]  # [blocks, 64]
-        return values.reshape(n, k).to(self.dtype)
+        return nf4_dequantize(self.packed, self.block_absmax(), self.code, self.shape, self.dtype)
 
     @classmethod
     def from_bnb(cls, module: bnb.nn.Linear4bit, dtype: torch.dtype) -> NF4Weight:
@@ -193,7 +190,7 @@ class Int8Weight:
         return self.codes.numel() + self.row_absmax.numel() * 4
 
     def dequantize(self) -> torch.Tensor:
-        return (self.codes.float() * self.col_scale[:, None]).to(self.dtype)
+        return int8_dequantize(self.codes, self.row_absmax, self.dtype)
 
     @classmethod
     def from_bnb(cls, module: bnb.nn.Linear8bitLt, dtype: torch.dtype) -> Int8Weight:
