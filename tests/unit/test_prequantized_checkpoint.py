@@ -5,79 +5,19 @@ tampered statistic is refused with the tensor's name before anything is indexed.
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
+import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from tests.helpers.prequantized import INT8_CONFIG, NF4_CONFIG, int8_parts, nf4_parts, prequantized_checkpoints
 
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.prequantized import NF4_STATE_KEY, PrequantizedFormat
 from corolla.utils.errors import ConfigurationError
-from helpers.tiny_models import make_tiny_model
-
-bnb = pytest.importorskip("bitsandbytes")
-bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-PROJECTION = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
-NF4_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-              "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}  # fmt: skip
-INT8_CONFIG = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-
-
-def _nf4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    # what bitsandbytes' Linear4bit writes for its weight: the packed codes, then its quant state's packed dict
-    packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
-    return {"": packed, **{"." + k: v for k, v in state.as_dict(packed=True).items()}}
-
-
-def _int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, row_absmax, _ = bnb_functional.int8_vectorwise_quant(weight.half())
-    return codes, row_absmax.float()
-
-
-def _derived(src: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict | None) -> Path:
-    shutil.copytree(src, out)
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    if quantization is not None:
-        config["quantization_config"] = quantization
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-def _checkpoints(tmp_path: Path, bits: int) -> tuple[Path, Path]:
-    """(the pre-quantized checkpoint, the bf16 one of bitsandbytes' dequantized weights)."""
-    src = make_tiny_model("llama", tmp_path, dtype=torch.bfloat16)
-    tensors = load_file(str(src / "model.safetensors"))
-    quantized, dequantized = {}, {}
-    for name, t in tensors.items():
-        if not PROJECTION.match(name):
-            quantized[name] = dequantized[name] = t
-        elif bits == 4:
-            parts = _nf4(t)
-            quantized.update({name + suffix: v for suffix, v in parts.items()})
-            state = bnb_functional.QuantState.from_dict(
-                {k.lstrip("."): v for k, v in parts.items() if k}, device=torch.device("cpu")
-            )
-            dequantized[name] = bnb_functional.dequantize_4bit(parts[""], state).to(torch.bfloat16)
-        else:
-            codes, row_absmax = _int8(t)
-            prefix = name.removesuffix("weight")
-            quantized.update(
-                {name: codes, prefix + "SCB": row_absmax, prefix + "weight_format": torch.tensor(0, dtype=torch.uint8)}
-            )
-            dequantized[name] = (codes.float() * (row_absmax / 127)[:, None]).to(torch.bfloat16)
-    config = NF4_CONFIG if bits == 4 else INT8_CONFIG
-    return (
-        _derived(src, tmp_path / f"prequantized-{bits}", quantized, config),
-        _derived(src, tmp_path / f"dequantized-{bits}", dequantized, None),
-    )
 
 
 def _load(model_dir: Path, index: int = 1):
@@ -86,7 +26,7 @@ def _load(model_dir: Path, index: int = 1):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_prequantized_checkpoint_loads_bitsandbytes_dequantized_weights(tmp_path, bits):
-    prequantized, dequantized = _checkpoints(tmp_path, bits)
+    prequantized, dequantized = prequantized_checkpoints(tmp_path, bits)
     assert (prequantized / "model.safetensors").stat().st_size < (dequantized / "model.safetensors").stat().st_size
     got, want = _load(prequantized), _load(dequantized)
     assert got.dtype == torch.bfloat16
@@ -97,10 +37,10 @@ def test_a_prequantized_checkpoint_loads_bitsandbytes_dequantized_weights(tmp_pa
 def test_nf4_weights_quantized_again_keep_their_codes():
     torch.manual_seed(3)
     weight = (torch.randn(96, 256) * 0.05).to(torch.bfloat16)
-    parts = _nf4(weight)
+    parts = nf4_parts(weight)
     loaded = PrequantizedFormat(bits=4).dequantized({"w.weight" + k: v for k, v in parts.items()}, torch.bfloat16)
     assert set(loaded) == {"w.weight"}
-    again = _nf4(loaded["w.weight"])
+    again = nf4_parts(loaded["w.weight"])
     assert torch.equal(again[""], parts[""])  # the same 4-bit codes
     states = [bnb_functional.QuantState.from_dict({k.lstrip("."): v for k, v in p.items() if k}, torch.device("cpu"))
               for p in (parts, again)]  # fmt: skip
@@ -110,12 +50,12 @@ def test_nf4_weights_quantized_again_keep_their_codes():
 
 def test_int8_weights_quantized_again_keep_their_codes():
     torch.manual_seed(4)
-    codes, row_absmax = _int8(torch.randn(64, 128) * 0.05)
+    codes, row_absmax = int8_parts(torch.randn(64, 128) * 0.05)
     stored = {"w.weight": codes, "w.SCB": row_absmax}
     fp16 = PrequantizedFormat(bits=8).dequantized(stored, torch.float16)["w.weight"]
-    assert torch.equal(_int8(fp16)[0], codes)  # LLM.int8's own dtype: exact
+    assert torch.equal(int8_parts(fp16)[0], codes)  # LLM.int8's own dtype: exact
     bf16 = PrequantizedFormat(bits=8).dequantized(stored, torch.bfloat16)["w.weight"]
-    assert int((_int8(bf16)[0].int() - codes.int()).abs().max()) == 1  # bf16's 8 bits: within one code
+    assert int((int8_parts(bf16)[0].int() - codes.int()).abs().max()) == 1  # bf16's 8 bits: within one code
 
 
 def _nf4_state(parts: dict[str, torch.Tensor]) -> dict:
@@ -160,18 +100,18 @@ def _tampered(what: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tens
      "tampered levels", "non-finite nested absmax", "short absmax", "no absmax", "nested offset not a number"],
 )  # fmt: skip
 def test_malformed_nf4_statistics_are_refused_by_name(what):
-    parts = _tampered(what, _nf4((torch.randn(64, 128) * 0.05).to(torch.bfloat16)))
+    parts = _tampered(what, nf4_parts((torch.randn(64, 128) * 0.05).to(torch.bfloat16)))
     state = {"mlp.down_proj.weight" + k: v for k, v in parts.items()}
     with pytest.raises(ConfigurationError, match="mlp.down_proj.weight"):
         PrequantizedFormat(bits=4).dequantized(state, torch.bfloat16)
 
 
 def test_statistics_without_their_weight_and_bad_int8_rows_are_refused():
-    parts = _nf4((torch.randn(64, 128) * 0.05).to(torch.bfloat16))
+    parts = nf4_parts((torch.randn(64, 128) * 0.05).to(torch.bfloat16))
     orphan = {"mlp.up_proj.weight.absmax": parts[".absmax"], "mlp.up_proj.weight": torch.zeros(64, 128)}
     with pytest.raises(ConfigurationError, match="without their weight"):
         PrequantizedFormat(bits=4).dequantized(orphan, torch.bfloat16)
-    codes, row_absmax = _int8(torch.randn(64, 128))
+    codes, row_absmax = int8_parts(torch.randn(64, 128))
     for bad in ({"w.weight": codes, "w.SCB": row_absmax[:-1]}, {"w.weight": codes.float(), "w.SCB": row_absmax},
                 {"w.weight": codes, "w.SCB": row_absmax, "w.weight_format": torch.tensor(1, dtype=torch.uint8)}):  # fmt: skip
         with pytest.raises(ConfigurationError, match="w.weight"):
