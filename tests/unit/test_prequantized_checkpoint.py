@@ -12,6 +12,7 @@ import pytest
 import torch
 from tests.helpers.prequantized import INT8_CONFIG, NF4_CONFIG, int8_parts, nf4_parts, prequantized_checkpoints
 
+from corolla.models import prequantized
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.prequantized import NF4_STATE_KEY, PrequantizedFormat
@@ -132,3 +133,22 @@ def test_the_format_comes_from_the_config():
                     {"quant_method": "bitsandbytes"}):  # fmt: skip
         with pytest.raises(ConfigurationError):
             PrequantizedFormat.of_config(_Config(refused))
+
+
+@pytest.mark.parametrize("shape", [(48, 256), (3, 40), (7, 130)])
+@pytest.mark.parametrize("chunk_values", [128, 1 << 22])
+def test_dequantization_is_bitsandbytes_across_chunks_and_a_short_last_block(monkeypatch, shape, chunk_values):
+    monkeypatch.setattr(prequantized, "DEQUANT_CHUNK_VALUES", chunk_values)
+    torch.manual_seed(5)
+    weight = (torch.randn(*shape) * 0.05).to(torch.bfloat16)  # (3 x 40, 7 x 130: the last block of 64 is short)
+    parts = nf4_parts(weight)
+    state = bnb_functional.QuantState.from_dict({k.lstrip("."): v for k, v in parts.items() if k}, torch.device("cpu"))
+    loaded = PrequantizedFormat(bits=4).dequantized({"w.weight" + k: v for k, v in parts.items()}, torch.bfloat16)
+    # the flat blocks bitsandbytes' quantizer (and its CUDA and default dequantizers) use: value i in block i // 64
+    flat = parts[""].reshape(-1)
+    codes = torch.stack(((flat >> 4).long(), (flat & 15).long()), dim=-1).reshape(-1)[: weight.numel()]
+    scales = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    expected = state.code[codes] * scales[torch.arange(weight.numel()) // 64]
+    assert torch.equal(loaded["w.weight"], expected.reshape(shape).to(torch.bfloat16))
+    if shape[1] % 64 == 0:  # (bitsandbytes' CPU kernel blocks rows of other widths its own way)
+        assert torch.equal(loaded["w.weight"], bnb_functional.dequantize_4bit(parts[""], state))

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from corolla.utils.errors import ConfigurationError
 
@@ -50,6 +51,7 @@ STATS_8BIT = ("SCB", "weight_format")  # (names beside the weight's module prefi
 MAX_STATE_BYTES = 4096  # the JSON quant state (~250 bytes as bitsandbytes writes it)
 MAX_WEIGHT_VALUES = 1 << 34  # a bound on N x K read from the quant state before any allocation
 INT8_SCALE = 127.0
+DEQUANT_CHUNK_VALUES = 1 << 22  # values dequantized at a time (16 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -117,17 +119,37 @@ def nf4_block_absmax(
 
 
 def nf4_dequantize(
-    packed: torch.Tensor, block_absmax: torch.Tensor, levels: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype
+    packed: torch.Tensor,
+    block_absmax: torch.Tensor,
+    levels: torch.Tensor,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    block: int,
 ) -> torch.Tensor:
     """packed [N K / 2] uint8 (two 4-bit codes a byte, the first in the high nibble; any shape of that many bytes),
-    block_absmax [N K / B] fp32 (B = N K / blocks), levels [16] -> [N, K] `dtype`: level x block scale in fp32, rounded
-    once (bitsandbytes' dequantize_4bit)."""
+    block_absmax [ceil(N K / block)] fp32 (value i in block i // block, the last block shorter where block does not
+    divide N K), levels [16] ->
+    [N, K] `dtype`: level x block scale in fp32, rounded once (bitsandbytes' dequantize_4bit). A byte's two levels come
+    from a 256-row table, DEQUANT_CHUNK_VALUES values at a time (a Llama-3-8B layer in ~0.6 s on 2 CPU cores, where
+    a code-by-code lookup took 3.6 s)."""
     n, k = shape
+    total = n * k
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack((levels.float()[byte >> 4], levels.float()[byte & 15]), dim=-1)  # [256, 2]
     flat = packed.reshape(-1)
-    codes = torch.stack(((flat >> 4).long(), (flat & 15).long()), dim=-1).reshape(-1)  # [N K] in element order
-    block = -(-n * k // block_absmax.numel())
-    values = levels.float()[codes] * block_absmax.repeat_interleave(block)[: n * k]  # [N K] fp32
-    return values.reshape(n, k).to(dtype)
+    out = torch.empty(total, dtype=dtype, device=packed.device)
+    step = max(1, DEQUANT_CHUNK_VALUES // block) * block  # whole blocks a chunk (blocks are even: bytes align)
+    for start in range(0, total, step):
+        end = min(start + step, total)
+        values = F.embedding(flat[start // 2 : (end + 1) // 2].int(), pairs).reshape(-1)[: end - start]  # fp32
+        full, first = (end - start) // block * block, start // block
+        chunk = out[start:end]
+        chunk[:full].view(-1, block).copy_(
+            values[:full].view(-1, block) * block_absmax[first : first + full // block, None]
+        )
+        if full < end - start:  # the last block, shorter
+            chunk[full:] = values[full:] * block_absmax[first + full // block]
+    return out.view(n, k)
 
 
 def int8_dequantize(codes: torch.Tensor, row_absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -197,7 +219,7 @@ def _nf4_weight(
         scales = nf4_block_absmax(codes.reshape(-1), second.reshape(-1), table.reshape(-1), float(offset), nested_block)
     else:
         scales = _check(name, "absmax", stats["absmax"], torch.float32, blocks).reshape(-1)
-    return nf4_dequantize(codes_4bit, scales, levels.reshape(-1), (n, k), dtype)
+    return nf4_dequantize(codes_4bit, scales, levels.reshape(-1), (n, k), dtype, block)
 
 
 def _int8_weight(

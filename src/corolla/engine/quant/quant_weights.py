@@ -129,7 +129,7 @@ class NF4Weight:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] in `dtype`: level * block absmax in fp32, rounded once (as bitsandbytes' dequantize_4bit)."""
-        return nf4_dequantize(self.packed, self.block_absmax(), self.code, self.shape, self.dtype)
+        return nf4_dequantize(self.packed, self.block_absmax(), self.code, self.shape, self.dtype, NF4_BLOCK_VALUES)
 
     @classmethod
     def from_bnb(cls, module: bnb.nn.Linear4bit, dtype: torch.dtype) -> NF4Weight:
