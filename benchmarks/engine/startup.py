@@ -7,7 +7,8 @@ timed), then per kind (--kinds: none, nf4, int8): every block loaded as `server.
 fused engine built over the blocks and warmed up (kernel tuning and CUDA-graph capture), then built and warmed up
 again as after a restart (the tuner's choices read from --choices_dir); seconds per stage. With --server, also each
 kind's whole server (`corolla.cli.run_server` on the checkpoint, a new swarm, a fresh cache directory) from launch to
-its ready line. Also
+its ready line. With --prequantized, also the checkpoint saved as bitsandbytes saves NF4 (quantized on the run's device,
+under --checkpoint_dir + "-nf4", not timed) and every kind's stages (or server) from it. Also
 times, on the host, one block's bitsandbytes layers built the way `models.quantization` built them before (a random
 fp32 initial weight on the CPU, replaced at once) against on the meta device (now). Writes a JSON and a log."""
 
@@ -25,6 +26,7 @@ import torch
 from benchmarks.common.model import ModelShape
 from benchmarks.common.report import log
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.placement import place_block
 from corolla.models.registry import get_family
@@ -63,6 +65,41 @@ def write_checkpoint(directory: Path, config, layers: int) -> int:
     return total
 
 
+def write_prequantized(source: Path, directory: Path, device: torch.device) -> int:
+    """`source`'s checkpoint (write_checkpoint's) as bitsandbytes saves a 4-bit NF4 model (double-quantized, blocks
+    of 64; its `quantization_config` in config.json): each projection's packed codes and quant state, quantized on
+    `device`; returns its bytes."""
+    import bitsandbytes.functional as bnb_functional
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    weight_map, total = {}, 0
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for name, t in load_file(str(source / file)).items():
+            if t.ndim == 2 and name.endswith("proj.weight"):
+                packed, state = bnb_functional.quantize_4bit(
+                    t.to(device), blocksize=64, compress_statistics=True, quant_type="nf4"
+                )
+                tensors[name] = packed.cpu()
+                tensors.update({f"{name}.{k}": v.cpu() for k, v in state.as_dict(packed=True).items()})
+            else:
+                tensors[name] = t
+        save_file(tensors, str(directory / file))
+        weight_map.update({name: file for name in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    saved = json.loads((source / "config.json").read_text())
+    saved["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(saved))
+    return total
+
+
 def bnb_constructor_seconds(config) -> dict[str, float]:
     """One block's bitsandbytes NF4 layers built with a random CPU initial weight (before) and on the meta device."""
     import bitsandbytes as bnb
@@ -95,10 +132,13 @@ def load_span(path: Path, config, layers: int, kind: str, device: torch.device) 
     return blocks, {"read_s": read_s, "place_s": place_s}
 
 
-def server_ready_s(path: Path, layers: int, kind: str, device: torch.device, workdir: Path, timeout_s: float) -> float:
+def server_ready_s(
+    path: Path, layers: int, kind: str, device: torch.device, workdir: Path, timeout_s: float, label: str
+) -> float:
     """Seconds from launching `corolla.cli.run_server` on the checkpoint (a new swarm of its own, every block, a fresh
-    cache directory: the throughput measurement and kernel tuning included) to its ready line."""
-    cache = workdir / f"cache-{kind}"
+    cache directory: the throughput measurement and kernel tuning included) to its ready line (its log as
+    server-`label`.log under `workdir`)."""
+    cache = workdir / f"cache-{label}"
     shutil.rmtree(cache, ignore_errors=True)
     command = [
         sys.executable, "-m", "corolla.cli.run_server", str(path), "--new_swarm", "--block_indices", f"0:{layers}",
@@ -107,12 +147,12 @@ def server_ready_s(path: Path, layers: int, kind: str, device: torch.device, wor
     if device.type == "cpu":
         command += ["--torch_dtype", "float32"]
     started = time.perf_counter()
-    with ChildProcess(command, name=f"server-{kind}", log_path=workdir / f"server-{kind}.log") as proc:
+    with ChildProcess(command, name=f"server-{label}", log_path=workdir / f"server-{label}.log") as proc:
         proc.wait_for_line(lambda s: s.startswith(SERVER_READY_PREFIX), timeout_s)
         return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="startup-results")
     parser.add_argument("--checkpoint_dir", default="/tmp/corolla-startup-checkpoint")
@@ -124,7 +164,10 @@ def main() -> None:
         "--server", action="store_true", help="also each kind's whole server (corolla.cli.run_server) start to ready"
     )
     parser.add_argument("--server_timeout_s", type=float, default=400.0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--prequantized", action="store_true", help="also every kind from the checkpoint saved by bitsandbytes as NF4"
+    )
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = TINY if args.tiny else ModelShape(num_layers=args.layers)
     config = shape.hf_config()
@@ -139,6 +182,14 @@ def main() -> None:
     nbytes = write_checkpoint(Path(args.checkpoint_dir), config, shape.num_layers)
     log(lines, f"{card}: checkpoint of {shape.num_layers} layers, {nbytes / 1e9:.2f} GB, written in "
                f"{time.perf_counter() - started:.1f} s (not counted)")  # fmt: skip
+    checkpoints = [("", Path(args.checkpoint_dir), config)]
+    if args.prequantized:
+        started = time.perf_counter()
+        prequantized = Path(args.checkpoint_dir + "-nf4")
+        nf4_bytes = write_prequantized(Path(args.checkpoint_dir), prequantized, device)
+        log(lines, f"the same saved by bitsandbytes as NF4: {nf4_bytes / 1e9:.2f} GB, written in "
+                   f"{time.perf_counter() - started:.1f} s (not counted)")  # fmt: skip
+        checkpoints.append((" from the nf4 checkpoint", prequantized, load_config(prequantized)))
     try:
         if not args.server:  # (the server measures its own start)
             results["bnb_constructor_s"] = bnb = bnb_constructor_seconds(config)
@@ -146,11 +197,12 @@ def main() -> None:
                        f"meta {bnb['meta']:.3f} s")  # fmt: skip
     except ImportError:
         log(lines, "no bitsandbytes: the constructor A/B and the quantized kinds are skipped")
-    for kind in args.kinds.split(",") if not args.server else ():
+    runs = [(kind + suffix, kind, path, cfg) for suffix, path, cfg in checkpoints for kind in args.kinds.split(",")]
+    for label, kind, path, cfg in runs if not args.server else ():
         if kind != "none" and (device.type != "cuda" or "bnb_constructor_s" not in results):
             continue
         t0 = time.perf_counter()
-        blocks, stages = load_span(Path(args.checkpoint_dir), config, shape.num_layers, kind, device)
+        blocks, stages = load_span(path, cfg, shape.num_layers, kind, device)
         t1 = time.perf_counter()
         engine_config = EngineConfig(max_seq_len_tokens=4096, max_batch_rows=64, kernel_choices_dir=str(choices_dir))
         engine = SpanEngine.from_blocks(blocks, engine_config)
@@ -163,25 +215,24 @@ def main() -> None:
         engine.warmup()
         stages.update(load_s=t1 - t0, engine_build_s=t2 - t1, warmup_s=t3 - t2, total_s=t3 - t0,
                       warmup_stored_choices_s=time.perf_counter() - t4)  # fmt: skip
-        results["kinds"][kind] = stages
-        log(lines, f"{kind}: load {stages['load_s']:.1f} s (read {stages['read_s']:.1f}, place {stages['place_s']:.1f}), "
+        results["kinds"][label] = stages
+        log(lines, f"{label}: load {stages['load_s']:.1f} s (read {stages['read_s']:.1f}, place {stages['place_s']:.1f}), "
                    f"engine build {stages['engine_build_s']:.1f} s, warm-up {stages['warmup_s']:.1f} s, "
                    f"total {stages['total_s']:.1f} s; warm-up again with the stored choices "
                    f"{stages['warmup_stored_choices_s']:.1f} s")  # fmt: skip
         del engine, blocks
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for kind in args.kinds.split(",") if args.server else ():
+    for label, kind, path, _ in runs if args.server else ():
         if kind != "none" and device.type != "cuda":
             continue
+        tag = label.replace(" ", "-")
         try:
-            ready_s = server_ready_s(
-                Path(args.checkpoint_dir), shape.num_layers, kind, device, out, args.server_timeout_s
-            )
-            results.setdefault("server_ready_s", {})[kind] = ready_s
-            log(lines, f"{kind}: whole server (corolla.cli.run_server) start to ready {ready_s:.1f} s")
+            ready_s = server_ready_s(path, shape.num_layers, kind, device, out, args.server_timeout_s, tag)
+            results.setdefault("server_ready_s", {})[label] = ready_s
+            log(lines, f"{label}: whole server (corolla.cli.run_server) start to ready {ready_s:.1f} s")
         except Exception as e:  # a measurement: its failure is logged with the server's log kept under --out
-            log(lines, f"{kind}: whole server failed: {type(e).__name__}: {str(e)[:300]}")
+            log(lines, f"{label}: whole server failed: {type(e).__name__}: {str(e)[:300]}")
     (out / "startup.json").write_text(json.dumps(results, indent=2))
     (out / "startup.log").write_text("\n".join(lines) + "\n")
 
