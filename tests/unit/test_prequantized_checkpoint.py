@@ -80,6 +80,8 @@ def _tampered(what: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         parts["." + NF4_STATE_KEY] = _packed_state({**state, "blocksize": 96})
     elif what == "state not json":
         parts["." + NF4_STATE_KEY] = torch.tensor(list(b"\xff{not json"), dtype=torch.uint8)
+    elif what == "deeply nested state":
+        parts["." + NF4_STATE_KEY] = torch.tensor(list(b"[" * 4000), dtype=torch.uint8)
     elif what == "oversized state":
         parts["." + NF4_STATE_KEY] = torch.zeros(1 << 20, dtype=torch.uint8)
     elif what == "tampered levels":
@@ -97,7 +99,7 @@ def _tampered(what: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 @pytest.mark.parametrize(
     "what",
-    ["shape past the codes", "huge shape", "fp4 state", "bad blocksize", "state not json", "oversized state",
+    ["shape past the codes", "huge shape", "fp4 state", "bad blocksize", "state not json", "deeply nested state", "oversized state",
      "tampered levels", "non-finite nested absmax", "short absmax", "no absmax", "nested offset not a number"],
 )  # fmt: skip
 def test_malformed_nf4_statistics_are_refused_by_name(what):

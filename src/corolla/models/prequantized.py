@@ -162,7 +162,7 @@ def _state_fields(name: str, state: torch.Tensor | None) -> dict:
         raise ConfigurationError(f"{name}: the {NF4_STATE_KEY} tensor must be <= {MAX_STATE_BYTES} uint8 bytes")
     try:
         fields = json.loads(bytes(state.tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (4 KiB of "[" nests past json's limit)
         raise ConfigurationError(f"{name}: unreadable quant state ({e})") from None
     if not isinstance(fields, dict):
         raise ConfigurationError(f"{name}: the quant state is not a JSON object")
