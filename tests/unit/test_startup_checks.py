@@ -74,6 +74,23 @@ def test_default_quantization_follows_what_is_installed(fake_cuda, monkeypatch, 
     assert "quant=none" in record.getMessage() and "pip install bitsandbytes" in record.getMessage()
 
 
+def test_a_prequantized_checkpoint_is_served_in_its_own_kind_unless_told_otherwise():
+    int8_save = SimpleNamespace(quantization_config={"quant_method": "bitsandbytes", "load_in_8bit": True})
+    nf4_save = SimpleNamespace(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                    "bnb_4bit_quant_type": "nf4"})  # fmt: skip
+    plain = SimpleNamespace()
+    # unset --quant_type on a GPU (resolved nf4): an LLM.int8 save stays int8, an NF4 save and a 16-bit one nf4
+    assert startup_checks.checkpoint_quant_type(None, "nf4", int8_save) == "int8"
+    assert startup_checks.checkpoint_quant_type(None, "nf4", nf4_save) == "nf4"
+    assert startup_checks.checkpoint_quant_type(None, "nf4", plain) == "nf4"
+    # an explicit choice, or no quantization here (CPU, no bitsandbytes), stands
+    assert startup_checks.checkpoint_quant_type("nf4", "nf4", int8_save) == "nf4"
+    assert startup_checks.checkpoint_quant_type(None, "none", int8_save) == "none"
+    # a quantization corolla does not read ends the start before any block is loaded
+    with pytest.raises(ConfigurationError, match="gptq"):
+        startup_checks.checkpoint_quant_type(None, "nf4", SimpleNamespace(quantization_config={"quant_method": "gptq"}))
+
+
 def test_bitsandbytes_problem_tells_missing_from_broken(monkeypatch, tmp_path):
     monkeypatch.setattr(startup_checks.importlib.util, "find_spec", lambda name: None)
     assert startup_checks.bitsandbytes_problem() == "bitsandbytes is not installed"

@@ -60,6 +60,11 @@ class PrequantizedFormat:
 
     bits: int  # 4 (NF4) or 8 (LLM.int8)
 
+    @property
+    def quant_type(self) -> str:
+        """The `--quant_type` that keeps the stored codes: nf4 or int8."""
+        return "nf4" if self.bits == 4 else "int8"
+
     @classmethod
     def of_config(cls, config) -> PrequantizedFormat | None:
         """The format of `config`'s checkpoint, None for a 16/32-bit one; ConfigurationError for a quantization

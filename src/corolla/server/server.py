@@ -69,6 +69,7 @@ class Server:
             config.model_name_or_path, revision=config.revision, token=config.token, cache_dir=config.cache_dir
         )
         self.family = get_family(self.model_config)
+        quant_type = startup_checks.checkpoint_quant_type(config.quant_type, quant_type, self.model_config)
         self.settings = resolve_settings(config, self.model_config, device, quant_type)
         dtype, dht_prefix, total_blocks = self.settings.dtype, self.settings.dht_prefix, self.settings.total_blocks
         self.module_uids = [make_uid(dht_prefix, i) for i in range(total_blocks)]

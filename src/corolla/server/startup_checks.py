@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from corolla.models.config import resolve_block_dtype
+from corolla.models.prequantized import PrequantizedFormat
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -99,6 +100,18 @@ def resolve_quant_type(requested: str | None, device: torch.device, *, log: bool
     if log:
         logger.info("server.quant_default(quant=nf4, reason=CUDA with bitsandbytes)")
     return "nf4"
+
+
+def checkpoint_quant_type(requested: str | None, resolved: str, model_config) -> str:
+    """The quantization to serve a checkpoint in: `resolved` (resolve_quant_type's), but where the checkpoint is
+    saved pre-quantized by bitsandbytes and no --quant_type was given, its own kind on a GPU that quantizes (an
+    LLM.int8 save in int8, not re-quantized to nf4), said in the log. ConfigurationError for a quantization corolla
+    does not read (GPTQ, AWQ, FP4), before any block is loaded."""
+    stored = PrequantizedFormat.of_config(model_config)
+    if stored is None or requested is not None or resolved == "none" or stored.quant_type == resolved:
+        return resolved
+    logger.info(f"server.quant_default(quant={stored.quant_type}, reason=the checkpoint is saved in it)")
+    return stored.quant_type
 
 
 def _bf16_supported(device: torch.device) -> bool:
