@@ -42,10 +42,14 @@ def derived_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor], q
 
 
 def prequantized_checkpoints(
-    tmp_path: Path, bits: int, dtype: torch.dtype = torch.bfloat16, num_layers: int = 4
+    tmp_path: Path,
+    bits: int,
+    dtype: torch.dtype = torch.bfloat16,
+    num_layers: int = 4,
+    device: torch.device = torch.device("cpu"),
 ) -> tuple[Path, Path]:
     """(the pre-quantized checkpoint of a tiny Llama saved in `dtype`, the `dtype` one of bitsandbytes' dequantized
-    weights), for 4 (NF4, double-quantized) or 8 (LLM.int8) bits."""
+    weights), for 4 (NF4, double-quantized) or 8 (LLM.int8) bits, quantized by bitsandbytes on `device`."""
     src = make_tiny_model("llama", tmp_path, dtype=dtype, num_layers=num_layers)
     tensors = load_file(str(src / "model.safetensors"))
     quantized, dequantized = {}, {}
@@ -53,12 +57,12 @@ def prequantized_checkpoints(
         if not PROJECTION.match(name):
             quantized[name] = dequantized[name] = t
         elif bits == 4:
-            parts = nf4_parts(t)
-            quantized.update({name + suffix: v for suffix, v in parts.items()})
+            parts = nf4_parts(t.to(device))
+            quantized.update({name + suffix: v.cpu() for suffix, v in parts.items()})
             state = bnb_functional.QuantState.from_dict(
-                {k.lstrip("."): v for k, v in parts.items() if k}, device=torch.device("cpu")
+                {k.lstrip("."): v for k, v in parts.items() if k}, device=device
             )
-            dequantized[name] = bnb_functional.dequantize_4bit(parts[""], state).to(dtype)
+            dequantized[name] = bnb_functional.dequantize_4bit(parts[""], state).to(dtype).cpu()
         else:
             codes, row_absmax = int8_parts(t)
             prefix = name.removesuffix("weight")
