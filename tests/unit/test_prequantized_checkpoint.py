@@ -154,3 +154,38 @@ def test_dequantization_is_bitsandbytes_across_chunks_and_a_short_last_block(mon
     assert torch.equal(loaded["w.weight"], expected.reshape(shape).to(torch.bfloat16))
     if shape[1] % 64 == 0:  # (bitsandbytes' CPU kernel blocks rows of other widths its own way)
         assert torch.equal(loaded["w.weight"], bnb_functional.dequantize_4bit(parts[""], state))
+
+
+def test_fuzzed_statistics_are_refused_or_read_never_crash():
+    """500 seeded mutations of one NF4 weight's stored tensors (a byte of the JSON state flipped, a tensor cut,
+    grown, retyped or dropped): each is read to a [64, 128] weight or refused with ConfigurationError, nothing else."""
+    parts = nf4_parts((torch.randn(64, 128, generator=torch.Generator().manual_seed(6)) * 0.05).to(torch.bfloat16))
+    rng = torch.Generator().manual_seed(7)
+    outcomes = {"read": 0, "refused": 0}
+    for _ in range(500):
+        mutated = dict(parts)
+        key = list(mutated)[int(torch.randint(len(mutated), (1,), generator=rng))]
+        tensor = mutated[key].reshape(-1)
+        how = int(torch.randint(5, (1,), generator=rng))
+        if how == 0 and tensor.numel():  # one byte of its storage flipped
+            raw = tensor.view(torch.uint8).clone()
+            raw[int(torch.randint(raw.numel(), (1,), generator=rng))] ^= 1 << int(torch.randint(8, (1,), generator=rng))
+            mutated[key] = raw.view(tensor.dtype)
+        elif how == 1:  # cut
+            mutated[key] = tensor[: int(torch.randint(tensor.numel() + 1, (1,), generator=rng))]
+        elif how == 2:  # grown
+            mutated[key] = torch.cat([tensor, tensor[: int(torch.randint(1, 64, (1,), generator=rng))]])
+        elif how == 3:  # retyped
+            mutated[key] = tensor.to(torch.float16 if tensor.dtype != torch.float16 else torch.int32)
+        else:
+            del mutated[key]
+        try:
+            loaded = PrequantizedFormat(bits=4).dequantized(
+                {"w.weight" + k: v for k, v in mutated.items()}, torch.bfloat16
+            )
+        except ConfigurationError:
+            outcomes["refused"] += 1
+        else:
+            assert loaded["w.weight"].shape == (64, 128) and set(loaded) == {"w.weight"}
+            outcomes["read"] += 1
+    assert outcomes["refused"] > 300 and outcomes["read"] > 0  # most mutations break the format; flipped codes do not
