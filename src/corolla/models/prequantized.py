@@ -133,10 +133,9 @@ def nf4_dequantize(
 ) -> torch.Tensor:
     """packed [N K / 2] uint8 (two 4-bit codes a byte, the first in the high nibble; any shape of that many bytes),
     block_absmax [ceil(N K / block)] fp32 (value i in block i // block, the last block shorter where block does not
-    divide N K), levels [16] ->
-    [N, K] `dtype`: level x block scale in fp32, rounded once (bitsandbytes' dequantize_4bit). A byte's two levels come
-    from a 256-row table, DEQUANT_CHUNK_VALUES values at a time (a Llama-3-8B layer in ~0.6 s on 2 CPU cores, where
-    a code-by-code lookup took 3.6 s)."""
+    divide N K), levels [16] -> [N, K] `dtype`: level x block scale in fp32, rounded once (bitsandbytes'
+    dequantize_4bit). A byte's two levels come from a 256-row table, DEQUANT_CHUNK_VALUES values at a time (a
+    Llama-3-8B layer in ~0.6 s on 2 CPU cores, where a code-by-code lookup took 3.6 s)."""
     n, k = shape
     total = n * k
     byte = torch.arange(256, device=packed.device)
