@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from collections.abc import Callable
 
 import torch
@@ -257,6 +258,8 @@ class FakeManager(RemoteSequenceManager):
     def __init__(self, servers: dict[str, FakeServer], num_blocks: int, **config):
         config.setdefault("min_backoff_s", 0.01)
         super().__init__(ClientConfig(**config), [f"m.{i}" for i in range(num_blocks)], start_updates=False)
+        # seeded: a route's jitter (sigma 0.25) could otherwise pick a server announcing half another's speed (~2.5%)
+        self.rng = random.Random(0)
         self.servers = servers
         self.update()
 
