@@ -47,14 +47,16 @@ def prequantized_checkpoints(
     dtype: torch.dtype = torch.bfloat16,
     num_layers: int = 4,
     device: torch.device = torch.device("cpu"),
+    head: bool = False,
 ) -> tuple[Path, Path]:
     """(the pre-quantized checkpoint of a tiny Llama saved in `dtype`, the `dtype` one of bitsandbytes' dequantized
-    weights), for 4 (NF4, double-quantized) or 8 (LLM.int8) bits, quantized by bitsandbytes on `device`."""
+    weights), for 4 (NF4, double-quantized) or 8 (LLM.int8) bits, quantized by bitsandbytes on `device`; with `head`,
+    the LM head quantized too (bitsandbytes' savers leave it 16-bit unless told otherwise)."""
     src = make_tiny_model("llama", tmp_path, dtype=dtype, num_layers=num_layers)
     tensors = load_file(str(src / "model.safetensors"))
     quantized, dequantized = {}, {}
     for name, t in tensors.items():
-        if not PROJECTION.match(name):
+        if not (PROJECTION.match(name) or (head and name == "lm_head.weight")):
             quantized[name] = dequantized[name] = t
         elif bits == 4:
             parts = nf4_parts(t.to(device))
@@ -71,7 +73,8 @@ def prequantized_checkpoints(
             )
             dequantized[name] = (codes.float() * (row_absmax / 127)[:, None]).to(dtype)
     config = NF4_CONFIG if bits == 4 else INT8_CONFIG
+    tag = "-head" if head else ""
     return (
-        derived_checkpoint(src, tmp_path / f"prequantized-{bits}-{str(dtype)[6:]}", quantized, config),
-        derived_checkpoint(src, tmp_path / f"dequantized-{bits}-{str(dtype)[6:]}", dequantized, None),
+        derived_checkpoint(src, tmp_path / f"prequantized-{bits}-{str(dtype)[6:]}{tag}", quantized, config),
+        derived_checkpoint(src, tmp_path / f"dequantized-{bits}-{str(dtype)[6:]}{tag}", dequantized, None),
     )

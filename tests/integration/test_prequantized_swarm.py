@@ -1,6 +1,6 @@
-"""A server started on a pre-quantized bitsandbytes checkpoint (NF4, LLM.int8) serves it through the client as the
-16-bit checkpoint of bitsandbytes' dequantized weights: the same logits (fp32 servers, atol 1e-3) and greedy tokens as
-local `transformers` on that checkpoint."""
+"""A server started on a pre-quantized bitsandbytes checkpoint (NF4, LLM.int8; its LM head quantized too, which the
+client reads) serves it through the client as the 16-bit checkpoint of bitsandbytes' dequantized weights: the same
+logits (fp32 servers, atol 1e-3) and greedy tokens as local `transformers` on that checkpoint."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
     models = tmp_path_factory.mktemp("models")
-    paths = {bits: prequantized_checkpoints(models, bits, dtype=torch.float32, num_layers=2) for bits in (4, 8)}
+    paths = {
+        bits: prequantized_checkpoints(models, bits, dtype=torch.float32, num_layers=2, head=True) for bits in (4, 8)
+    }
     with bootstrapped(tmp_path_factory.mktemp("swarm")) as swarm:
         cache_dir = tmp_path_factory.mktemp("cache")
         spans = [(prequantized, "0:2") for prequantized, _ in paths.values()]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from tests.helpers.prequantized import prequantized_checkpoints
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -44,6 +46,44 @@ def test_client_weights_equal_the_checkpoint(tmp_path, family, sharded):
         torch.testing.assert_close(model.head(hidden), local.lm_head(final_norm(hidden)))
     client_params = sum(p.numel() for p in model.parameters())
     assert client_params < sum(p.numel() for p in local.parameters())
+
+
+def _client_model(path) -> DistributedModelForCausalLM:
+    config = load_config(path)
+    manager = RemoteSequenceManager(
+        ClientConfig(), [f"x.{i}" for i in range(config.num_hidden_layers)], start_updates=False
+    )
+    model = DistributedModelForCausalLM(config, LAYOUTS[config.model_type], manager)
+    model.load_client_weights(CheckpointSource(path))
+    return model
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_head_saved_quantized_is_read_as_bitsandbytes_dequantizes_it(tmp_path, bits):
+    """A checkpoint whose LM head bitsandbytes saved quantized (NF4 codes and statistics, or LLM.int8's) gives the
+    client bitsandbytes' dequantized head. Before, NF4's packed codes failed at `copy_` and LLM.int8's [V, H] int8
+    codes were copied in as the weights themselves (a head 127 / absmax times too large, silently)."""
+    prequantized, dequantized = prequantized_checkpoints(tmp_path, bits, dtype=torch.float32, num_layers=2, head=True)
+    assert {"lm_head.weight.absmax", "lm_head.SCB"} & set(load_file(str(prequantized / "model.safetensors")))
+    model = _client_model(prequantized)
+    want = load_file(str(dequantized / "model.safetensors"))["lm_head.weight"]
+    torch.testing.assert_close(model.lm_head.weight, want, atol=0, rtol=0)
+    torch.testing.assert_close(model.embeddings.weight, _client_model(dequantized).embeddings.weight)
+
+
+def test_a_head_of_another_shape_is_refused(tmp_path):
+    """A checkpoint (bytes from the hub) whose head is [1, H]: refused naming its shape; `copy_` broadcast it over
+    every row of the [V, H] head before, a model that emits one logit for every token."""
+    path = make_tiny_model("llama", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:1].clone()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"head is \[1, "):
+        _client_model(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:1].clone()
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.norm.weight is \[1\]"):
+        _client_model(path)
 
 
 def test_reader_reads_only_what_is_asked(tmp_path):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +89,16 @@ class PrequantizedFormat:
             return cls(bits=8)
         raise ConfigurationError("the checkpoint's bitsandbytes quantization_config loads neither 4 nor 8 bits")
 
+    def statistics_names(self, weight_names: Iterable[str]) -> list[str]:
+        """The names under which a checkpoint stores the quantization statistics of `weight_names` (a reader that
+        picks tensors by name, like a client's head, reads these beside the weights; a weight stored unquantized has
+        none of them)."""
+        if self.bits == 4:
+            return [f"{weight}.{stat}" for weight in weight_names for stat in STATS_4BIT]
+        return [weight.removesuffix("weight") + stat for weight in weight_names for stat in STATS_8BIT]
+
     def dequantized(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """`state_dict` (one block's tensors) with each quantized weight replaced by its dequantized [N, K] `dtype`
+        """`state_dict` (one block's tensors, or named ones) with each quantized weight replaced by its dequantized [N, K] `dtype`
         tensor and its statistics removed; every other tensor as it is. ConfigurationError naming the tensor for a
         malformed one."""
         out = dict(state_dict)

@@ -26,6 +26,7 @@ from corolla.models.attention import softcap
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
 from corolla.models.layers import RMSNorm, RMSNormKind
 from corolla.models.loading import CheckpointSource
+from corolla.models.prequantized import PrequantizedFormat
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
 
@@ -138,7 +139,11 @@ class DistributedModel(nn.Module):
                 wanted[f"{prefix}.{param_name}"] = (module, param_name)
         names = list(wanted) + self.head_tensor_names()
         stripped = {n: n.removeprefix(self.layout.base_prefix) for n in names if self.layout.base_prefix}
-        tensors = source.read_named(names + list(stripped.values()))
+        read = names + list(stripped.values())
+        stored = PrequantizedFormat.of_config(self.config)  # a head bitsandbytes saved quantized is read as its codes
+        tensors = source.read_named(read + (stored.statistics_names(read) if stored is not None else []))
+        if stored is not None:
+            tensors = stored.dequantized(tensors, self.dtype)
         for name in names:
             if name not in tensors and stripped.get(name) in tensors:
                 tensors[name] = tensors[stripped[name]]
@@ -147,7 +152,13 @@ class DistributedModel(nn.Module):
             raise ValueError(f"checkpoint {source.name_or_path} lacks client tensors {missing}")
         with torch.no_grad():
             for name, (module, param_name) in wanted.items():
-                getattr(module, param_name).copy_(tensors[name])
+                param = getattr(module, param_name)
+                if tensors[name].shape != param.shape:  # copy_ would broadcast a [1, H] tensor over [V, H]
+                    raise ValueError(
+                        f"checkpoint {source.name_or_path}: {name} is {list(tensors[name].shape)}, the config "
+                        f"makes it {list(param.shape)}"
+                    )
+                param.copy_(tensors[name])
             self.load_head(tensors)
 
     def head_tensor_names(self) -> list[str]:
@@ -261,6 +272,9 @@ class DistributedModelForCausalLM(DistributedModel):
         head = tensors.get(self.layout.lm_head + ".weight")
         if head is None or getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embeddings.weight  # tied
+        elif head.shape != self.lm_head.weight.shape:
+            raise ValueError(f"the checkpoint's head is {list(head.shape)}, the config makes it "
+                             f"{list(self.lm_head.weight.shape)}")  # fmt: skip
         else:
             self.lm_head.weight.copy_(head)
 
