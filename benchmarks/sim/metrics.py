@@ -54,7 +54,8 @@ class Metrics:
     move_reasons: dict[str, int] = field(default_factory=dict)  # moves by the policy's reason (`MoveDecision.reason`)
     reload_s: float = 0.0  # seconds servers spent loading a span after a move, not serving
     fetch_s: float = 0.0  # seconds corolla's servers spent fetching a new span's weights while serving the old one
-    moves_dropped: int = 0  # moves given up after the fetch, the policy no longer asking for them
+    moves_dropped: int = 0  # moves given up during or after their fetch, the policy no longer asking for them
+    fetch_dropped_s: float = 0.0  # of `fetch_s`, the seconds spent on the fetches of dropped moves
     joins: int = 0
     leaves: int = 0
     crashes: int = 0
@@ -176,6 +177,7 @@ class Report:
                 "reload_s": metrics.reload_s,
                 "fetch_s": metrics.fetch_s,
                 "moves_dropped": metrics.moves_dropped,
+                "fetch_dropped_s": metrics.fetch_dropped_s,
                 "route_calls": metrics.route_calls,
                 "early_announcements": metrics.early_announcements,
                 "rereads": metrics.rereads,

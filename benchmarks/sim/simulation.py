@@ -17,7 +17,7 @@ from benchmarks.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
 from benchmarks.sim.churn import ChurnConfig
 from benchmarks.sim.client_book import ClientBooks, fake_records
 from benchmarks.sim.client_model import NEW_SERVER_S, ClientDriver, SimSession
-from benchmarks.sim.clock import EventLoop
+from benchmarks.sim.clock import Event, EventLoop
 from benchmarks.sim.delivery_judge import DeliveryJudge
 from benchmarks.sim.lorises import make_loris
 from benchmarks.sim.metrics import FlowSample, Metrics, Report
@@ -278,14 +278,38 @@ class Simulation:
             self._leave_span(server)
             self._switch(server, self._choose_span(server), decision.reason, server.load_s)
             return
-        # corolla's server (`server.span_fetch`): keeps serving its span while it fetches the new span's weights to its
-        # disk, then asks again and switches, loading from the local copy
+        # corolla's server (`Server`'s move): keeps serving its span while it fetches the new span's weights to its
+        # disk, its balance checks asking again during the fetch (the fetch stops once the move is no longer wanted)
+        # and at its end, then switches, loading from the local copy
         target = self._choose_span(server)
         fetch_s = server.fetch_s(len(target))
         server.fetching = target
         self.view.refresh_one(server, self.loop.now_s)  # its record says where it moves (`moving_to`), as the real one
         self.metrics.fetch_s += fetch_s
-        self.loop.after(fetch_s, self._fetched, server, server.num_moves, decision.reason)
+        fetched = self.loop.after(fetch_s, self._fetched, server, server.num_moves, decision.reason)
+        self._check_during_fetch(server, fetched)
+
+    def _check_during_fetch(self, server: SimServer, fetched: Event) -> None:
+        """Schedules `server`'s next balance check while its fetch (ending with the event `fetched`) goes on."""
+        delay = self.rngs["policy"].uniform(0, 2 * self.config.balance_check_mean_s)
+        if self.loop.now_s + delay < fetched.time_s:
+            self.loop.after(delay, self._fetching_check, server, fetched)
+
+    def _fetching_check(self, server: SimServer, fetched: Event) -> None:
+        """A balance check during a fetch: the move dropped at once if the policy no longer asks for it."""
+        if fetched.cancelled or server.fetching is None or server.state != ServerState.ONLINE:
+            return
+        if self._decide_move(server).move:
+            self._check_during_fetch(server, fetched)
+            return
+        fetched.cancel()
+        left_s = fetched.time_s - self.loop.now_s
+        self.metrics.fetch_s -= left_s
+        self.metrics.moves_dropped += 1
+        self.metrics.fetch_dropped_s += server.fetch_s(len(server.fetching)) - left_s
+        server.fetching = None
+        self.view.refresh_one(server, self.loop.now_s)
+        self._schedule_balance_check(server)
 
     def _fetched(self, server: SimServer, moves: int, reason: str) -> None:
         target, server.fetching = server.fetching, None
@@ -293,6 +317,7 @@ class Simulation:
             return
         if not self._decide_move(server).move:  # the swarm changed while it fetched: it stays, the copy kept on disk
             self.metrics.moves_dropped += 1
+            self.metrics.fetch_dropped_s += server.fetch_s(len(target))
             self.view.refresh_one(server, self.loop.now_s)
             self._schedule_balance_check(server)
             return

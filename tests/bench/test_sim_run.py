@@ -208,6 +208,42 @@ class MovesOnce(CorollaPolicy):
 MOVED: set[str] = set()
 
 
+class AsksOnce(CorollaPolicy):
+    """corolla's policy, but a server asks to move at its first check only: asked again, it stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def choose_move(self, me, spans, total_blocks, **kwargs):  # type: ignore[no-untyped-def]
+        if me.peer_id in self.asked:
+            return MoveDecision(None, 1.0, 1.0, "stay")
+        self.asked.add(me.peer_id)
+        mine = next(s for s in spans if s.peer_id == me.peer_id)
+        return MoveDecision(range(mine.start, mine.end), 1.0, 2.0, "test move")
+
+
+def test_a_move_no_longer_wanted_stops_its_fetch_at_the_next_check() -> None:
+    """A corolla server's balance checks go on while it fetches a move's span: the first that finds the move no
+    longer wanted drops it and stops the fetch, which is charged only the seconds it ran (before, every dropped move
+    fetched its whole span first: a quarter of the scale scenario's fetching, decision 0281)."""
+    sim = Simulation(scenario("tiny", seed=3, policy="corolla"))
+    sim.policy = AsksOnce()
+    whole_s: list[float] = []
+    original = sim._check_during_fetch
+
+    def check_during_fetch(server, fetched):  # type: ignore[no-untyped-def]
+        whole_s.append(fetched.time_s - sim.loop.now_s)  # called once a fetch here: its first check drops it
+        original(server, fetched)
+
+    sim._check_during_fetch = check_during_fetch  # type: ignore[method-assign]
+    report = sim.run()
+    churn = report.churn
+    assert churn["moves"] == 0 and churn["moves_dropped"] == len(whole_s) >= 3
+    assert churn["fetch_dropped_s"] == pytest.approx(churn["fetch_s"])
+    assert 0 < churn["fetch_s"] < 0.8 * sum(whole_s)  # most fetches stopped early: a check came before the end
+
+
 def test_a_corolla_server_serves_its_span_while_it_fetches_the_next() -> None:
     """corolla's server keeps serving (ONLINE, its old span) while it fetches the new span's weights, asks its policy
     again, and only then stops, loading from its disk copy: offline for `local_load_s`, not `load_s` (Petals' move,

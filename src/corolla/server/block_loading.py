@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -44,10 +45,15 @@ def load_span_blocks(
     return blocks
 
 
-def fetch_span_blocks(config: ServerConfig, model_config: Any, block_indices: range) -> None:
+def fetch_span_blocks(
+    config: ServerConfig, model_config: Any, block_indices: range, cancelled: threading.Event | None = None
+) -> None:
     """Brings the checkpoint files of `block_indices` to the local cache (no tensor read, nothing on the device): a
-    server moving to this span fetches it while still serving its old one, then loads it from the disk."""
+    server moving to this span fetches it while still serving its old one, then loads it from the disk. Stops before
+    the next block once `cancelled` is set (the move given up)."""
     for index in block_indices:
+        if cancelled is not None and cancelled.is_set():
+            return
         fetch_pretrained_block(config.model_name_or_path, index, config=model_config, **_hub_options(config))
 
 

@@ -129,7 +129,7 @@ class ServerMetrics:
             "corolla_span_fetch_seconds", "Seconds spent fetching moves' new spans while serving"
         )
         self._moves_dropped = counter(
-            "corolla_moves_dropped", "Moves given up after their fetch: the policy no longer asked for them"
+            "corolla_moves_dropped", "Moves given up during or after their fetch: the policy no longer asked for them"
         )
         # Pre-create labelled children so every series is exported (as 0) from the start.
         for reason in REJECT_REASONS:

@@ -465,19 +465,19 @@ class Server:
             target = await self._plan_move()
             if target is None:
                 continue
-            # keep serving this span while the new one's weights come to the disk, then ask again: the swarm may have
-            # changed meanwhile (the fetched files stay in the cache either way)
+            # keep serving this span while the new one's weights come to the disk, asking again at balance checks
+            # during the fetch and at its end: the swarm may have changed meanwhile (what was fetched stays cached)
             assert self.seat is not None
             self.seat.fetch_started(target)
             await self._announce_move_phase()
             fetched = await self._fetch_while_serving(service, target)
-            if fetched != "fetched":
+            if fetched in ("stop", "crashed"):
                 self.seat.fetch_ended(dropped=False)
                 return fetched
-            dropped = await self._plan_move() is None
+            dropped = fetched == "dropped" or await self._plan_move() is None
             self.seat.fetch_ended(dropped=dropped)
             if dropped:
-                logger.info(f"server.move_dropped(blocks={target.start}:{target.stop})")
+                logger.info(f"server.move_dropped(blocks={target.start}:{target.stop}, fetch={fetched})")
                 await self._announce_move_phase()
                 continue
             self.seat.moving_to(target)
@@ -508,27 +508,43 @@ class Server:
         return await self.seat.plan_move(rtts_s=self.announcer.rtts_s() if self.announcer else {})
 
     async def _fetch_while_serving(self, service: SpanService, target: range) -> str:
-        """Fetches `target`'s checkpoint files to the disk in a daemon thread while `service` serves: "fetched", or
-        "stop" / "crashed" if that comes first (a stopping server does not wait for a download)."""
+        """Fetches `target`'s checkpoint files to the disk in a daemon thread while `service` serves, the balance
+        checks going on: "fetched"; "dropped" when a check finds the move no longer wanted (the download stops before
+        its next block: half the moves planned in the simulator were dropped at the fetch's end, minutes of a
+        volunteer's bandwidth each); or "stop" / "crashed" if that comes first (a stopping server does not wait for a
+        download)."""
         logger.info(f"server.fetching(blocks={target.start}:{target.stop})")
         started = time.monotonic()
-        done = threading.Event()
+        done, cancelled = threading.Event(), threading.Event()
         failure: list[BaseException] = []
 
         def fetch() -> None:
             try:
-                fetch_span_blocks(self.config, self.model_config, target)
+                fetch_span_blocks(self.config, self.model_config, target, cancelled)
             except BaseException as e:  # reported below; the move then loads (and downloads) as a join does
                 failure.append(e)
             finally:
                 done.set()
 
         threading.Thread(target=fetch, name="corolla-span-fetch", daemon=True).start()
-        while not done.is_set():
-            if await self._sleep(0.2):
-                return "stop"
-            if not service.healthy:
-                return "crashed"
+        period_s = self.config.mean_balance_check_period_s
+        check_at = time.monotonic() + random.uniform(0, 2 * period_s)
+        try:
+            while not done.is_set():
+                if await self._sleep(0.2):
+                    return "stop"
+                if not service.healthy:
+                    return "crashed"
+                if time.monotonic() >= check_at and not done.is_set():
+                    if await self._plan_move() is None:
+                        logger.info(
+                            f"server.fetch_stopped(blocks={target.start}:{target.stop}, "
+                            f"seconds={time.monotonic() - started:.1f})"
+                        )
+                        return "dropped"
+                    check_at = time.monotonic() + random.uniform(0, 2 * period_s)
+        finally:
+            cancelled.set()  # (after the last block: nothing left to stop)
         if failure:
             logger.warning(f"server.fetch_failed(blocks={target.start}:{target.stop}, error={failure[0]!r})")
         else:
