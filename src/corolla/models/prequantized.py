@@ -98,9 +98,9 @@ class PrequantizedFormat:
         return [weight.removesuffix("weight") + stat for weight in weight_names for stat in STATS_8BIT]
 
     def dequantized(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """`state_dict` (one block's tensors, or named ones) with each quantized weight replaced by its dequantized [N, K] `dtype`
-        tensor and its statistics removed; every other tensor as it is. ConfigurationError naming the tensor for a
-        malformed one."""
+        """`state_dict` (one block's tensors, or named ones) with each quantized weight replaced by its dequantized
+        [N, K] `dtype` tensor and its statistics removed; every other tensor as it is. ConfigurationError naming the
+        tensor for a malformed one."""
         out = dict(state_dict)
         if self.bits == 4:
             for name in [n for n in state_dict if n.endswith("." + NF4_STATE_KEY)]:

@@ -477,7 +477,9 @@ class Server:
             dropped = fetched == "dropped" or await self._plan_move() is None
             self.seat.fetch_ended(dropped=dropped)
             if dropped:
-                logger.info(f"server.move_dropped(blocks={target.start}:{target.stop}, fetch={fetched})")
+                logger.info(
+                    f"server.move_dropped(blocks={target.start}:{target.stop}, during_fetch={fetched == 'dropped'})"
+                )
                 await self._announce_move_phase()
                 continue
             self.seat.moving_to(target)
