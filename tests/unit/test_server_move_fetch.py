@@ -14,7 +14,7 @@ from corolla.server import server as server_module
 from corolla.server.config import ServerConfig
 from corolla.server.server import Server
 
-BLOCK_FETCH_S = 0.15
+BLOCK_FETCH_S = 0.3  # 8 blocks: 2.4 s, the first check within 0.4 s of the start (+ a 0.2 s poll)
 
 
 class Serving:
@@ -51,7 +51,7 @@ def _fetch(tmp_path, monkeypatch: pytest.MonkeyPatch, still_wanted: bool) -> tup
 
     ended = asyncio.run(fetch())
     at_end = list(fetched)
-    time.sleep(0.5)
+    time.sleep(2 * BLOCK_FETCH_S)
     return ended, at_end, list(fetched)
 
 
