@@ -32,7 +32,7 @@ from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.swarm.cache_refusals import may_avoid
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
 from corolla.swarm.placement_flow import placement_max_flow
-from corolla.swarm.policy import PLACEMENT_PINGS, MoveDecision, ServerCapacity
+from corolla.swarm.policy import FETCH_CHECKS_PER_PERIOD, PLACEMENT_PINGS, MoveDecision, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.utils.errors import MissingBlocksError
@@ -291,7 +291,7 @@ class Simulation:
 
     def _check_during_fetch(self, server: SimServer, fetched: Event) -> None:
         """Schedules `server`'s next balance check while its fetch (ending with the event `fetched`) goes on."""
-        delay = self.rngs["policy"].uniform(0, 2 * self.config.balance_check_mean_s)
+        delay = self.rngs["policy"].uniform(0, 2 * self.config.balance_check_mean_s / FETCH_CHECKS_PER_PERIOD)
         if self.loop.now_s + delay < fetched.time_s:
             self.loop.after(delay, self._fetching_check, server, fetched)
 

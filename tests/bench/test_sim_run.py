@@ -241,7 +241,7 @@ def test_a_move_no_longer_wanted_stops_its_fetch_at_the_next_check() -> None:
     churn = report.churn
     assert churn["moves"] == 0 and churn["moves_dropped"] == len(whole_s) >= 3
     assert churn["fetch_dropped_s"] == pytest.approx(churn["fetch_s"])
-    assert 0 < churn["fetch_s"] < 0.8 * sum(whole_s)  # most fetches stopped early: a check came before the end
+    assert 0 < churn["fetch_s"] < 0.25 * sum(whole_s)  # stopped early: checks come every 30 s on average here
 
 
 def test_a_corolla_server_serves_its_span_while_it_fetches_the_next() -> None:

@@ -43,6 +43,7 @@ from corolla.server.throughput import get_server_throughput
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs, shutdown_dht
 from corolla.swarm.local import ready_line
 from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
+from corolla.swarm.policy import FETCH_CHECKS_PER_PERIOD
 from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability, validate_reachability
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
@@ -511,7 +512,7 @@ class Server:
 
     async def _fetch_while_serving(self, service: SpanService, target: range) -> str:
         """Fetches `target`'s checkpoint files to the disk in a daemon thread while `service` serves, the balance
-        checks going on: "fetched"; "dropped" when a check finds the move no longer wanted (the download stops before
+        checks going on (`FETCH_CHECKS_PER_PERIOD` times as often): "fetched"; "dropped" when a check finds the move no longer wanted (the download stops before
         its next block: half the moves planned in the simulator were dropped at the fetch's end, minutes of a
         volunteer's bandwidth each); or "stop" / "crashed" if that comes first (a stopping server does not wait for a
         download)."""
@@ -529,7 +530,7 @@ class Server:
                 done.set()
 
         threading.Thread(target=fetch, name="corolla-span-fetch", daemon=True).start()
-        period_s = self.config.mean_balance_check_period_s
+        period_s = self.config.mean_balance_check_period_s / FETCH_CHECKS_PER_PERIOD
         check_at = time.monotonic() + random.uniform(0, 2 * period_s)
         try:
             while not done.is_set():
