@@ -69,8 +69,9 @@ def write_prequantized(source: Path, directory: Path, device: torch.device) -> i
     """`source`'s checkpoint (write_checkpoint's) as bitsandbytes saves a 4-bit NF4 model (double-quantized, blocks
     of 64; its `quantization_config` in config.json): each projection's packed codes and quant state, quantized on
     `device`; returns its bytes."""
-    import bitsandbytes.functional as bnb_functional
     from safetensors.torch import load_file, save_file
+
+    from benchmarks.common.bnb_saves import NF4_CONFIG, nf4_parts
 
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
@@ -80,11 +81,7 @@ def write_prequantized(source: Path, directory: Path, device: torch.device) -> i
         tensors = {}
         for name, t in load_file(str(source / file)).items():
             if t.ndim == 2 and name.endswith("proj.weight"):
-                packed, state = bnb_functional.quantize_4bit(
-                    t.to(device), blocksize=64, compress_statistics=True, quant_type="nf4"
-                )
-                tensors[name] = packed.cpu()
-                tensors.update({f"{name}.{k}": v.cpu() for k, v in state.as_dict(packed=True).items()})
+                tensors.update({name + suffix: v.cpu() for suffix, v in nf4_parts(t.to(device)).items()})
             else:
                 tensors[name] = t
         save_file(tensors, str(directory / file))
@@ -92,10 +89,7 @@ def write_prequantized(source: Path, directory: Path, device: torch.device) -> i
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     saved = json.loads((source / "config.json").read_text())
-    saved["quantization_config"] = {
-        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16",
-    }  # fmt: skip
+    saved["quantization_config"] = NF4_CONFIG
     (directory / "config.json").write_text(json.dumps(saved))
     return total
 

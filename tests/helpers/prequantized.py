@@ -14,21 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tests.helpers.tiny_models import make_tiny_model
 
+from benchmarks.common.bnb_saves import INT8_CONFIG, NF4_CONFIG, int8_parts, nf4_parts
+
 PROJECTION = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
-NF4_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-              "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"}  # fmt: skip
-INT8_CONFIG = {"quant_method": "bitsandbytes", "load_in_8bit": True}
-
-
-def nf4_parts(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    # what bitsandbytes' Linear4bit writes for its weight: the packed codes, then its quant state's packed dict
-    packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
-    return {"": packed, **{"." + k: v for k, v in state.as_dict(packed=True).items()}}
-
-
-def int8_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, row_absmax, _ = bnb_functional.int8_vectorwise_quant(weight.half())
-    return codes, row_absmax.float()
 
 
 def derived_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor], quantization: dict | None) -> Path:

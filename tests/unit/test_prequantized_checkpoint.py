@@ -10,8 +10,9 @@ from pathlib import Path
 import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
-from tests.helpers.prequantized import INT8_CONFIG, NF4_CONFIG, int8_parts, nf4_parts, prequantized_checkpoints
+from tests.helpers.prequantized import prequantized_checkpoints
 
+from benchmarks.common.bnb_saves import INT8_CONFIG, NF4_CONFIG, int8_parts, nf4_parts
 from corolla.models import prequantized
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
