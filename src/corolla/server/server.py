@@ -512,10 +512,10 @@ class Server:
 
     async def _fetch_while_serving(self, service: SpanService, target: range) -> str:
         """Fetches `target`'s checkpoint files to the disk in a daemon thread while `service` serves, the balance
-        checks going on (`FETCH_CHECKS_PER_PERIOD` times as often): "fetched"; "dropped" when a check finds the move no longer wanted (the download stops before
-        its next block: half the moves planned in the simulator were dropped at the fetch's end, minutes of a
-        volunteer's bandwidth each); or "stop" / "crashed" if that comes first (a stopping server does not wait for a
-        download)."""
+        checks going on (`FETCH_CHECKS_PER_PERIOD` times as often): "fetched"; "dropped" when a check finds the move
+        no longer wanted (the download stops before its next block: half the moves planned in the simulator were
+        dropped at the fetch's end, minutes of a volunteer's bandwidth each); or "stop" / "crashed" if that comes
+        first (a stopping server does not wait for a download)."""
         logger.info(f"server.fetching(blocks={target.start}:{target.stop})")
         started = time.monotonic()
         done, cancelled = threading.Event(), threading.Event()
