@@ -8,7 +8,7 @@ the stores done) into a buffer, and swapped into one engine of 32 random Llama-3
 layer (GEMVS: w_qkv, w_o, w_gate_up, w_down), medians over the middle layers (`phase_table`): when its first and
 last programs entered, left the wait and ended, in us after the kernel ahead's last program ended, and the
 programs' median time in each phase. The step with the copy (traced and not) is timed beside the tree's, so the
-instrumentation's own cost shows. Decision 0286 is this tool's first table; 0285 and 0286 read it."""
+instrumentation's own cost shows. Decision 0286's trace table came from the one-off this tool keeps."""
 
 from __future__ import annotations
 
