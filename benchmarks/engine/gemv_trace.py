@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.common.measure import event_median_ms
 from benchmarks.engine.quant import open_prefilled, random_quantized_engine, step_ms
+from benchmarks.engine.step_ab import swapped
 from corolla.engine.quant import quant_tile_gemv
 
 POINTS = ("enter", "before_wait", "after_wait", "x_staged", "loop_done", "stored")
@@ -149,23 +150,19 @@ def run(rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         traced = load_instrumented(Path(tmp))
         captured: list = []
-        try:
-            for _ in range(rounds):
-                for label, fn, trace in (("tree", tree, False), ("copy", traced.nf4_tile_gemv, False),
-                                         ("traced", traced.nf4_tile_gemv, True)):  # fmt: skip
-                    quant_tile_gemv.nf4_tile_gemv = fn  # the engine's kernels call it through the module
-                    traced.TRACE.update(buf=buf if trace else None, next=0, launches=[])
+        for _ in range(rounds):
+            for label, fn, trace in (("tree", tree, False), ("copy", traced.nf4_tile_gemv, False),
+                                     ("traced", traced.nf4_tile_gemv, True)):  # fmt: skip
+                traced.TRACE.update(buf=buf if trace else None, next=0, launches=[])
+                # the engine's kernels call it through the module; the graphs are captured afresh with it
+                with swapped({(quant_tile_gemv.__name__, "nf4_tile_gemv"): fn}):
                     graphs.clear()
                     graphs.capture_all()
-                    captured = [launch for launch in traced.TRACE["launches"] if launch[2] == 1] if trace else captured
                     ms, _ = step_ms(engine, sessions, PREFIX_TOKENS)
                     replay = event_median_ms(functools.partial(graphs.run, 1), 21)
-                    steps.setdefault(label, []).append(ms)
-                    print(f"gemv_trace.step(variant={label}, step_ms={ms:.3f}, replay_ms={replay:.3f})", flush=True)
-        finally:
-            quant_tile_gemv.nf4_tile_gemv = tree
-            graphs.clear()
-            graphs.capture_all()
+                captured = [launch for launch in traced.TRACE["launches"] if launch[2] == 1] if trace else captured
+                steps.setdefault(label, []).append(ms)
+                print(f"gemv_trace.step(variant={label}, step_ms={ms:.3f}, replay_ms={replay:.3f})", flush=True)
     # the 1-row graph's launches: the last capture's LAYERS x GEMVS, in launch order
     last = captured[-LAYERS * len(GEMVS) :]
     stamps = buf.cpu()
