@@ -2,7 +2,8 @@
 and without split K and residual) equal the reference dequantizer + matmul, each row's output is bit-identical
 whether it runs alone or merged with other rows (the fix for the nondeterminism of merged NF4 steps), the NF4
 dequantize kernel equals the reference exactly, a quantized engine's CUDA-graph step equals its eager step, two
-identical sessions merged in one step get identical rows, and the Qwen3 q/k norm kernel equals its reference.
+identical sessions merged in one step get identical rows, the Qwen3 q/k norm kernel equals its reference, and the
+attention releases w_o's GEMV at its start only where that is the NF4 tile GEMV.
 Skipped without CUDA (bitsandbytes is not needed: tests/unit/test_engine_quant.py ties the reference
 dequantizer to bitsandbytes on CPU)."""
 
@@ -135,3 +136,69 @@ def test_quantized_engine_graph_step_and_identical_sessions(kind) -> None:
     for a, b in zip(results[True][0] + [results[True][1]], results[False][0] + [results[False][1]], strict=True):
         assert torch.isfinite(a).all()
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_attention_releases_w_o_early_only_into_the_nf4_tile_gemv(monkeypatch) -> None:
+    # (docs/decisions/0288) the attention lets the GEMV after it start at its own start only where that GEMV's
+    # programs each take a multiprocessor (the NF4 tile GEMV): released so into the INT8 row GEMV's smaller
+    # programs, the step's later kernels all launched early and an H200's INT8 step took 25% longer
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kv.kv_pool import KVPool
+    from corolla.engine.ops.decode_ops import DecodeOps
+    from corolla.engine.quant.quant_tile_gemv import NF4_TILE_CONFIGS
+    from corolla.engine.quant.quant_weights import quant_key
+    from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
+
+    ws = _weights(512, 512, seed=5)
+    ops = DecodeOps(DEV, 64, use_triton=True)
+    nf4, int8 = ws["nf4"], ws["int8"]
+    assert not ops.on_tile_gemv(nf4, 1)  # untuned: the table GEMV serves it
+    ops.quant_small[quant_key(nf4)] = ("tile", NF4_TILE_CONFIGS[0])
+    assert ops.on_tile_gemv(nf4, 1) and ops.on_tile_gemv(nf4, 8)
+    assert not ops.on_tile_gemv(nf4, 9)  # past the GEMV rows: the matrix-unit kernels, launched plainly
+    ops.quant_mid[quant_key(nf4)] = ("mmaf", (16, 64, 2, 4, 3))
+    assert ops.on_tile_gemv(nf4, 1) and not ops.on_tile_gemv(nf4, 2)  # 2 rows on the mid kernel
+    ops.quant_small[quant_key(int8)] = ("i8mma", (1, 8, 4, 0, 0))
+    assert not ops.on_tile_gemv(int8, 1) and not ops.on_tile_gemv(nf4.dequantize(), 1)
+
+    # the span asks for the release per layer as its w_o is served, and the attention's output does not depend on it
+    spec = LlamaSpec(
+        hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    gen = torch.Generator(device=DEV).manual_seed(6)
+
+    def vec(n):
+        return (1 + 0.1 * torch.randn(n, device=DEV, generator=gen)).to(BF16)
+
+    def layer(w_o):
+        big = _weights(768, 512, seed=7)["nf4"], _weights(1024, 512, seed=8)["nf4"], _weights(512, 512, seed=9)["nf4"]
+        return LayerWeights(
+            ln1=vec(512), w_qkv=big[0], b_qkv=None, w_o=w_o, b_o=None, ln2=vec(512), w_gate_up=big[1],
+            b_gate_up=None, w_down=big[2], b_down=None,
+        )  # fmt: skip
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    span = FastLlamaSpan(spec, [layer(nf4), layer(int8)], inv_freq, max_positions=256)
+    span.ops.quant_small.update(ops.quant_small)
+    asked: list[bool] = []
+    kernel = triton_kernels.paged_decode_attention
+
+    def recording(*args, release=False, **kwargs):
+        asked.append(release)
+        return kernel(*args, release=release, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "paged_decode_attention", recording)
+    pool = KVPool(
+        num_layers=2, layout=spec.kv_layout, num_pages=4, page_size_tokens=64, max_pages_per_seq=2, dtype=BF16,
+        device=DEV,
+    )  # fmt: skip
+    hidden = torch.randn(1, 512, device=DEV, generator=gen).to(BF16)
+    positions, tables = torch.tensor([70], device=DEV), torch.tensor([[1, 2]], device=DEV, dtype=torch.int32)
+    out = span.decode(hidden, positions, tables, pool)
+    assert asked == [True, False]  # layer 0's w_o on the NF4 tile GEMV, layer 1's on the INT8 row GEMV
+
+    def flipped(*args, release=False, **kwargs):
+        return kernel(*args, release=not release, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "paged_decode_attention", flipped)
+    assert torch.equal(span.decode(hidden, positions, tables, pool), out)

@@ -203,12 +203,15 @@ def _paged_attn_kernel(
     ALIBI: tl.constexpr,
     EARLY: tl.constexpr,
     PDL: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
     if PDL:
-        # a programmatic launch (after the RoPE + KV write): the kernel after it, w_o's GEMV, may start now, its
-        # programs building their tables and issuing their first weight loads where these leave room (each waits
-        # for this kernel before it reads its output: docs/decisions/0275)
-        gdc_launch_dependents()
+        if RELEASE:
+            # a programmatic launch (after the RoPE + KV write): the kernel after it, w_o's GEMV, may start now,
+            # its programs building their tables and issuing their first weight loads where these leave room (each
+            # waits for this kernel before it reads its output: docs/decisions/0275); else it starts as this
+            # kernel ends (docs/decisions/0288)
+            gdc_launch_dependents()
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
     # A row takes as many of the grid's S splits as it has `pages_per_split` pages (at least one; one for a row of at
     # most `unsplit_pages`, whose combine would cost more than its pages): a long row beside short ones is split where
@@ -369,7 +372,7 @@ def combine_splits(m_ptr, l_ptr, acc_ptr, rows0, split_stride, row_mask, offs_d,
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, positions, scale: float, splits: int, *, pages_per_split: int = 1,
     unsplit_pages: int = 0, alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
-    early: bool = False,
+    early: bool = False, release: bool = False,
 ) -> torch.Tensor:
     # fmt: on
     """`ops.paged_decode_attention_ref`'s contract, the rows' lengths given as their `positions` [B] long (each
@@ -380,7 +383,9 @@ def paged_decode_attention(
     `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes). With `early` (for grids of
     at most one program a multiprocessor: it costs registers) a split of one page reads it before the kernel's wait
     for the RoPE + KV write ahead, which takes a step's rows of one sequence as consecutive rows at consecutive
-    positions (graph_decode.merge_rows' order)."""
+    positions (graph_decode.merge_rows' order). With `release` (programmatic launches) the kernel after it may start
+    at this one's start rather than at its end (for a GEMV whose programs each take a multiprocessor: DecodeOps.
+    on_tile_gemv)."""
     if splits < 1:  # a grid of no programs would return the output tensor unwritten
         raise ValueError(f"splits must be >= 1, got {splits}")
     if pages_per_split < 1:
@@ -407,7 +412,8 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, positions, out, m, l_, acc, counters, slopes, b,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
         pages_per_split, unsplit_pages, G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits,
-        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, EARLY=early, PDL=pdl, num_warps=4, num_stages=2,
+        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, EARLY=early, PDL=pdl, RELEASE=release, num_warps=4,
+        num_stages=2,
         launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -301,6 +301,20 @@ class DecodeOps:
                 return kernel(x.contiguous(), weight, None, norm_weight, eps), "none"  # [M, I]
         return self.linear(x, weight, bias, prologue="rmsnorm", norm_weight=norm_weight, eps=eps), "silu"
 
+    def on_tile_gemv(self, weight: torch.Tensor | NF4Weight | Int8Weight, rows: int) -> bool:
+        """Whether `linear` (no prologue) runs `rows` rows of `weight` on the NF4 tile GEMV, whose programs each take
+        a multiprocessor: the attention ahead of it releases it at the attention's start, so that its programs enter
+        and build their tables where the attention's leave room (docs/decisions/0275). Released so into smaller
+        programs (the INT8 row GEMV), every later kernel of the step, each releasing the next at its start, launched
+        early and crowded the card: INT8 on an H200 2.945 ms a step against 2.359 without (docs/decisions/0288)."""
+        if not self.use_triton or not isinstance(weight, NF4Weight):
+            return False
+        key = quant_key(weight)
+        if rows > quant_gemv.GEMV_MAX_ROWS or self._quant_choice(key, rows) is not None:
+            return False
+        choice = self.quant_small.get(key)
+        return choice is not None and choice[0] == "tile"
+
     def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
         code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
         if config[0] == "splitk":
@@ -484,10 +498,20 @@ class DecodeOps:
         return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
 
     def paged_decode_attention(
-        self, q, k_cache, v_cache, block_tables, positions, scale: float, alibi: Alibi | None = None
+        self,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        positions,
+        scale: float,
+        alibi: Alibi | None = None,
+        *,
+        release: bool = False,
     ) -> torch.Tensor:
         """q [B, nq, D] of rows at `positions` [B] long (each attending to its first positions + 1 tokens, the new
-        one written by this step's `rope_and_store`) -> [B, nq, D] (`paged_decode_attention_ref`)."""
+        one written by this step's `rope_and_store`) -> [B, nq, D] (`paged_decode_attention_ref`). `release`: the
+        kernel after it may start at its start (`on_tile_gemv`)."""
         if self.use_triton:
             page, nkv = k_cache.shape[1], k_cache.shape[2]
             splits, pages = self.attention_splits(q.shape[0], nkv, q.shape[1] // nkv, page)
@@ -497,12 +521,13 @@ class DecodeOps:
             if alibi is None:
                 return triton_kernels.paged_decode_attention(
                     q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
-                    unsplit_pages=SHORT_ROW_TOKENS // page, early=early,
+                    unsplit_pages=SHORT_ROW_TOKENS // page, early=early, release=release,
                 )  # fmt: skip
             return triton_kernels.paged_decode_attention(
                 q, k_cache, v_cache, block_tables, positions, scale, splits, pages_per_split=pages,
                 unsplit_pages=SHORT_ROW_TOKENS // page,
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode, early=early,
+                release=release,
             )  # fmt: skip
         seq_lens = (positions + 1).to(torch.int32)  # [B]
         if q.is_cpu:

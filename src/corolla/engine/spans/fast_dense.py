@@ -287,13 +287,14 @@ class FastDenseSpan(SpanModel):
                 h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, pool, nxt)
                 continue
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
-            attn = self._decode_attention(qkv, i, positions, slots, block_tables, pool)  # [B, nq D]
+            attn = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
             h, x = self._tail(w, h, x, attn, nxt)
         return h
 
     def _decode_attention(
         self,
         qkv: torch.Tensor,
+        w: DenseLayerWeights,
         i: int,
         positions: torch.Tensor,
         slots: torch.Tensor,
@@ -301,13 +302,17 @@ class FastDenseSpan(SpanModel):
         pool: KVPool,
     ) -> torch.Tensor:
         # layer i's one-token attention: qkv [B, (nq + 2 nkv) D] -> RoPE (unless ALiBi) and the K/V store, then the
-        # paged attention over each row's cached tokens -> [B, nq D]
+        # paged attention over each row's cached tokens -> [B, nq D], releasing w_o's GEMV (w) early where that
+        # takes a multiprocessor a program (DecodeOps.on_tile_gemv)
         s = self.spec
         q = self.ops.rope_and_store(
             qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
             s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
         )  # fmt: skip  # [B, nq, D]
-        attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, positions, self.scale, self.alibi)
+        release = self.ops.on_tile_gemv(w.w_o, qkv.shape[0])
+        attn = self.ops.paged_decode_attention(
+            q, pool.k[i], pool.v[i], block_tables, positions, self.scale, self.alibi, release=release
+        )  # [B, nq, D]
         return attn.reshape(qkv.shape[0], s.q_size)
 
     def _parallel_decode(
@@ -337,7 +342,7 @@ class FastDenseSpan(SpanModel):
         if side is not None and main is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            attn = self._decode_attention(qkv, i, positions, slots, block_tables, pool)  # [B, nq D]
+            attn = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
             o = self.ops.linear(attn, w.w_o, w.b_o)  # [B, H]
         d = self.ops.linear(F.gelu(up, approximate=s.gelu_approximate), w.w_down, w.b_down)  # [B, H]
         if side is not None and main is not None:

@@ -312,7 +312,10 @@ class FastLlamaSpan(SpanModel):
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
-            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, positions, self.scale)
+            release = self.ops.on_tile_gemv(w.w_o, b)  # (w_o's GEMV may start beside the attention)
+            attn = self.ops.paged_decode_attention(
+                q, pool.k[i], pool.v[i], block_tables, positions, self.scale, release=release
+            )  # [B, nq, D]
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
             if lora is not None:
