@@ -312,8 +312,13 @@ class DecodeOps:
         key = quant_key(weight)
         if rows > quant_gemv.GEMV_MAX_ROWS or self._quant_choice(key, rows) is not None:
             return False
-        choice = self.quant_small.get(key)
-        return choice is not None and choice[0] == "tile"
+        return self._small_rows_kernel(key)[0] == "tile"
+
+    def _small_rows_kernel(self, key) -> tuple[str, tuple[int, int, int, int, int]]:
+        """The (kernel, config) serving up to GEMV_MAX_ROWS rows of shape `key` outside quant_mid's range: the
+        tuner's, else NF4 on the table GEMV, INT8 on the block kernel."""
+        untuned = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_kernels.DEFAULT_CONFIG
+        return self.quant_small.get(key, ("gemv" if key[0] == "nf4" else "block", untuned))
 
     def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
         code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
@@ -357,9 +362,7 @@ class DecodeOps:
                 out = quant_kernel(*mid)(x.contiguous(), weight, res)
             else:
                 if rows <= quant_gemv.GEMV_MAX_ROWS:
-                    # untuned: NF4 on the table GEMV, INT8 on the block kernel
-                    untuned = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_kernels.DEFAULT_CONFIG
-                    kernel, config = self.quant_small.get(key, ("gemv" if key[0] == "nf4" else "block", untuned))
+                    kernel, config = self._small_rows_kernel(key)
                 else:
                     kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
                 out = quant_kernel(kernel, config)(x.contiguous(), weight, res)
