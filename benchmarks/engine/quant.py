@@ -3,7 +3,8 @@ shapes): `python -m benchmarks.engine.quant --out DIR`.
 
 Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
 Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
-bandwidth) and the replay of its graph alone (CUDA events: the rest of the step is the host's part), optionally
+bandwidth), the same step as a server's device thread runs it (`server_step_ms`: hidden states as bytes in, a
+launched forward, the output's bytes out) and the replay of its graph alone (CUDA events: the rest of the step is the host's part), optionally
 its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step) and where its host part goes
 (`--host_split`: `host_split`, `bare_steps`); 64 NF4 sessions in one
 merged step against one; whether two identical NF4 sessions merged in one step give identical
@@ -26,6 +27,7 @@ import torch
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms, sync
 from benchmarks.common.quantize import quantize_int8, quantize_nf4
 from benchmarks.common.report import log
+from corolla.engine.batcher import execute_steps, launch_steps
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.span_engine import SpanEngine, StepRequest
@@ -227,6 +229,36 @@ def step_ms(
         sync(engine.device)
         times.append((time.perf_counter() - start) * 1000)
     return sorted(times)[len(times) // 2], outs
+
+
+def server_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int | None = None) -> float:
+    """Median milliseconds of one merged decode step of `sessions` as a server's device thread runs it: each
+    session's hidden states as the bytes a reply arrives with (`StepRequest.of_bytes`, checked as
+    `EngineExecutor.prepare_step` checks them), one launched forward (`batcher.launch_steps`) and its output's bytes
+    in the pinned buffer (`PendingSteps.wait`: the spinning wait of a lone row); the engine's own forward off the
+    graph path (`execute_steps`). From the request's build to the bytes: what `step_ms` leaves out of a server's
+    step (the input's copy from pinned memory, the output's copy back) and in (the output's clone on the device)."""
+    gen = torch.Generator().manual_seed(7)
+    h, dtype = engine.hidden_size, engine.dtype
+    shape = (1, 1, h)
+    times = []
+    for i in range(steps or STEPS):
+        raws = [memoryview(torch.randn(shape, generator=gen).to(dtype).view(torch.uint8).numpy()).cast("B")
+                for _ in sessions]  # fmt: skip
+        sync(engine.device)
+        start = time.perf_counter()
+        reqs = []
+        for session, raw in zip(sessions, raws, strict=True):
+            req = StepRequest.of_bytes(session, prefix + i, raw, dtype, shape)
+            engine.check_inputs(req)
+            reqs.append(req)
+        pending = launch_steps(engine, reqs)
+        results = pending.wait() if pending is not None else execute_steps(engine, reqs)
+        times.append((time.perf_counter() - start) * 1000)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+    return sorted(times)[len(times) // 2]
 
 
 def host_split(engine: SpanEngine, sessions: list, prefix: int) -> dict:
@@ -520,11 +552,12 @@ def bench_llama(
         kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
         one = open_prefilled(engine, 1, prefix, gen)
         ms, _ = step_ms(engine, one, prefix)
-        row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
-        replay = ""
+        served = server_step_ms(engine, one, prefix)
+        row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "server_step_ms": served}
+        replay = f", as a server runs it {served:.3f} ms ({served / floor:.2f}x)"
         if engine.graphs is not None:  # the graph alone (device time): the rest of the step is the host's part
             replay_ms = row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
-            replay = f", replay {replay_ms:.3f} ms (host part {ms - replay_ms:.3f} ms)"
+            replay += f", replay {replay_ms:.3f} ms (host part {ms - replay_ms:.3f} ms)"
         if split and engine.graphs is not None:
             try:
                 hs = row["host_split"] = host_split(engine, one, prefix)
