@@ -243,8 +243,9 @@ def server_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int |
     shape = (1, 1, h)
     times = []
     for i in range(steps or STEPS):
-        raws = [memoryview(torch.randn(shape, generator=gen).to(dtype).view(torch.uint8).numpy()).cast("B")
-                for _ in sessions]  # fmt: skip
+        raws = [
+            torch.randn(shape, generator=gen).to(dtype).view(torch.uint8).numpy().reshape(-1).data for _ in sessions
+        ]
         sync(engine.device)
         start = time.perf_counter()
         reqs = []
