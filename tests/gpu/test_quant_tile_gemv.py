@@ -4,11 +4,13 @@ the fp16-level reference (NF4 and a random 16-level table, both dtypes, a partia
 random rows stay within the bf16 rounding of x @ bitsandbytes' dequantized weight with a residual, a row's output is
 bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, the
 RMSNorm prologue stays within one x rounding of the separate norm kernel + the GEMV, the gated output of [gate | up]
-is silu_mul of the GEMV's (bit-equal where a program sums its rows in one warp), graph replays are bit-equal, bad
-inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
+is silu_mul of the GEMV's (bit-equal where a program sums its rows in one warp), graph replays are bit-equal, the
+grid of a GEMV the attention releases (fewer programs) reads the same weight, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
 checks the kernel's data movement on CPU)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -84,6 +86,30 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
         normed = triton_kernels.rms_norm(x, torch.ones(4096, device=DEV, dtype=torch.bfloat16), 1e-5)
         want = nf4_tile_gemv(normed, weight, res, config)
         assert torch.equal(nf4_tile_gemv(x16, weight, res, config, prescaled=True), want), config
+
+
+def test_a_released_gemv_on_fewer_programs_reads_the_same_weight() -> None:
+    # w_o's shape on a grid capped for a GEMV the attention releases (docs/decisions/0289): each program takes more
+    # row tiles, so a row's slots may be added in another warp order; within the reference's rounding, rows still
+    # independent of one another, and its graph replays bit-equal
+    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
+
+    weight = random_code_weight(4096, 4096, seed=21, dtype=torch.bfloat16)
+    x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16)
+    ref = x.float() @ weight.dequantize().float().t() + res.float()
+    for config in CONFIGS:
+        plain = nf4_tile_gemv(x, weight, res, config)
+        out = nf4_tile_gemv(x, weight, res, config, released=True)
+        assert float((out.float() - ref).norm() / ref.norm()) < 5e-3, config
+        assert float((out.float() - plain.float()).abs().max()) <= 2.0**-6 * float(ref.abs().max()), config
+        alone = nf4_tile_gemv(x[2:3].contiguous(), weight, res[2:3].contiguous(), config, released=True)
+        assert torch.equal(alone, out[2:3]), config
+        graph, replayed = capture(functools.partial(nf4_tile_gemv, released=True), x, weight, res, config)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out), config
 
 
 def test_graph_replays_are_bit_equal() -> None:

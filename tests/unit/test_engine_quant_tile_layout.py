@@ -16,8 +16,10 @@ from corolla.engine.quant.quant_tile_gemv import (
     ALIGNED,
     GROUP_ROWS,
     NF4_TILE_CONFIGS,
+    RELEASED_PROGRAMS_SHARE,
     WINDOW_RESERVED_BYTES,
     expert_groups,
+    grid_programs,
     shared_bytes,
 )
 
@@ -144,3 +146,21 @@ def test_aligned_table_fits_where_the_kernel_places_it(grouped: bool, k: int, ro
         assert table - sbase >= data and table - sbase + TABLE_BYTES <= dyn, (sbase, data, dyn)
     if grouped and k == 14336 and row_tiles <= 2:  # Mixtral's w_down: four rows' x fit beside the table on an H200
         assert dyn <= H200_OPTIN_BYTES < data + TABLE_BYTES + 65536
+
+
+def test_a_released_gemv_leaves_room_beside_the_kernel_ahead() -> None:
+    # w_o's GEMV released at the attention's start (docs/decisions/0289): on 132 multiprocessors (an H100, an H200)
+    # its 256 row tiles go to 112 programs, not one a multiprocessor; unreleased, as many programs as fit
+    assert grid_programs(256, 132, 1, released=True) == 112 == int(132 * RELEASED_PROGRAMS_SHARE)
+    assert grid_programs(256, 132, 1) == 132 and grid_programs(256, 132, 2) == 256 and grid_programs(896, 132, 2) == 264
+    assert grid_programs(256, 132, 2, released=True) == 112  # the share of one program a multiprocessor
+    assert grid_programs(40, 132, 1, released=True) == grid_programs(40, 132, 1) == 40  # never more than a tile each
+    assert grid_programs(8, 1, 1, released=True) == 1  # a card of one multiprocessor still runs one
+    # every program's row tiles fit the shared memory sized for the grid (`_launch`: the tiles of a program of the
+    # grid at one program a multiprocessor)
+    for tiles in (1, 111, 112, 113, 256, 896):
+        for released in (False, True):
+            sized = -(-tiles // grid_programs(tiles, 132, 1, released=released))
+            for per_sm in (1, 2):
+                programs = grid_programs(tiles, 132, per_sm, released=released)
+                assert -(-tiles // programs) <= sized, (tiles, released, per_sm)

@@ -269,12 +269,15 @@ class DecodeOps:
         prologue: str = "none",
         norm_weight: torch.Tensor | None = None,
         eps: float = 0.0,
+        released: bool = False,
     ) -> torch.Tensor:
         """residual + f(x) @ weight^T + bias, with f = identity, "rmsnorm" (weight `norm_weight`) or "silu"
         (x = [gate | up]); x [M, K or 2K], weight [N, K] -> [M, N]. Single rows may run as one fused Triton kernel.
-        A quantized weight (NF4/Int8) runs its dequantize-GEMM kernel for decode-sized inputs."""
+        A quantized weight (NF4/Int8) runs its dequantize-GEMM kernel for decode-sized inputs. `released`: the
+        attention ahead released this GEMV at its start (`paged_decode_attention(release=True)`, where
+        `on_tile_gemv`): the tile GEMV then leaves it room (`nf4_tile_gemv(released=True)`)."""
         if isinstance(weight, NF4Weight | Int8Weight):
-            return self._quantized(x, weight, bias, residual, prologue, norm_weight, eps)
+            return self._quantized(x, weight, bias, residual, prologue, norm_weight, eps, released)
         if x.shape[0] == 1 and bias is None:
             key = (weight.shape[0], weight.shape[1], prologue, residual is not None)
             config = self.single_row_gemm.get(key)
@@ -335,7 +338,7 @@ class DecodeOps:
             return self.quant_mid.get(key)
         return None
 
-    def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps):
+    def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps, released=False):
         key, rows = quant_key(weight), x.shape[0]
         mid = self._quant_choice(key, rows) if self.use_triton else None
         fused = None  # the tuner's fused kernel for this prologue (quant_small's rows only), if it beat the pair
@@ -365,7 +368,7 @@ class DecodeOps:
                     kernel, config = self._small_rows_kernel(key)
                 else:
                     kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
-                out = quant_kernel(kernel, config)(x.contiguous(), weight, res)
+                out = quant_kernel(kernel, config, released=released)(x.contiguous(), weight, res)
             if bias is None:
                 return out
             out = out + bias

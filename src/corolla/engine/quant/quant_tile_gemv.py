@@ -516,7 +516,19 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
 
 _KERNELS: dict[tuple[int, ...], NvrtcKernel] = {}
 _GRIDS: dict[tuple, tuple[int, int, int]] = {}
+# a GEMV the attention releases at its start (`released`) runs on this share of the multiprocessors: its programs
+# then all enter and build their tables while the attention still holds the others, instead of the last ones
+# entering as it ends (112 of 132: a 1-row NF4 step 0.6-1.4% faster on an H100 and an H200, docs/decisions/0289)
+RELEASED_PROGRAMS_SHARE = 0.85
 _TABLE_BYTES = 256 * 256  # 256 entries x (32 lanes' words + 32 unused): the byte lands in the address's second byte
+
+
+def grid_programs(row_tiles: int, sms: int, per_sm: int, *, released: bool = False) -> int:
+    """The programs splitting `row_tiles` row tiles on `sms` multiprocessors that hold `per_sm` programs each: as
+    many as fit, at most one a tile; `released` (the kernel ahead lets this one start at its own start): at most
+    RELEASED_PROGRAMS_SHARE of one a multiprocessor, so that every program finds room beside the kernel ahead."""
+    most = per_sm * sms if not released else max(1, int(sms * RELEASED_PROGRAMS_SHARE))
+    return min(row_tiles, most)
 
 
 def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
@@ -596,6 +608,7 @@ def nf4_tile_gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     gated: bool = False,
+    released: bool = False,
 ) -> torch.Tensor:
     """f(x) [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16), W read from its
     packed bytes; f = `prologue` (PROLOGUE_CODES): the identity, or RMSNorm with gain `norm_weight` [K] and `eps`
@@ -603,7 +616,9 @@ def nf4_tile_gemv(
     that does not fit the device. `prescaled` (bf16 weights, no prologue): x is fp16 holding the bf16 input times
     X_SCALE (as the RMSNorm / SiLU kernels write it). `gated` (W = [gate | up], N a multiple of 32, no residual):
     silu(gate) * up [M, N / 2] instead, gate and up rounded as stored and gated as triton_kernels.silu_mul gates
-    them (a program's up rows are its gate rows' own). x is copied once when its rows do not start 16-byte aligned."""
+    them (a program's up rows are its gate rows' own). `released`: the kernel ahead lets this one start at that
+    kernel's start (the decode attention before w_o): at most RELEASED_PROGRAMS_SHARE of the multiprocessors' programs.
+    x is copied once when its rows do not start 16-byte aligned."""
     check_tile_config(config)
     m, k = x.shape
     n, wk = weight.shape
@@ -639,7 +654,8 @@ def nf4_tile_gemv(
     ptr = ctypes.c_void_p
     weights = [ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr())]
     no_experts = [ptr(0), ptr(0), ptr(0), ctypes.c_int(0), ctypes.c_int(1), ctypes.c_int(0)]
-    _launch(kernel, config, x, weight, weights, res, out, gain, eps, weight.nested_offset, no_experts, prologue, gated)
+    _launch(kernel, config, x, weight, weights, res, out, gain, eps, weight.nested_offset, no_experts, prologue, gated,
+            released=released)  # fmt: skip
     return out
 
 
@@ -716,6 +732,8 @@ def _launch(
     prologue: int,
     gated: bool,
     groups: int = 0,
+    *,
+    released: bool = False,
 ) -> None:
     # one program row per output row (`groups` > 0, GROUPED: per group of rows, that many): `weights` (codes, absmax
     # codes, second-level absmaxes; null with EXPERTS: read from the address table `experts` holds) and `experts`
@@ -725,18 +743,19 @@ def _launch(
     rt = -(-n // TILE_ROWS)
     dev = x.device
     split = rt // 2 if gated else rt  # the row tiles the programs split (gated: a program takes their up tiles too)
-    grid_key = (id(kernel), rt, k, dev.index)  # (the kernel: its config, dtypes, residual, prologue, gated, experts)
+    # (the kernel: its config, dtypes, residual, prologue, gated, experts)
+    grid_key = (id(kernel), rt, k, dev.index, released)
     if grid_key not in _GRIDS:
-        props = torch.cuda.get_device_properties(dev)
-        sms = props.multi_processor_count
-        # sized for one program per multiprocessor or more
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        # sized for the row tiles of a program of the grid at one program a multiprocessor (or more)
         data, dyn = shared_bytes(
-            config, k, -(-split // sms) * (2 if gated else 1), prologue, grouped=bool(kernel.defines["GROUPED"])
-        )
+            config, k, -(-split // grid_programs(split, sms, 1, released=released)) * (2 if gated else 1), prologue,
+            grouped=bool(kernel.defines["GROUPED"]),
+        )  # fmt: skip
         per_sm = kernel.blocks_per_sm(dev, 32 * warps, dyn)  # (ValueError past the device's shared memory)
         if per_sm < 1:
             raise ValueError(f"NF4 tile GEMV config {config} does not fit a multiprocessor")
-        _GRIDS[grid_key] = (min(split, per_sm * sms), data, dyn)
+        _GRIDS[grid_key] = (grid_programs(split, sms, per_sm, released=released), data, dyn)
     programs, data, dyn = _GRIDS[grid_key]
     scale = 1.0 / X_SCALE if weight.dtype == torch.bfloat16 else 1.0
     ptr = ctypes.c_void_p

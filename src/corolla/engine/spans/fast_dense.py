@@ -244,14 +244,21 @@ class FastDenseSpan(SpanModel):
         return F.gelu(self.ops.linear(x, w.w_up, w.b_up), approximate=self.spec.gelu_approximate)  # [N, I]
 
     def _tail(
-        self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, nxt: DenseLayerWeights | None
+        self,
+        w: DenseLayerWeights,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        nxt: DenseLayerWeights | None,
+        *,
+        released: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # h [N, H] layer input, x [N, H] its ln1, attn [N, nq D] -> (the layer's output [N, H], its LayerNorm by the
         # next layer's ln1 (decode) or None (prefill, or the span's last layer)). Projections add no residual: each
         # residual add runs with the LayerNorm after it in one kernel, rounded as the blocks round (Falcon:
-        # h + (mlp + attention)).
+        # h + (mlp + attention)). `released`: the decode attention released w_o's GEMV at its start.
         s, eps = self.spec, self.spec.layer_norm_eps
-        o = self.ops.linear(attn, w.w_o, w.b_o)  # [N, H]
+        o = self.ops.linear(attn, w.w_o, w.b_o, released=released)  # [N, H]
         if s.parallel_attn:
             x_mlp = x if w.ln2_w is None else self._norm(h, w.ln2_w, w.ln2_b)
             d = self.ops.linear(self._mlp_act(w, x_mlp), w.w_down, w.b_down)  # [N, H]
@@ -287,8 +294,8 @@ class FastDenseSpan(SpanModel):
                 h, x = self._parallel_decode(w, rows, h, x, i, positions, slots, block_tables, pool, nxt)
                 continue
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
-            attn = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
-            h, x = self._tail(w, h, x, attn, nxt)
+            attn, released = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
+            h, x = self._tail(w, h, x, attn, nxt, released=released)
         return h
 
     def _decode_attention(
@@ -300,10 +307,10 @@ class FastDenseSpan(SpanModel):
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         pool: KVPool,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, bool]:
         # layer i's one-token attention: qkv [B, (nq + 2 nkv) D] -> RoPE (unless ALiBi) and the K/V store, then the
-        # paged attention over each row's cached tokens -> [B, nq D], releasing w_o's GEMV (w) early where that
-        # takes a multiprocessor a program (DecodeOps.on_tile_gemv)
+        # paged attention over each row's cached tokens -> ([B, nq D], whether it released w_o's GEMV (w) early:
+        # where that takes a multiprocessor a program, DecodeOps.on_tile_gemv)
         s = self.spec
         q = self.ops.rope_and_store(
             qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
@@ -313,7 +320,7 @@ class FastDenseSpan(SpanModel):
         attn = self.ops.paged_decode_attention(
             q, pool.k[i], pool.v[i], block_tables, positions, self.scale, self.alibi, release=release
         )  # [B, nq, D]
-        return attn.reshape(qkv.shape[0], s.q_size)
+        return attn.reshape(qkv.shape[0], s.q_size), release
 
     def _parallel_decode(
         self,
@@ -342,8 +349,8 @@ class FastDenseSpan(SpanModel):
         if side is not None and main is not None:
             side.wait_stream(main)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            attn = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
-            o = self.ops.linear(attn, w.w_o, w.b_o)  # [B, H]
+            attn, released = self._decode_attention(qkv, w, i, positions, slots, block_tables, pool)  # [B, nq D]
+            o = self.ops.linear(attn, w.w_o, w.b_o, released=released)  # [B, H]
         d = self.ops.linear(F.gelu(up, approximate=s.gelu_approximate), w.w_down, w.b_down)  # [B, H]
         if side is not None and main is not None:
             main.wait_stream(side)

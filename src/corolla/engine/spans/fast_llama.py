@@ -317,7 +317,7 @@ class FastLlamaSpan(SpanModel):
                 q, pool.k[i], pool.v[i], block_tables, positions, self.scale, release=release
             )  # [B, nq, D]
             attn = attn.reshape(b, s.q_size)  # [B, nq D]
-            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
+            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h, released=release)  # [B, H]
             if lora is not None:
                 h = lora.apply(i, "o", attn, h)
             if w.moe is not None:
