@@ -4,8 +4,8 @@ shapes): `python -m benchmarks.engine.quant --out DIR`.
 Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
 Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
 bandwidth), the same step as a server's device thread runs it (`server_step_ms`: hidden states as bytes in, a
-launched forward, the output's bytes out) and the replay of its graph alone (CUDA events: the rest of the step is the host's part), optionally
-its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step) and where its host part goes
+launched forward, the output's bytes out) and the replay of its graph alone (CUDA events: the rest of the step is
+the host's part), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step) and where its host part goes
 (`--host_split`: `host_split`, `bare_steps`); 64 NF4 sessions in one
 merged step against one; whether two identical NF4 sessions merged in one step give identical
 rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
@@ -555,10 +555,10 @@ def bench_llama(
         ms, _ = step_ms(engine, one, prefix)
         served = server_step_ms(engine, one, prefix)
         row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "server_step_ms": served}
-        replay = f", as a server runs it {served:.3f} ms ({served / floor:.2f}x)"
+        also = f", as a server runs it {served:.3f} ms ({served / floor:.2f}x)"
         if engine.graphs is not None:  # the graph alone (device time): the rest of the step is the host's part
             replay_ms = row["replay_ms"] = event_median_ms(functools.partial(engine.graphs.run, 1), STEPS)
-            replay += f", replay {replay_ms:.3f} ms (host part {ms - replay_ms:.3f} ms)"
+            also += f", replay {replay_ms:.3f} ms (host part {ms - replay_ms:.3f} ms)"
         if split and engine.graphs is not None:
             try:
                 hs = row["host_split"] = host_split(engine, one, prefix)
@@ -577,7 +577,7 @@ def bench_llama(
         row["weight_bytes"] = engine.model.weight_bytes()
         row["warmup_s"] = warmup_s
         row["kernels"] = kernels
-        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x){replay}; "
+        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x){also}; "
                    f"warm-up (tuning + graphs) {warmup_s:.1f} s")  # fmt: skip
         if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda" \
                 and PROLOGUE_AB_PAIRS > 0:  # fmt: skip
