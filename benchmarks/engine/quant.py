@@ -528,7 +528,8 @@ def bench_llama(
     kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0, timeline: bool = False, split: bool = False,
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
-    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer;
+    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer (the
+    single session's and the merged step's);
     `split`: where the single-session host-timed step's time goes (`host_split`) and what each device operation
     before the replay adds (`bare_steps`). NF4
     and bf16 also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
@@ -607,6 +608,12 @@ def bench_llama(
                 row["replay_many_ms"] = event_median_ms(functools.partial(engine.graphs.run, sessions_n), STEPS)
                 log(lines, f"  {sessions_n} {kind} sessions: replay {row['replay_many_ms']:.3f} ms")
             row["speedup_many"] = sessions_n * ms / ms64
+            if timeline and dev.type == "cuda":
+                try:
+                    timeline_row = row["timeline_many"] = step_timeline(engine, one + many, prefix, layers_n)
+                    log_timeline(lines, f"{sessions_n} {kind} sessions", timeline_row)
+                except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                    log(lines, f"  {sessions_n} {kind} sessions timeline failed: {type(e).__name__}: {str(e)[:300]}")
             log(lines, f"  {sessions_n} {kind} sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the "
                        f"tokens/s of one")  # fmt: skip
             bf16_many = results.get("llama3_8b_bf16", {}).get("step_many_ms")
