@@ -41,10 +41,9 @@ def quant_kernel(
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (prologues.PROLOGUES; see fusable): "gemv" (quant_gemv, fp32 NF4, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
-    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block"
-    (quant_kernels.quant_matmul) or "mma" / "mmaf" (quant_mma.nf4_mma_matmul, NF4, no prologue; "mmaf" folded); `gated`
-    ("i8mma", "tile"):
-    silu(gate) * up of W = [gate | up]; `released` ("tile"): the kernel ahead lets it start at that kernel's start
+    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block" (quant_kernels.quant_matmul) or "mma" / "mmaf"
+    (quant_mma.nf4_mma_matmul, NF4, no prologue; "mmaf" folded). `gated` ("i8mma", "tile"): silu(gate) * up of
+    W = [gate | up]; `released` ("tile"): the kernel ahead lets it start at that kernel's start
     (`nf4_tile_gemv(released=True)`)."""
     if gated:
         if kernel == "i8mma":
