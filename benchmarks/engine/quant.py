@@ -5,11 +5,11 @@ Measures in one process, on one card: the copy bandwidth; a span step (batch 1, 
 Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
 bandwidth), the same step as a server's device thread runs it (`server_step_ms`: hidden states as bytes in, a
 launched forward, the output's bytes out) and the replay of its graph alone (CUDA events: the rest of the step is
-the host's part), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step) and where its host part goes
-(`--host_split`: `host_split`, `bare_steps`); 64 NF4 sessions in one
-merged step against one; whether two identical NF4 sessions merged in one step give identical
-rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
-and a log under --out."""
+the host's part), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per
+step), each step's kernels by position in a layer (`--timeline`: the single session's and the merged step's) and
+where its host part goes (`--host_split`: `host_split`, `bare_steps`); 64 NF4 sessions in one merged step against
+one; whether two identical NF4 sessions merged in one step give identical rows; a Qwen3-32B-shaped span (a few
+layers) against its floor and transformers' own Qwen3 layers. Writes a JSON and a log under --out."""
 
 from __future__ import annotations
 
@@ -529,10 +529,9 @@ def bench_llama(
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
     single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer (the
-    single session's and the merged step's);
-    `split`: where the single-session host-timed step's time goes (`host_split`) and what each device operation
-    before the replay adds (`bare_steps`). NF4
-    and bf16 also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
+    single session's and the merged step's); `split`: where the single-session host-timed step's time goes
+    (`host_split`) and what each device operation before the replay adds (`bare_steps`). NF4 and bf16 also run
+    `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]

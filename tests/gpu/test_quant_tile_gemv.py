@@ -5,8 +5,8 @@ random rows stay within the bf16 rounding of x @ bitsandbytes' dequantized weigh
 bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, the
 RMSNorm prologue stays within one x rounding of the separate norm kernel + the GEMV, the gated output of [gate | up]
 is silu_mul of the GEMV's (bit-equal where a program sums its rows in one warp), graph replays are bit-equal, the
-grid of a GEMV the attention releases (fewer programs) reads the same weight, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
-checks the kernel's data movement on CPU)."""
+grid of a GEMV the attention releases (fewer programs) reads the same weight, bad inputs are refused. Skipped
+without CUDA (tests/unit/test_engine_quant_tile_layout.py checks the kernel's data movement on CPU)."""
 
 from __future__ import annotations
 
